@@ -1,0 +1,164 @@
+"""Shard metadata: frozen values describing where every block of a global tensor lives."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._placement import RemoteDevice
+
+__all__ = ["ShardMetadata", "ShardedTensorMetadata", "check_tiling"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardMetadata:
+    """One shard of a global tensor: where it starts, its size, and who holds it.
+
+    ``offsets[d]`` is the first index of the shard along dimension ``d`` and ``dims[d]``
+    its length there (the RFC's names). ``device`` is a ``RemoteDevice``.
+    """
+
+    offsets: tuple[int, ...]
+    dims: tuple[int, ...]
+    device: RemoteDevice
+
+    def __init__(self, offsets: Sequence[int], dims: Sequence[int], device: str | RemoteDevice) -> None:
+        offsets, dims = tuple(int(o) for o in offsets), tuple(int(s) for s in dims)
+        if len(offsets) != len(dims):
+            msg = (f"ShardMetadata offsets={offsets!r} and dims={dims!r} have different lengths; "
+                   f"give one offset and one size per tensor dimension.")
+            raise ValueError(msg)
+        if any(o < 0 for o in offsets) or any(s < 0 for s in dims):
+            msg = f"ShardMetadata offsets={offsets!r} and dims={dims!r} must not be negative."
+            raise ValueError(msg)
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "device", RemoteDevice(device))
+
+    @property
+    def rank(self) -> int | None:
+        """The rank that holds this shard (``device.rank``)."""
+        return self.device.rank
+
+    @property
+    def numel(self) -> int:
+        """Number of elements in the shard."""
+        return math.prod(self.dims)
+
+    @property
+    def region(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(offsets, dims)``: the block of the global tensor, without the device."""
+        return (self.offsets, self.dims)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-safe form."""
+        return {"offsets": list(self.offsets), "dims": list(self.dims), "device": str(self.device)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> ShardMetadata:
+        """Inverse of ``to_dict``."""
+        return cls(data["offsets"], data["dims"], data["device"])  # type: ignore[arg-type]
+
+    def __reduce__(self) -> tuple[type[ShardMetadata], tuple[object, ...]]:
+        return (ShardMetadata, (self.offsets, self.dims, str(self.device)))
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedTensorMetadata:
+    """The full layout of a sharded tensor: every shard (placement order), size and dtype."""
+
+    shards: tuple[ShardMetadata, ...]
+    size: torch.Size
+    dtype: torch.dtype
+
+    def __init__(self, shards: Iterable[ShardMetadata], size: Sequence[int],
+                 dtype: torch.dtype | None = None) -> None:
+        object.__setattr__(self, "shards", tuple(shards))
+        object.__setattr__(self, "size", torch.Size(size))
+        object.__setattr__(self, "dtype", dtype if dtype is not None else torch.get_default_dtype())
+        for i, shard in enumerate(self.shards):
+            if not isinstance(shard, ShardMetadata):
+                msg = f"shards[{i}] is {type(shard).__name__} {shard!r}; expected a ShardMetadata."
+                raise TypeError(msg)
+            if len(shard.dims) != len(self.size):
+                msg = (f"shards[{i}] has {len(shard.dims)} dimensions (dims={shard.dims!r}) but the "
+                       f"tensor has {len(self.size)} (size={tuple(self.size)!r}).")
+                raise ValueError(msg)
+
+    def shards_on(self, rank: int) -> list[tuple[int, ShardMetadata]]:
+        """``(index, shard)`` for every shard held by ``rank``, in placement order."""
+        return [(i, s) for i, s in enumerate(self.shards) if s.rank == rank]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Sorted distinct ranks holding at least one shard."""
+        return tuple(sorted({s.rank for s in self.shards if s.rank is not None}))
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-safe form (dtype as its short name, e.g. ``"float32"``)."""
+        return {"size": list(self.size), "dtype": str(self.dtype).removeprefix("torch."),
+                "shards": [s.to_dict() for s in self.shards]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> ShardedTensorMetadata:
+        """Inverse of ``to_dict``."""
+        dtype = getattr(torch, str(data["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            msg = f"unknown dtype {data['dtype']!r} in sharded tensor metadata."
+            raise ValueError(msg)
+        shards = [ShardMetadata.from_dict(s) for s in data["shards"]]  # type: ignore[attr-defined]
+        return cls(shards, data["size"], dtype)  # type: ignore[arg-type]
+
+    def __reduce__(self) -> tuple[type[ShardedTensorMetadata], tuple[object, ...]]:
+        return (ShardedTensorMetadata, (self.shards, tuple(self.size), self.dtype))
+
+
+def check_tiling(shards: Sequence[ShardMetadata], size: Sequence[int], *, what: str = "shards") -> None:
+    """Raise ``ValueError`` unless the distinct regions of ``shards`` tile ``size`` exactly.
+
+    Shards with identical regions are replicas and allowed; partial overlaps and gaps are not.
+    """
+    size = tuple(size)
+    ndim = len(size)
+    for i, s in enumerate(shards):
+        if len(s.offsets) != ndim:
+            msg = (f"{what}[{i}] has {len(s.offsets)} dimensions but the tensor has {ndim} "
+                   f"(size={size!r}).")
+            raise ValueError(msg)
+        for d in range(ndim):
+            if s.offsets[d] + s.dims[d] > size[d] or (s.offsets[d] > size[d]):
+                msg = (f"{what}[{i}] (offsets={s.offsets!r}, dims={s.dims!r}) reaches past the tensor's "
+                       f"size {size!r} along dimension {d}; shards must lie inside the tensor.")
+                raise ValueError(msg)
+    regions = {}
+    for i, s in enumerate(shards):
+        if s.numel > 0:
+            regions.setdefault(s.region, i)
+    numel = math.prod(size)
+    if numel == 0:
+        return
+    # Count coverage on the grid of all cut points: one cell per piece of every region, so
+    # regular layouts cost one increment per region.
+    cuts = [sorted({0, size[d], *(o[d] for o, _ in regions), *(o[d] + n[d] for o, n in regions)})
+            for d in range(ndim)]
+    index = [{c: k for k, c in enumerate(cut)} for cut in cuts]
+    grid_shape = tuple(len(c) - 1 for c in cuts)
+    cover = torch.zeros(grid_shape, dtype=torch.int32)
+    for (offsets, dims) in regions:
+        cell = tuple(slice(index[d][offsets[d]], index[d][offsets[d] + dims[d]]) for d in range(ndim))
+        cover[cell] += 1
+    if bool((cover == 1).all()):
+        return
+    first = {int(v) for v in cover.unique()} - {1}
+    bad = (cover != 1).nonzero()[0].tolist()
+    where = tuple(cuts[d][bad[d]] for d in range(ndim))
+    problem = "overlap" if max(first) > 1 else "leave a gap"
+    owners = [f"{what}[{i}] (offsets={o!r}, dims={n!r})" for (o, n), i in regions.items()
+              if all(o[d] <= where[d] < o[d] + n[d] for d in range(ndim))]
+    msg = (f"{what} {problem} at element {where!r} of a tensor of size {size!r}"
+           + (f" (covered by {', '.join(owners)})" if owners else " (no shard covers it)")
+           + "; shards must cover every element exactly once (identical regions are replicas).")
+    raise ValueError(msg)

@@ -1,0 +1,483 @@
+"""Sharding specs: pure descriptions of how a tensor is split over ranks and devices.
+
+A spec answers ``build_metadata(size)`` identically on every rank, with no communication.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from ._metadata import ShardedTensorMetadata, ShardMetadata, check_tiling
+from ._placement import PlacementSpec, RemoteDevice
+
+__all__ = [
+    "DevicePlacement", "ShardingSpec", "SingleSplitShardingSpec", "MeshShardingSpec", "CompositeShardingSpec",
+    "EnumerableShardingSpec", "single_split", "mesh", "composite", "spec_from_dict",
+    "chunk_bounds",
+]
+
+
+DeviceLike = Union[str, RemoteDevice, "DevicePlacement"]
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class DevicePlacement(PlacementSpec):
+    """The whole tensor on one device.
+
+    With a rank (``"rank:1/cpu"``) only that rank holds it. Without one (``"cpu"``) every
+    rank holds a full replica on that device.
+    """
+
+    device: RemoteDevice
+
+    def __init__(self, device: DeviceLike) -> None:
+        if isinstance(device, DevicePlacement):
+            device = device.device
+        object.__setattr__(self, "device", RemoteDevice(device))
+
+    def __repr__(self) -> str:
+        return f"DevicePlacement({str(self.device)!r})"
+
+    def build_metadata(self, size: Sequence[int], dtype: torch.dtype | None = None,
+                       names: Sequence[str | None] | None = None, *,
+                       world_size: int | None = None) -> ShardedTensorMetadata:
+        """The whole tensor on one rank, or a full replica on every rank when no rank is given."""
+        size = _check_size(size)
+        shards = _expand(self, (0,) * len(size), size, world_size, "DevicePlacement")
+        return ShardedTensorMetadata(shards, size, dtype)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
+        return {"type": "device", "device": str(self.device)}
+
+    def __reduce__(self) -> tuple[type[DevicePlacement], tuple[str]]:
+        return (DevicePlacement, (str(self.device),))
+
+
+def as_placement(value: object, *, where: str) -> DevicePlacement:
+    """Normalize one placement entry (string, RemoteDevice or DevicePlacement)."""
+    if isinstance(value, (str, RemoteDevice, DevicePlacement)):
+        return DevicePlacement(value)
+    msg = (f"{where} must be a device string, RemoteDevice or DevicePlacement, got "
+           f"{type(value).__name__} {value!r}; write e.g. 'rank:0/cpu'.")
+    raise TypeError(msg)
+
+
+def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each of ``parts`` chunks of ``n``, like ``torch.chunk``.
+
+    chunk = ceil(n / parts); chunk i covers ``[min(i*chunk, n), min((i+1)*chunk, n))``, so
+    trailing chunks may be empty (offset clamped to ``n``).
+    """
+    chunk = -(-n // parts) if parts else 0
+    return [(min(i * chunk, n), min((i + 1) * chunk, n) - min(i * chunk, n)) for i in range(parts)]
+
+
+def _check_size(size: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(size, int) or not all(isinstance(s, int) and not isinstance(s, bool) for s in size):
+        msg = f"size must be a sequence of ints (e.g. (4, 8)), got {size!r}."
+        raise TypeError(msg)
+    if any(s < 0 for s in size):
+        msg = f"size={tuple(size)!r} has a negative dimension; sizes must be >= 0."
+        raise ValueError(msg)
+    return tuple(size)
+
+
+def _expand(placement: DevicePlacement, offsets: tuple[int, ...], dims: tuple[int, ...],
+            world_size: int | None, what: str) -> list[ShardMetadata]:
+    """One ShardMetadata for a ranked placement; one per rank for a rankless (replicated) one."""
+    device = placement.device
+    if device.rank is not None:
+        if world_size is not None and device.rank >= world_size:
+            msg = (f"{what} places a shard on rank {device.rank} ({str(device)!r}) but the world has "
+                   f"{world_size} ranks; use ranks 0..{world_size - 1}.")
+            raise ValueError(msg)
+        return [ShardMetadata(offsets, dims, device)]
+    if world_size is None:
+        msg = (f"{what} uses {str(device)!r}, a device without a rank, which means a replica on every "
+               f"rank; pass world_size= to build_metadata, or name the rank as 'rank:<r>/{device.device}'.")
+        raise ValueError(msg)
+    return [ShardMetadata(offsets, dims, RemoteDevice.of(r, device.device)) for r in range(world_size)]
+
+
+def _rank_limit(placements: Iterable[DevicePlacement], world_size: int | None, what: str) -> None:
+    if world_size is None:
+        return
+    for p in placements:
+        if p.device.rank is not None and p.device.rank >= world_size:
+            msg = (f"{what} places a shard on rank {p.device.rank} ({str(p.device)!r}) but the world has "
+                   f"{world_size} ranks; use ranks 0..{world_size - 1}.")
+            raise ValueError(msg)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class SingleSplitShardingSpec(PlacementSpec):
+    """Split a tensor along one dimension, one shard per placement entry.
+
+    Without ``shard_sizes`` the split follows ``torch.chunk`` (trailing shards may be empty and
+    stay listed); with ``shard_sizes`` (one per placement, summing to the dimension's size) it is
+    uneven. ``split_dimension`` may be negative or the name of a named tensor dimension.
+
+    Example:
+        >>> spec = SingleSplitShardingSpec(["rank:0/cpu", "rank:1/cpu"], 0)
+        >>> [s.dims for s in spec.build_metadata((10, 4)).shards]
+        [(5, 4), (5, 4)]
+    """
+
+    shard_placement: tuple[DevicePlacement, ...]
+    split_dimension: int | str
+    shard_sizes: tuple[int, ...] | None
+
+    def __init__(self, shard_placement: Sequence[DeviceLike], split_dimension: int | str = 0,
+                 shard_sizes: Sequence[int] | None = None) -> None:
+        if isinstance(shard_placement, (str, RemoteDevice, DevicePlacement)) or not isinstance(
+                shard_placement, Iterable):
+            msg = (f"shard_placement must be a list of placements, got {shard_placement!r}; "
+                   f"write e.g. ['rank:0/cpu', 'rank:1/cpu'].")
+            raise TypeError(msg)
+        placements = tuple(as_placement(p, where=f"shard_placement[{i}]")
+                           for i, p in enumerate(shard_placement))
+        if not placements:
+            msg = "shard_placement is empty; give at least one placement, e.g. ['rank:0/cpu']."
+            raise ValueError(msg)
+        if isinstance(split_dimension, bool) or not isinstance(split_dimension, (int, str)):
+            msg = (f"split_dimension must be an int or a dimension name, got "
+                   f"{type(split_dimension).__name__} {split_dimension!r}.")
+            raise TypeError(msg)
+        sizes: tuple[int, ...] | None = None
+        if shard_sizes is not None:
+            sizes = tuple(shard_sizes)
+            if not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+                msg = f"shard_sizes must be ints, got {shard_sizes!r}."
+                raise TypeError(msg)
+            if len(sizes) != len(placements):
+                msg = (f"shard_sizes={list(sizes)!r} has {len(sizes)} entries but shard_placement has "
+                       f"{len(placements)}; give one size per placement.")
+                raise ValueError(msg)
+            if any(s < 0 for s in sizes):
+                msg = f"shard_sizes={list(sizes)!r} has a negative size; sizes must be >= 0."
+                raise ValueError(msg)
+        object.__setattr__(self, "shard_placement", placements)
+        object.__setattr__(self, "split_dimension", split_dimension)
+        object.__setattr__(self, "shard_sizes", sizes)
+
+    @property
+    def devices(self) -> tuple[DevicePlacement, ...]:
+        """Alias of ``shard_placement`` (the RFC's name)."""
+        return self.shard_placement
+
+    def resolve_dim(self, size: Sequence[int], names: Sequence[str | None] | None = None) -> int:
+        """The split dimension as a non-negative int for a tensor of ``size``."""
+        ndim = len(size)
+        dim = self.split_dimension
+        if isinstance(dim, str):
+            if names is None or dim not in names:
+                msg = (f"split_dimension={dim!r} is a dimension name but the tensor's names are "
+                       f"{None if names is None else tuple(names)!r}; pass names= with {dim!r} in it, "
+                       f"or use an int dimension.")
+                raise ValueError(msg)
+            return list(names).index(dim)
+        if not -ndim <= dim < ndim:
+            msg = (f"split_dimension={dim} is out of range for a tensor of rank {ndim} "
+                   f"(size={tuple(size)}); use a dimension in [{-ndim}, {ndim - 1}].")
+            raise ValueError(msg)
+        return dim % ndim
+
+    def build_metadata(self, size: Sequence[int], dtype: torch.dtype | None = None,
+                       names: Sequence[str | None] | None = None, *,
+                       world_size: int | None = None) -> ShardedTensorMetadata:
+        """The layout for a tensor of ``size``; no communication."""
+        size = _check_size(size)
+        dim = self.resolve_dim(size, names)
+        n = size[dim]
+        if self.shard_sizes is None:
+            bounds = chunk_bounds(n, len(self.shard_placement))
+        else:
+            if sum(self.shard_sizes) != n:
+                msg = (f"shard_sizes={list(self.shard_sizes)!r} sum to {sum(self.shard_sizes)} but dimension "
+                       f"{dim} of size={size!r} has {n} elements; make them sum to {n}.")
+                raise ValueError(msg)
+            starts = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
+            bounds = list(zip(starts, self.shard_sizes))
+        _rank_limit(self.shard_placement, world_size, "SingleSplitShardingSpec")
+        shards: list[ShardMetadata] = []
+        for i, (placement, (start, length)) in enumerate(zip(self.shard_placement, bounds)):
+            offsets = tuple(start if d == dim else 0 for d in range(len(size)))
+            dims = tuple(length if d == dim else size[d] for d in range(len(size)))
+            shards += _expand(placement, offsets, dims, world_size, f"shard_placement[{i}]")
+        return ShardedTensorMetadata(shards, size, dtype)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
+        return {"type": "single_split", "shard_placement": [str(p.device) for p in self.shard_placement],
+                "split_dimension": self.split_dimension,
+                "shard_sizes": None if self.shard_sizes is None else list(self.shard_sizes)}
+
+    def __reduce__(self) -> tuple[type[SingleSplitShardingSpec], tuple[object, ...]]:
+        return (SingleSplitShardingSpec, (self.shard_placement, self.split_dimension, self.shard_sizes))
+
+
+def _mesh_shape(array: object, path: tuple[int, ...] = ()) -> tuple[int, ...]:
+    if isinstance(array, (str, RemoteDevice, DevicePlacement)):
+        return ()
+    if not isinstance(array, Sequence) or len(array) == 0:
+        msg = (f"shard_placement{''.join(f'[{i}]' for i in path)} must be a non-empty nested list of "
+               f"placements, got {array!r}.")
+        raise TypeError(msg) if not isinstance(array, Sequence) else ValueError(msg)
+    shapes = [_mesh_shape(a, path + (i,)) for i, a in enumerate(array)]
+    if any(s != shapes[0] for s in shapes):
+        msg = (f"shard_placement{''.join(f'[{i}]' for i in path)} is ragged (sub-shapes "
+               f"{sorted(set(shapes))!r}); every row of the mesh must have the same shape.")
+        raise ValueError(msg)
+    return (len(array),) + shapes[0]
+
+
+def _flatten(array: object) -> list[object]:
+    if isinstance(array, (str, RemoteDevice, DevicePlacement)):
+        return [array]
+    return [x for a in array for x in _flatten(a)]  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class MeshShardingSpec(PlacementSpec):
+    """Split every tensor dimension: an N-d array of placements for an N-d tensor.
+
+    Tensor dimension ``d`` is cut into ``mesh_shape[d]`` chunks (``torch.chunk`` rules) and the
+    element at index ``(i, j, ...)`` holds block ``(i, j, ...)``. A 4x8 tensor on a 2x4 mesh gives
+    2x2 blocks.
+    """
+
+    shard_placement: tuple[DevicePlacement, ...]  # row-major, flattened
+    mesh_shape: tuple[int, ...]
+
+    def __init__(self, shard_placement: Sequence[object]) -> None:
+        shape = _mesh_shape(shard_placement)
+        if not shape:
+            msg = (f"shard_placement={shard_placement!r} is a single placement; a mesh needs a nested list "
+                   f"with one level per tensor dimension (use DevicePlacement for one device).")
+            raise ValueError(msg)
+        flat = tuple(as_placement(p, where="shard_placement entry") for p in _flatten(shard_placement))
+        object.__setattr__(self, "shard_placement", flat)
+        object.__setattr__(self, "mesh_shape", shape)
+
+    def placement_array(self) -> list[object]:
+        """The placements as the nested list given to the constructor."""
+        def build(level: int, start: int) -> list[object]:
+            stride = math.prod(self.mesh_shape[level + 1:])
+            if level == len(self.mesh_shape) - 1:
+                return list(self.shard_placement[start:start + self.mesh_shape[level]])
+            return [build(level + 1, start + i * stride) for i in range(self.mesh_shape[level])]
+        return build(0, 0)
+
+    def build_metadata(self, size: Sequence[int], dtype: torch.dtype | None = None,
+                       names: Sequence[str | None] | None = None, *,
+                       world_size: int | None = None) -> ShardedTensorMetadata:
+        """The layout for a tensor of ``size``; no communication."""
+        size = _check_size(size)
+        if len(size) != len(self.mesh_shape):
+            msg = (f"the mesh has {len(self.mesh_shape)} dimensions (shape {self.mesh_shape!r}) but the "
+                   f"tensor has {len(size)} (size={size!r}); a MeshShardingSpec needs one mesh dimension "
+                   f"per tensor dimension (use 1 for a dimension that is not split).")
+            raise ValueError(msg)
+        _rank_limit(self.shard_placement, world_size, "MeshShardingSpec")
+        bounds = [chunk_bounds(n, k) for n, k in zip(size, self.mesh_shape)]
+        shards: list[ShardMetadata] = []
+        for flat_index, placement in enumerate(self.shard_placement):
+            index, rest = [], flat_index
+            for k in reversed(self.mesh_shape):
+                index.append(rest % k)
+                rest //= k
+            index.reverse()
+            offsets = tuple(bounds[d][i][0] for d, i in enumerate(index))
+            dims = tuple(bounds[d][i][1] for d, i in enumerate(index))
+            shards += _expand(placement, offsets, dims, world_size, f"mesh element {tuple(index)!r}")
+        return ShardedTensorMetadata(shards, size, dtype)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
+        def strs(a: object) -> object:
+            return str(a.device) if isinstance(a, DevicePlacement) else [strs(x) for x in a]  # type: ignore[attr-defined]
+        return {"type": "mesh", "shard_placement": strs(self.placement_array())}
+
+    def __reduce__(self) -> tuple[type[MeshShardingSpec], tuple[object, ...]]:
+        return (MeshShardingSpec, (self.placement_array(),))
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class EnumerableShardingSpec(PlacementSpec):
+    """An explicit list of shards; their distinct regions must tile the tensor.
+
+    This is the spec of a ``ShardedTensor`` built from arbitrary local shards, and lets any
+    layout be the target of a reshard.
+    """
+
+    shards: tuple[ShardMetadata, ...]
+
+    def __init__(self, shards: Iterable[ShardMetadata]) -> None:
+        shards = tuple(shards)
+        if not shards:
+            msg = "EnumerableShardingSpec needs at least one ShardMetadata."
+            raise ValueError(msg)
+        for i, s in enumerate(shards):
+            if not isinstance(s, ShardMetadata):
+                msg = f"shards[{i}] is {type(s).__name__} {s!r}; expected a ShardMetadata."
+                raise TypeError(msg)
+            if s.rank is None:
+                msg = f"shards[{i}] has device {str(s.device)!r} without a rank; name it as 'rank:<r>/<device>'."
+                raise ValueError(msg)
+        object.__setattr__(self, "shards", shards)
+
+    def build_metadata(self, size: Sequence[int], dtype: torch.dtype | None = None,
+                       names: Sequence[str | None] | None = None, *,
+                       world_size: int | None = None) -> ShardedTensorMetadata:
+        """Check that the shards tile ``size`` and return them as metadata."""
+        size = _check_size(size)
+        _rank_limit((DevicePlacement(s.device) for s in self.shards), world_size, "EnumerableShardingSpec")
+        check_tiling(self.shards, size)
+        return ShardedTensorMetadata(self.shards, size, dtype)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
+        return {"type": "enumerable", "shards": [s.to_dict() for s in self.shards]}
+
+    def __reduce__(self) -> tuple[type[EnumerableShardingSpec], tuple[object, ...]]:
+        return (EnumerableShardingSpec, (self.shards,))
+
+
+ShardingSpec = Union[DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec]
+"""A spec that lays out one tensor."""
+
+_TENSOR_SPECS = (DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class CompositeShardingSpec(PlacementSpec):
+    """A spec per parameter or submodule name (dotted paths allowed).
+
+    A spec given for a submodule applies to every parameter under it; nested composites
+    compose paths; a device string means ``DevicePlacement`` of it.
+
+    Example:
+        >>> spec = composite(net1=single_split(0, ["rank:0/cpu", "rank:1/cpu"]), net2="rank:0/cpu")
+        >>> sorted(spec.resolve(["net1.weight", "net1.bias", "net2.weight"]))
+        ['net1.bias', 'net1.weight', 'net2.weight']
+    """
+
+    param_placement: Mapping[str, PlacementSpec]
+
+    def __init__(self, param_placement: Mapping[str, PlacementSpec | str | RemoteDevice]) -> None:
+        if not isinstance(param_placement, Mapping):
+            msg = f"param_placement must be a mapping of names to specs, got {param_placement!r}."
+            raise TypeError(msg)
+        normalized: dict[str, PlacementSpec] = {}
+        for name, value in param_placement.items():
+            if not isinstance(name, str) or not name or any(not p for p in name.split(".")):
+                msg = f"param_placement key {name!r} is not a parameter or module name like 'net1.weight'."
+                raise ValueError(msg)
+            if isinstance(value, (str, RemoteDevice)):
+                value = DevicePlacement(value)
+            if not isinstance(value, (*_TENSOR_SPECS, CompositeShardingSpec)):
+                msg = (f"param_placement[{name!r}] is {type(value).__name__} {value!r}; expected a sharding "
+                       f"spec or a device string.")
+                raise TypeError(msg)
+            normalized[name] = value
+        object.__setattr__(self, "param_placement", _FrozenDict(normalized))
+
+    def resolve(self, names: Iterable[str]) -> dict[str, ShardingSpec]:
+        """Map each of ``names`` (parameter paths) covered by this spec to its tensor spec.
+
+        The most specific key wins. Keys that match none of ``names`` raise ``ValueError``.
+        """
+        names = list(names)
+        result: dict[str, tuple[int, ShardingSpec]] = {}
+        self._resolve(names, "", result)
+        return {n: result[n][1] for n in names if n in result}
+
+    def _resolve(self, names: list[str], prefix: str, result: dict[str, tuple[int, ShardingSpec]]) -> None:
+        for key, spec in self.param_placement.items():
+            path = prefix + key
+            matched = [n for n in names if n == path or n.startswith(path + ".")]
+            if not matched:
+                modules = sorted({n.rsplit(".", 1)[0] for n in names if "." in n})
+                msg = (f"CompositeShardingSpec key {path!r} matches no parameter or submodule; parameters: "
+                       f"{sorted(names)!r}, submodules: {modules!r}.")
+                raise ValueError(msg)
+            if isinstance(spec, CompositeShardingSpec):
+                spec._resolve(matched, path + ".", result)
+                continue
+            depth = path.count(".") + 1
+            for n in matched:
+                if n not in result or result[n][0] <= depth:
+                    result[n] = (depth, spec)  # type: ignore[assignment]
+
+    def build_metadata(self, *args: object, **kwargs: object) -> ShardedTensorMetadata:
+        """Refused: a composite spec applies to modules, not to one tensor."""
+        msg = ("a CompositeShardingSpec maps names to specs and applies to a module (shard_model); "
+               "give a tensor a SingleSplitShardingSpec, MeshShardingSpec or DevicePlacement.")
+        raise TypeError(msg)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
+        return {"type": "composite",
+                "param_placement": {k: v.to_dict() for k, v in self.param_placement.items()}}  # type: ignore[attr-defined]
+
+    def __reduce__(self) -> tuple[type[CompositeShardingSpec], tuple[object, ...]]:
+        return (CompositeShardingSpec, (dict(self.param_placement),))
+
+
+class _FrozenDict(dict):  # type: ignore[type-arg]
+    """A dict that refuses changes and hashes by content, so composite specs stay values."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("CompositeShardingSpec.param_placement is read-only; build a new spec instead.")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items(), key=lambda kv: kv[0])))
+
+
+def single_split(split_dimension: int | str, shard_placement: Sequence[DeviceLike],
+                 shard_sizes: Sequence[int] | None = None) -> SingleSplitShardingSpec:
+    """Helper for ``SingleSplitShardingSpec``: ``single_split(0, ["rank:0/cpu", "rank:1/cpu"])``."""
+    return SingleSplitShardingSpec(shard_placement, split_dimension, shard_sizes)
+
+
+def mesh(shard_placement: Sequence[object]) -> MeshShardingSpec:
+    """Helper for ``MeshShardingSpec``: ``mesh([["rank:0/cpu", "rank:1/cpu"]])``."""
+    return MeshShardingSpec(shard_placement)
+
+
+def composite(**kwargs: PlacementSpec | str) -> CompositeShardingSpec:
+    """Helper for ``CompositeShardingSpec``: ``composite(net1="rank:0/cpu", net2=single_split(...))``.
+
+    Dotted names cannot be keyword arguments; use ``composite(**{"net1.weight": spec})``.
+    """
+    return CompositeShardingSpec(kwargs)
+
+
+def spec_from_dict(data: Mapping[str, object]) -> PlacementSpec:
+    """Rebuild a spec from ``spec.to_dict()``."""
+    if not isinstance(data, Mapping) or "type" not in data:
+        msg = f"spec_from_dict expects a mapping with a 'type' key (from spec.to_dict()), got {data!r}."
+        raise ValueError(msg)
+    kind = data["type"]
+    if kind == "device":
+        return DevicePlacement(data["device"])  # type: ignore[arg-type]
+    if kind == "single_split":
+        return SingleSplitShardingSpec(data["shard_placement"], data["split_dimension"],  # type: ignore[arg-type]
+                                       data.get("shard_sizes"))  # type: ignore[arg-type]
+    if kind == "mesh":
+        return MeshShardingSpec(data["shard_placement"])  # type: ignore[arg-type]
+    if kind == "enumerable":
+        return EnumerableShardingSpec(ShardMetadata.from_dict(s) for s in data["shards"])  # type: ignore[attr-defined]
+    if kind == "composite":
+        return CompositeShardingSpec({k: spec_from_dict(v) for k, v in data["param_placement"].items()})  # type: ignore[attr-defined]
+    msg = (f"unknown spec type {kind!r}; expected one of 'device', 'single_split', 'mesh', "
+           f"'enumerable', 'composite'.")
+    raise ValueError(msg)
