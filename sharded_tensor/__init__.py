@@ -1,0 +1,10 @@
+"""The metadata-first ShardedTensor: creation, resharding, gathering."""
+
+from ._comm import CommCounter
+from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
+from ._tensor import Shard, ShardedTensor
+
+__all__ = [
+    "ShardedTensor", "Shard", "CommCounter",
+    "empty", "zeros", "ones", "full", "rand", "randn", "shard_tensor",
+]

@@ -1,0 +1,161 @@
+"""Every call into ``torch.distributed`` goes through here.
+
+Keeping communication in one module makes it easy to count (``CommCounter``) and keeps the
+rest of the package pure. Tensors travel on their own device: Gloo for CPU, NCCL for CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "all_gather_json",
+           "broadcast_int", "all_reduce", "barrier", "ProcessGroup"]
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
+"""A ``torch.distributed.ProcessGroup``; ``None`` means the default group."""
+
+_active: list[CommCounter] = []
+_lock = threading.Lock()
+
+
+@dataclass
+class CommCounter:
+    """Count collectives and the bytes this rank sends inside a ``with`` block.
+
+    Every communication shardkit does passes through one module, so the counts are exact.
+
+    Example:
+        >>> with CommCounter() as comm:
+        ...     t.reshard(spec)  # doctest: +SKIP
+        >>> comm.counts, comm.bytes_sent  # doctest: +SKIP
+        (Counter({'send/recv': 1}), 8388608)
+    """
+
+    counts: Counter[str] = field(default_factory=Counter)
+    bytes_by_op: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank put on the wire (payloads only)."""
+        return sum(self.bytes_by_op.values())
+
+    def __enter__(self) -> CommCounter:
+        with _lock:
+            _active.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _lock:
+            _active.remove(self)
+
+    def __str__(self) -> str:
+        ops = ", ".join(f"{op}: {n} ({self.bytes_by_op[op]} B)" for op, n in sorted(self.counts.items()))
+        return f"CommCounter({ops or 'no communication'})"
+
+
+def _record(op: str, nbytes: int) -> None:
+    for counter in _active:
+        counter.counts[op] += 1
+        counter.bytes_by_op[op] += nbytes
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world(group: ProcessGroup = None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size; ``(0, 1)`` with no process group."""
+    if not _initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def default_device(group: ProcessGroup = None) -> torch.device:
+    """The device that collectives of ``group`` use for small tensors."""
+    if _initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global(group: ProcessGroup, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
+             group: ProcessGroup = None) -> None:
+    """Send ``sends[peer]`` to each peer and receive into ``recvs[peer]``, all at once.
+
+    Collective over the peers named: the two sides of each transfer must name each other with
+    tensors of equal byte size. Tensors must be contiguous.
+    """
+    if not sends and not recvs:
+        return
+    ops = []
+    for peer, tensor in recvs.items():
+        ops.append(dist.P2POp(dist.irecv, _wire(tensor), _global(group, peer), group))
+    for peer, tensor in sends.items():
+        ops.append(dist.P2POp(dist.isend, _wire(tensor), _global(group, peer), group))
+        _record("send/recv", tensor.numel() * tensor.element_size())
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    # Bytes travel as uint8 so every dtype (bool, bfloat16, complex) takes the same path.
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def all_gather_json(value: object, group: ProcessGroup = None) -> list[Any]:
+    """Every rank's JSON-serializable ``value``, in rank order. Collective.
+
+    JSON rather than pickle: what one rank sends is only ever parsed as data.
+    """
+    if not _initialized():
+        return [json.loads(json.dumps(value))]
+    world = dist.get_world_size(group)
+    device = default_device(group)
+    payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    _record("all_gather", 8 + longest)
+    return [json.loads(bytes(g[: int(n)].cpu().tolist()).decode()) for g, n in zip(gathered, lengths)]
+
+
+def broadcast_int(value: int, src: int = 0, group: ProcessGroup = None) -> int:
+    """``value`` from group rank ``src`` on every rank. Collective."""
+    if not _initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=default_device(group))
+    dist.broadcast(tensor, _global(group, src), group=group)
+    _record("broadcast", 8)
+    return int(tensor.item())
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
+    """Sum ``tensor`` over the group, in place. Collective."""
+    if _initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+        _record("all_reduce", tensor.numel() * tensor.element_size())
+    return tensor
+
+
+def barrier(group: ProcessGroup = None) -> None:
+    """Wait for every rank of the group. Collective."""
+    if _initialized():
+        dist.barrier(group=group)
+
+
