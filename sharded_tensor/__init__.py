@@ -3,8 +3,10 @@
 from ._comm import CommCounter
 from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
 from ._tensor import Shard, ShardedTensor
+from ._visualize import visualize_sharding
 
 __all__ = [
     "ShardedTensor", "Shard", "CommCounter",
     "empty", "zeros", "ones", "full", "rand", "randn", "shard_tensor",
+    "visualize_sharding",
 ]
