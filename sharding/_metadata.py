@@ -133,7 +133,7 @@ def check_tiling(shards: Sequence[ShardMetadata], size: Sequence[int], *, what: 
                 msg = (f"{what}[{i}] (offsets={s.offsets!r}, dims={s.dims!r}) reaches past the tensor's "
                        f"size {size!r} along dimension {d}; shards must lie inside the tensor.")
                 raise ValueError(msg)
-    regions = {}
+    regions: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     for i, s in enumerate(shards):
         if s.numel > 0:
             regions.setdefault(s.region, i)
@@ -152,10 +152,9 @@ def check_tiling(shards: Sequence[ShardMetadata], size: Sequence[int], *, what: 
         cover[cell] += 1
     if bool((cover == 1).all()):
         return
-    first = {int(v) for v in cover.unique()} - {1}
     bad = (cover != 1).nonzero()[0].tolist()
     where = tuple(cuts[d][bad[d]] for d in range(ndim))
-    problem = "overlap" if max(first) > 1 else "leave a gap"
+    problem = "overlap" if int(cover[tuple(bad)]) > 1 else "leave a gap"
     owners = [f"{what}[{i}] (offsets={o!r}, dims={n!r})" for (o, n), i in regions.items()
               if all(o[d] <= where[d] < o[d] + n[d] for d in range(ndim))]
     msg = (f"{what} {problem} at element {where!r} of a tensor of size {size!r}"
