@@ -1,0 +1,97 @@
+"""The multi-process launcher itself: results come back by rank, failures never hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed._launch import DistributedTestError, run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _all_reduce(rank: int, world_size: int, scale: float) -> dict[str, object]:
+    t = torch.full((3,), float(rank + 1) * scale)
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "sum": t,
+            "omp": os.environ.get("OMP_NUM_THREADS")}
+
+
+def _fail_on_rank_1(rank: int, world_size: int, *, message: str) -> None:
+    if rank == 1:
+        _explode(message)
+    # The other ranks wait in a collective that rank 1 never joins.
+    dist.all_reduce(torch.ones(1))
+
+
+def _explode(message: str) -> None:
+    raise ValueError(message)
+
+
+def _hang_on_rank_0(rank: int, world_size: int) -> int:
+    if rank == 0:
+        time.sleep(600)
+    return rank
+
+
+def _crash_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(7)
+    return rank
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_reduce_returns_results_by_rank(world_size):
+    results = run_distributed(_all_reduce, world_size, 10.0)
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert all(r["world_size"] == world_size for r in results)
+    expected = 10.0 * world_size * (world_size + 1) / 2
+    for r in results:
+        torch.testing.assert_close(r["sum"], torch.full((3,), expected))
+    if "OMP_NUM_THREADS" not in os.environ:
+        assert [r["omp"] for r in results] == ["1"] * world_size
+        assert "OMP_NUM_THREADS" not in os.environ  # the parent's environment is restored
+
+
+def test_failing_rank_reports_its_traceback_without_hanging():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match=r"rank 1 of 2 failed") as info:
+        run_distributed(_fail_on_rank_1, 2, message="boom from rank one", timeout=60)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert "ValueError: boom from rank one" in text
+    assert "Traceback (most recent call last)" in text
+    assert "_explode" in text and "_fail_on_rank_1" in text  # the full stack, not just the message
+    assert info.value.first_rank == 1
+    assert "boom from rank one" in info.value.failures[1]
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+
+
+def test_hung_rank_times_out_with_its_stack():
+    start = time.monotonic()
+    # Rank 1 normally finishes too; on a very slow machine start-up may keep it from doing so.
+    with pytest.raises(DistributedTestError, match=r"ranks \[0(, 1)?\] of 2 did not finish") as info:
+        run_distributed(_hang_on_rank_0, 2, timeout=5)
+    assert time.monotonic() - start < 30
+    assert info.value.first_rank is None
+    assert 0 in info.value.failures
+    if hasattr(signal, "SIGUSR1"):
+        assert "in _hang_on_rank_0" in info.value.failures[0]  # the stack shows where it was stuck
+
+
+def test_crashed_rank_is_reported():
+    with pytest.raises(DistributedTestError, match=r"rank 1 exited with code 7"):
+        run_distributed(_crash_on_rank_1, 2, timeout=60)
+
+
+def test_local_function_is_refused_before_spawning():
+    def local(rank: int, world_size: int) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="module-level function"):
+        run_distributed(local, 2)
