@@ -11,17 +11,22 @@
   ``__main__`` with torchrun's environment variables set. The launcher has already joined
   every rank to the process group, so the script's own ``init_process_group("gloo")`` and
   ``destroy_process_group()`` calls are accepted as they are.
+- A ``text`` block that directly follows a ``python`` block (nothing but blank lines in
+  between) is that block's expected output: what it prints (on rank 0 for a multi-rank
+  script) must match it line by line, trailing spaces aside.
 - Blocks tagged anything else (``bash``, ``text``, ...) are not run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n]*)$")
+_PYTHON = ("python", "py")
 _LAUNCH = re.compile(r"^#.*torchrun\b.*--nproc[-_]per[-_]node[ =](?P<n>\d+)")
 
 
@@ -42,6 +48,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     language: str
     code: str
+    output: str | None = None  # the text block right after it, if any
 
     @property
     def ranks(self) -> int | None:
@@ -58,6 +65,7 @@ class Block:
 def code_blocks(path: Path) -> list[Block]:
     """Every fenced code block of a Markdown file, with its language and first line."""
     blocks: list[Block] = []
+    ends: list[int] = []  # 0-based line of each block's closing fence
     lines = path.read_text().split("\n")
     i = 0
     while i < len(lines):
@@ -77,12 +85,17 @@ def code_blocks(path: Path) -> list[Block]:
             msg = f"{path}:{start + 1}: code block opened with {fence} is never closed."
             raise ValueError(msg)
         blocks.append(Block(path, start + 1, language, "\n".join(body) + "\n"))
+        ends.append(i)
         i += 1
+    for k in range(len(blocks) - 1):
+        between = lines[ends[k] + 1:blocks[k + 1].line - 1]
+        if blocks[k].language in _PYTHON and blocks[k + 1].language == "text" and not any(x.strip() for x in between):
+            blocks[k] = replace(blocks[k], output=blocks[k + 1].code)
     return blocks
 
 
 def _python_blocks() -> list[Block]:
-    return [b for path in DOC_FILES if path.exists() for b in code_blocks(path) if b.language in ("python", "py")]
+    return [b for path in DOC_FILES if path.exists() for b in code_blocks(path) if b.language in _PYTHON]
 
 
 SINGLE = [b for b in _python_blocks() if b.ranks is None]
@@ -111,19 +124,32 @@ def test_single_process_examples(path: Path, tmp_path: Path, monkeypatch: pytest
     for block in (b for b in SINGLE if b.path == path):
         # Offset the line numbers so tracebacks point into the Markdown file.
         source = "\n" * block.line + block.code
-        exec(compile(source, str(block.path), "exec"), namespace)  # noqa: S102 - the docs are ours
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(source, str(block.path), "exec"), namespace)  # noqa: S102 - the docs are ours
+        _check_output(block, printed.getvalue())
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("block", MULTI, ids=[b.name for b in MULTI])
 def test_multi_rank_examples(block: Block, tmp_path: Path) -> None:
     assert block.ranks is not None
-    run_distributed(_run_script, block.ranks, "\n" * block.line + block.code, str(block.path), str(tmp_path),
-                    timeout=60)
+    printed = run_distributed(_run_script, block.ranks, "\n" * block.line + block.code, str(block.path),
+                              str(tmp_path), timeout=60)
+    _check_output(block, printed[0])
 
 
-def _run_script(rank: int, world_size: int, source: str, filename: str, workdir: str) -> None:
-    """Execute one documented script on this rank as torchrun would start it."""
+def _check_output(block: Block, printed: str) -> None:
+    if block.output is None:
+        return
+    got = [line.rstrip() for line in printed.rstrip("\n").split("\n")]
+    want = [line.rstrip() for line in block.output.rstrip("\n").split("\n")]
+    assert got == want, (f"{block.name}: the example printed\n{printed}\nbut the text block after it "
+                         f"says\n{block.output}")
+
+
+def _run_script(rank: int, world_size: int, source: str, filename: str, workdir: str) -> str:
+    """Execute one documented script on this rank as torchrun would start it; return what it printed."""
     import torch.distributed as dist
 
     os.chdir(workdir)
@@ -141,7 +167,11 @@ def _run_script(rank: int, world_size: int, source: str, filename: str, workdir:
 
     saved = dist.init_process_group, dist.destroy_process_group
     dist.init_process_group, dist.destroy_process_group = init_process_group, destroy_process_group
+    printed = io.StringIO()
     try:
-        exec(compile(source, filename, "exec"), {"__name__": "__main__"})  # noqa: S102 - the docs are ours
+        with contextlib.redirect_stdout(printed):
+            exec(compile(source, filename, "exec"), {"__name__": "__main__"})  # noqa: S102 - the docs are ours
     finally:
         dist.init_process_group, dist.destroy_process_group = saved
+        sys.stdout.write(printed.getvalue())
+    return printed.getvalue()
