@@ -46,7 +46,7 @@ def _create(name: str, size: tuple[int, ...], sharding_spec: PlacementSpec | Non
         fill(tensor, shard, metadata)
         tensors[i] = tensor.requires_grad_(requires_grad)
     return ShardedTensor._make(tensors, metadata, sharding_spec, rank=rank, group=process_group,
-                               names=tuple(names) if names is not None else None)
+                               names=tuple(names) if names is not None else None, requires_grad=requires_grad)
 
 
 def empty(*size: int, sharding_spec: PlacementSpec | None = None, dtype: torch.dtype | None = None,
@@ -163,7 +163,8 @@ def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_
     tensors = redistribute(local, source, target, rank=rank, group=process_group)
     for t in tensors.values():
         t.requires_grad_(bool(info["grad"]))
-    return ShardedTensor._make(tensors, target, sharding_spec, rank=rank, group=process_group, names=names)
+    return ShardedTensor._make(tensors, target, sharding_spec, rank=rank, group=process_group, names=names,
+                               requires_grad=bool(info["grad"]))
 
 
 def _names_of(tensor: torch.Tensor) -> list[str | None] | None:

@@ -152,9 +152,29 @@ class ReshardPlan:
         return sum(p.numel for pieces in self.recvs.values() for p in pieces)
 
 
-def _sender(holders: list[int], src_region: int, dst_region: int) -> int:
-    # Spread the sending of replicated regions over their holders, deterministically.
-    return holders[(src_region + dst_region) % len(holders)]
+class _SenderChoice:
+    """Who sends each transfer of a replicated source region: round robin over its holders.
+
+    The transfers of one source region (every destination region it meets, times every rank
+    holding that destination region but not the source) are numbered in a fixed order, and
+    transfer k goes to holder k mod H, so the holders share the sending evenly. Both sides of a
+    transfer compute the same numbering from the two layouts alone.
+    """
+
+    def __init__(self, source: _Regions, target: _Regions) -> None:
+        self._source, self._target = source, target
+        self._order: dict[int, dict[tuple[int, int], int]] = {}
+
+    def __call__(self, src_region: int, dst_region: int, peer: int) -> int:
+        holders = self._source.holders[src_region]
+        if len(holders) == 1:
+            return holders[0]
+        order = self._order.get(src_region)
+        if order is None:
+            transfers = [(d, q) for d, _ in self._target.index.overlapping(self._source.boxes[src_region])
+                         for q in self._target.holders[d] if q not in holders]
+            order = self._order[src_region] = {t: k for k, t in enumerate(sorted(transfers))}
+        return holders[(order[(dst_region, peer)] + src_region) % len(holders)]
 
 
 def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: int) -> ReshardPlan:
@@ -168,6 +188,7 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: i
         msg = f"cannot reshard a tensor of size {tuple(src.size)} into a layout of size {tuple(dst.size)}."
         raise ValueError(msg)
     source, target = _Regions.of(src), _Regions.of(dst)
+    sender_of = _SenderChoice(source, target)
     plan = ReshardPlan(rank)
     # Receiving side: every distinct destination region this rank holds.
     for dst_region, box in enumerate(target.boxes):
@@ -179,7 +200,7 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: i
             if rank in holders:
                 plan.copies.append(Piece(source.first_shard[(src_region, rank)], dst_shard, common, rank, rank))
                 continue
-            sender = _sender(holders, src_region, dst_region)
+            sender = sender_of(src_region, dst_region, rank)
             piece = Piece(source.first_shard[(src_region, sender)], dst_shard, common, sender, rank)
             plan.recvs.setdefault(sender, []).append(piece)
     # Sending side: every distinct source region this rank holds, to ranks lacking it.
@@ -189,10 +210,8 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: i
             continue
         holders = source.holders[src_region]
         for dst_region, common in target.index.overlapping(box):
-            if _sender(holders, src_region, dst_region) != rank:
-                continue
             for peer in target.holders[dst_region]:
-                if peer in holders:
+                if peer in holders or sender_of(src_region, dst_region, peer) != rank:
                     continue
                 piece = Piece(src_shard, target.first_shard[(dst_region, peer)], common, rank, peer)
                 plan.sends.setdefault(peer, []).append(piece)

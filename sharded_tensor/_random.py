@@ -88,8 +88,12 @@ def _fill(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape:
 def uniform_(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],
              low: float = 0.0, high: float = 1.0) -> torch.Tensor:
     """Fill ``tensor``, the block at ``offsets`` of a ``global_shape`` tensor, with U[low, high)."""
+    # Keep only as many random bits as the dtype's significand holds, so that u stays below 1
+    # after rounding to that dtype (as torch.rand promises [0, 1)).
+    precision = 1 - round(math.log2(torch.finfo(tensor.dtype).eps)) if tensor.dtype.is_floating_point else 53
+
     def transform(bits: torch.Tensor) -> torch.Tensor:
-        u = _shr(bits, 11).to(torch.float64) * 2.0 ** -53
+        u = _shr(bits, 64 - precision).to(torch.float64) * 2.0 ** -precision
         return u * (high - low) + low
     return _fill(tensor, seed, offsets, global_shape, transform)
 

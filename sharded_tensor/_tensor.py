@@ -43,7 +43,7 @@ class ShardedTensor:
     ``st.shard_tensor`` or ``ShardedTensor.from_local_shards``.
     """
 
-    __slots__ = ("_metadata", "_spec", "_local", "_group", "_rank", "_names", "__weakref__")
+    __slots__ = ("_metadata", "_spec", "_local", "_group", "_rank", "_names", "_requires_grad", "__weakref__")
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         msg = ("ShardedTensor is not built directly; use st.empty/zeros/ones/full/rand/randn, "
@@ -53,7 +53,7 @@ class ShardedTensor:
     @classmethod
     def _make(cls, tensors: dict[int, torch.Tensor], metadata: ShardedTensorMetadata,
               spec: PlacementSpec | None, *, rank: int, group: _comm.ProcessGroup,
-              names: tuple[str | None, ...] | None = None) -> ShardedTensor:
+              names: tuple[str | None, ...] | None = None, requires_grad: bool | None = None) -> ShardedTensor:
         self = object.__new__(cls)
         self._metadata = metadata
         self._spec = spec
@@ -61,6 +61,10 @@ class ShardedTensor:
         self._group = group
         self._rank = rank
         self._names = names
+        # Kept on the object rather than read off local shards: a rank holding no shard must
+        # still agree with the others.
+        self._requires_grad = (any(t.requires_grad for t in tensors.values()) if requires_grad is None
+                               else requires_grad)
         return self
 
     # -- construction from shards ---------------------------------------------------------
@@ -101,7 +105,7 @@ class ShardedTensor:
                 if tensor.device.type != md.device.device.type:
                     problems.append(f"rank {rank}: local_shards[{i}] tensor is on {tensor.device} "
                                     f"but its metadata says {md.device.device}")
-            mine.append({**md.to_dict(), "dtype": str(tensor.dtype)})
+            mine.append({**md.to_dict(), "dtype": str(tensor.dtype), "grad": tensor.requires_grad})
         everyone = _comm.all_gather_json({"shards": mine, "problems": problems}, process_group)
         all_shards = [s for r in everyone for s in r["shards"]]
         problems = [p for r in everyone for p in r["problems"]]
@@ -127,7 +131,8 @@ class ShardedTensor:
         start = sum(len(r["shards"]) for r in everyone[:rank])
         tensors = {start + i: shard.tensor for i, shard in enumerate(local_shards)}
         spec = EnumerableShardingSpec(metadata.shards) if metadata.shards else None
-        return cls._make(tensors, metadata, spec, rank=rank, group=process_group)
+        return cls._make(tensors, metadata, spec, rank=rank, group=process_group,
+                         requires_grad=any(s["grad"] for s in all_shards))
 
     # -- what it is ---------------------------------------------------------------------------
 
@@ -192,13 +197,14 @@ class ShardedTensor:
 
     @property
     def requires_grad(self) -> bool:
-        """Whether the local shards require grad."""
-        return any(s.tensor.requires_grad for s in self._local)
+        """Whether the shards require grad (the same answer on every rank)."""
+        return self._requires_grad
 
     def requires_grad_(self, requires_grad: bool = True) -> ShardedTensor:
         """Set ``requires_grad`` on every local shard; returns self."""
         for shard in self._local:
             shard.tensor.requires_grad_(requires_grad)
+        self._requires_grad = requires_grad
         return self
 
     def __repr__(self) -> str:
@@ -266,7 +272,8 @@ class ShardedTensor:
         header = json.dumps({"version": _FORMAT_VERSION, "rank": self._rank,
                              "metadata": self._metadata.to_dict(),
                              "spec": None if self._spec is None else self._spec.to_dict(),  # type: ignore[attr-defined]
-                             "names": None if self._names is None else list(self._names)})
+                             "names": None if self._names is None else list(self._names),
+                             "requires_grad": self._requires_grad})
         return (_rebuild_sharded_tensor, (header, [s.tensor for s in self._local]))
 
 
@@ -292,7 +299,7 @@ def _rebuild_sharded_tensor(header: str, tensors: list[torch.Tensor]) -> Sharded
     spec = spec_from_dict(data["spec"]) if data["spec"] is not None else None
     names = tuple(data["names"]) if data["names"] is not None else None
     return ShardedTensor._make(dict(zip(indices, tensors)), metadata, spec, rank=saved_rank, group=None,
-                               names=names)
+                               names=names, requires_grad=bool(data.get("requires_grad", False)))
 
 
 def _build(spec: PlacementSpec, size: Sequence[int], dtype: torch.dtype | None,
