@@ -12,11 +12,13 @@ A small replacement for ``torch.testing._internal``'s multi-process test base::
         assert all(torch.equal(r, torch.full((2,), 10.0)) for r in results)
 
 Each rank starts from a fresh interpreter, never a fork of pytest: by default it is forked
-from a ``forkserver`` that has preloaded torch (fast), or with ``SHARDKIT_TEST_START_METHOD=spawn``
-spawned from scratch. Each rank gets the parent's ``os.environ`` as it is at the call. Rendezvous goes through a ``FileStore`` in a private temporary directory (no port races),
-and the parent waits on every rank's result pipe and process sentinel, so a rank that
-raises, crashes or hangs is reported with its traceback (or, when hung, its current stack)
-instead of stalling the test run.
+from a ``forkserver`` that has preloaded torch (fast), or, with
+``SHARDKIT_TEST_START_METHOD=spawn``, spawned from scratch. Each rank gets the parent's
+``os.environ`` as it is at the call. Rendezvous goes through a ``FileStore`` in a private
+temporary directory (no port races). The parent waits on every rank's result pipe and
+process sentinel, so a rank that raises, crashes or hangs is reported with its traceback
+(or, when hung, its current stack) instead of stalling the test run. What the ranks print
+is replayed on the parent's stdout after the run, labelled by rank.
 """
 
 from __future__ import annotations
@@ -129,12 +131,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         finally:
             if saved_omp is None:
                 del os.environ["OMP_NUM_THREADS"]
+        finished = False
         try:
-            return _collect(fn_name, world_size, procs, readers, tmp, timeout)
+            results = _collect(fn_name, world_size, procs, readers, tmp, timeout)
+            finished = True
+            return results
         finally:
-            _kill(procs)
+            # Ranks that reported are exiting; let them (a moment), then kill whatever is left.
+            _kill(procs, grace=2.0 if finished else 0.0)
             for reader in readers:
                 reader.close()
+            _replay_output(tmp, world_size)
 
 
 def _collect(fn_name: str, world_size: int, procs: list[Any], readers: list[Any], tmp: str,
@@ -233,7 +240,23 @@ def _dump_stacks(procs: list[Any], ranks: list[int], tmp: str) -> dict[int, str]
     return stacks
 
 
-def _kill(procs: list[Any]) -> None:
+def _replay_output(tmp: str, world_size: int) -> None:
+    """Copy each rank's stdout/stderr to this process's stdout, labelled, so pytest shows it
+    with the test that produced it (forked ranks would otherwise write to the forkserver's)."""
+    for rank in range(world_size):
+        try:
+            text = (Path(tmp) / f"output-rank{rank}.txt").read_text(errors="replace")
+        except OSError:
+            continue
+        if text:
+            sys.stdout.write(f"----- output of rank {rank} -----\n{text}{'' if text.endswith(chr(10)) else chr(10)}")
+    sys.stdout.flush()
+
+
+def _kill(procs: list[Any], grace: float = 0.0) -> None:
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.kill()
@@ -258,6 +281,17 @@ def _worker(rank: int, world_size: int, store_path: str, tmp: str, timeout: floa
     # A forkserver child inherits the server's environment; use the caller's, as spawn would.
     os.environ.clear()
     os.environ.update(environ)
+    # fds 1 and 2 (C++ logs too) go to a file the parent replays; line-buffered so a killed
+    # rank loses nothing it printed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    output = os.open(Path(tmp) / f"output-rank{rank}.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     stack_file = None
     if _HAS_STACK_SIGNAL:
         stack_file = open(Path(tmp) / f"stack-rank{rank}.txt", "w")  # noqa: SIM115 - kept open for the handler

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.distributed import _launch
 from tests.distributed._launch import DistributedTestError, run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -72,12 +73,19 @@ def test_failing_rank_reports_its_traceback_without_hanging():
     assert elapsed < 30, f"took {elapsed:.1f} s"
 
 
+def _return_rank(rank: int, world_size: int) -> int:
+    return rank
+
+
 def test_hung_rank_times_out_with_its_stack():
+    # The timeout includes start-up: warm the forkserver first (spawn re-imports torch each time).
+    assert run_distributed(_return_rank, 2) == [0, 1]
+    timeout = 5 if _launch._START_METHOD == "forkserver" else 30
     start = time.monotonic()
     # Rank 1 normally finishes too; on a very slow machine start-up may keep it from doing so.
     with pytest.raises(DistributedTestError, match=r"ranks \[0(, 1)?\] of 2 did not finish") as info:
-        run_distributed(_hang_on_rank_0, 2, timeout=5)
-    assert time.monotonic() - start < 30
+        run_distributed(_hang_on_rank_0, 2, timeout=timeout)
+    assert time.monotonic() - start < timeout + 20
     assert info.value.first_rank is None
     assert 0 in info.value.failures
     if hasattr(signal, "SIGUSR1"):
@@ -95,3 +103,17 @@ def test_local_function_is_refused_before_spawning():
 
     with pytest.raises(TypeError, match="module-level function"):
         run_distributed(local, 2)
+
+
+def _print_and_fail_on_rank_1(rank: int, world_size: int) -> None:
+    print(f"hello from rank {rank}")
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up")
+
+
+def test_rank_output_is_shown_with_the_test(capsys):
+    with pytest.raises(DistributedTestError, match="rank 1 gives up"):
+        run_distributed(_print_and_fail_on_rank_1, 2, timeout=60)
+    out = capsys.readouterr().out
+    assert "----- output of rank 0 -----\nhello from rank 0\n" in out
+    assert "----- output of rank 1 -----\nhello from rank 1\n" in out
