@@ -1,5 +1,10 @@
-"""Sharded state_dict save, load, collect and consolidate (placeholder; not implemented yet)."""
+"""Sharded state_dict save, load, collect and consolidate, on safetensors and fsspec."""
 
-from __future__ import annotations
+from ._collect import collect_state_dict
+from ._consolidate import consolidate
+from ._format import CheckpointError, CheckpointMetadata, read_metadata
+from ._load import load
+from ._save import save
 
-__all__: list[str] = []
+__all__ = ["save", "load", "collect_state_dict", "consolidate", "read_metadata", "CheckpointMetadata",
+           "CheckpointError"]

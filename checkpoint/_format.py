@@ -180,7 +180,7 @@ def check_file_name(name: object, *, source: str = "?", tensor: str | None = Non
         msg = (f"checkpoint metadata {source!r} names data file {name!r}{what}, which is not a plain file "
                f"name inside the checkpoint folder; refusing to read it (the metadata is corrupt or unsafe).")
         raise CheckpointError(msg)
-    return name
+    return name  # type: ignore[return-value]  # checked to be a str above
 
 
 def member(root: str, name: str) -> str:
@@ -360,7 +360,7 @@ class CheckpointMetadata:
                 "files": {name: {"bytes": n} for name, n in sorted(self.files.items())},
                 "tensors": {name: entry.to_dict() for name, entry in self.tensors.items()},
                 "values": dict(self.values)}
-        return json.dumps(data, indent=1)
+        return json.dumps(data, separators=(",", ":"))
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,359 @@
+"""``checkpoint.load``: fill a state_dict in place, for its current layout, reading only needed bytes.
+
+For every local target block (a ``ShardedTensor``'s local shard, or a whole plain tensor),
+the saved regions that overlap it come from ``sharded_tensor._plan.RegionIndex`` (the same
+overlap search the reshard planner uses). Each overlap is then read in one of three ways,
+chosen from where its bytes sit inside the saved region (row-major):
+
+- one range: the overlap is contiguous in the file (e.g. whole saved regions, or row blocks);
+  it is read straight into the target's memory when that is contiguous too (no copy);
+- runs: one range per contiguous run (e.g. per row of a column block) when runs are at least
+  ``_MIN_RUN`` bytes, again straight into the target when possible;
+- slabs: for tiny runs, the covering rows of the saved region, in batches of at most
+  ``_SLAB_BYTES``, then one strided copy into the target.
+
+A checksum covers a whole saved region, so it is verified whenever a region is read whole
+(always the case when loading into the layout that saved it, or a coarser one). Partial reads
+are checked for length (truncation) but not against the checksum; ``python -m checkpoint
+verify`` checks every byte.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import posixpath
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import torch
+
+from sharded_tensor import ShardedTensor
+from sharded_tensor._plan import RegionIndex, box_slices
+
+from . import _comm
+from ._format import (
+    METADATA_FILE,
+    CheckpointError,
+    SavedShard,
+    TensorEntry,
+    _read_metadata,
+    flatten_state_dict,
+    is_local,
+    member,
+    resolve,
+    verify_checksum,
+)
+from ._progress import progress
+
+__all__ = ["load"]
+
+_MIN_RUN = 64 << 10       # runs shorter than this are read as covering slabs instead
+_SLAB_BYTES = 64 << 20    # largest single covering read
+
+
+@dataclass(slots=True)
+class _Task:
+    """One overlap: the part ``common`` of saved region ``shard`` goes into ``dest``."""
+
+    name: str
+    path: str
+    entry: TensorEntry
+    shard: SavedShard
+    common: tuple[tuple[int, ...], tuple[int, ...]]
+    dest: torch.Tensor  # view of the target with shape common dims
+
+    @property
+    def whole(self) -> bool:
+        return self.common == self.shard.region
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.common[1]) * self.entry.dtype.itemsize
+
+
+def _raw(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
+    """Writable bytes of ``tensor``'s memory if data of ``dtype`` can be read straight into it."""
+    if tensor.device.type != "cpu" or tensor.dtype != dtype or not tensor.is_contiguous():
+        return None
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+
+
+class _Reader:
+    """Range reads from one file system: os-level ``readinto`` for local files, fsspec otherwise."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        self._fs = fs
+        self._local = is_local(fs)
+        self._handles: dict[str, Any] = {}
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
+
+    def _missing(self, path: str, task: _Task, exc: BaseException) -> CheckpointError:
+        return CheckpointError(f"data file {path!r} of tensor {task.name!r} is missing; the checkpoint is "
+                               f"incomplete or was modified after it was saved ({exc}).")
+
+    def _short(self, path: str, task: _Task, start: int, wanted: int, got: int) -> CheckpointError:
+        return CheckpointError(f"data file {path!r} of tensor {task.name!r} is truncated: needed bytes "
+                               f"[{start}, {start + wanted}) but only {got} of {wanted} could be read.")
+
+    def readinto(self, task: _Task, start: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the file's bytes from ``start``."""
+        path = task.path
+        if not self._local:
+            data = self.read(task, start, start + len(buffer))
+            buffer[:] = data
+            return
+        handle = self._handles.get(path)
+        if handle is None:
+            try:
+                handle = self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115
+            except FileNotFoundError as exc:
+                raise self._missing(path, task, exc) from exc
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(handle.fileno(), [buffer[done:]], start + done)
+            if n <= 0:
+                raise self._short(path, task, start, len(buffer), done)
+            done += n
+
+    def read(self, task: _Task, start: int, end: int) -> bytes | bytearray:
+        """The file's bytes ``[start, end)``."""
+        if self._local:
+            buffer = bytearray(end - start)
+            self.readinto(task, start, memoryview(buffer))
+            return buffer
+        try:
+            data = self._fs.cat_file(task.path, start=start, end=end)
+        except FileNotFoundError as exc:
+            raise self._missing(task.path, task, exc) from exc
+        if len(data) != end - start:
+            raise self._short(task.path, task, start, end - start, len(data))
+        return data  # type: ignore[no-any-return]
+
+    def read_many(self, task: _Task, ranges: list[tuple[int, int]]) -> list[bytes | bytearray]:
+        """Several ranges of one file; concurrent on remote file systems (``cat_ranges``)."""
+        if self._local or len(ranges) == 1:
+            return [self.read(task, a, b) for a, b in ranges]
+        try:
+            out = self._fs.cat_ranges([task.path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges],
+                                      on_error="raise")
+        except FileNotFoundError as exc:
+            raise self._missing(task.path, task, exc) from exc
+        for (a, b), data in zip(ranges, out):
+            if isinstance(data, BaseException):
+                raise data
+            if len(data) != b - a:
+                raise self._short(task.path, task, a, b - a, len(data))
+        return out  # type: ignore[no-any-return]
+
+
+def _run_structure(task: _Task) -> tuple[int, int]:
+    """``(k, run elements)``: dims after ``k`` are whole in the overlap, so runs index dims ``< k``."""
+    dims, full = task.common[1], task.shard.dims
+    k = 0
+    for d in range(len(dims) - 1, -1, -1):
+        if dims[d] != full[d]:
+            k = d
+            break
+    return k, math.prod(dims[k:])
+
+
+def _execute(task: _Task, reader: _Reader) -> None:
+    shard, dtype, item = task.shard, task.entry.dtype, task.entry.dtype.itemsize
+    rel = tuple(c - o for c, o in zip(task.common[0], shard.offsets))
+    strides = [math.prod(shard.dims[d + 1:]) for d in range(len(shard.dims))]
+    base = shard.byte_range[0]
+    dims = task.common[1]
+    k, run = _run_structure(task)
+    runs = math.prod(dims[:k])
+    if runs == 1:
+        start = base + sum(r * s for r, s in zip(rel, strides)) * item
+        direct = _raw(task.dest, dtype)
+        buffer = direct if direct is not None else memoryview(bytearray(task.nbytes))
+        reader.readinto(task, start, buffer)
+        if task.whole:
+            verify_checksum(buffer, shard.checksum, file=task.path, tensor=task.name)
+        if direct is None:
+            _copy(task.dest, _view(buffer, dtype).reshape(dims))
+        return
+    if run * item >= _MIN_RUN:
+        starts = [base + (sum((r + i) * s for r, i, s in zip(rel, index, strides)) + rel[k] * strides[k]) * item
+                  for index in itertools.product(*(range(n) for n in dims[:k]))]
+        if reader._local:
+            direct_ok = _raw(task.dest[(0,) * k], dtype) is not None if all(n > 0 for n in dims) else False
+            scratch = None if direct_ok else memoryview(bytearray(run * item))
+            for index, start in zip(itertools.product(*(range(n) for n in dims[:k])), starts):
+                target = task.dest[index]
+                into = _raw(target, dtype) if direct_ok else scratch
+                assert into is not None
+                reader.readinto(task, start, into)
+                if not direct_ok:
+                    _copy(target, _view(into, dtype).reshape(dims[k:]))
+        else:
+            pieces = reader.read_many(task, [(s, s + run * item) for s in starts])
+            for index, data in zip(itertools.product(*(range(n) for n in dims[:k])), pieces):
+                _copy(task.dest[index], _view(data, dtype).reshape(dims[k:]))
+        return
+    # Tiny runs: read covering slabs along dim 0 (whole rows of the saved region) in batches.
+    slab = strides[0] * item
+    per_batch = max(1, _SLAB_BYTES // max(slab, 1))
+    inner = tuple(slice(r, r + n) for r, n in zip(rel[1:], dims[1:]))
+    for first in range(0, dims[0], per_batch):
+        count = min(per_batch, dims[0] - first)
+        start = base + (rel[0] + first) * slab
+        data = reader.read(task, start, start + count * slab)
+        rows = _view(data, dtype).reshape(count, *shard.dims[1:])
+        _copy(task.dest[first:first + count], rows[(slice(None), *inner)])
+
+
+def _view(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor over ``data`` without copying; read-only ``bytes`` are only ever read from."""
+    if isinstance(data, bytes):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(data, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype)
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.no_grad():
+        dest.copy_(src)
+
+
+def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """``(global offsets, tensor)`` of every local block to fill."""
+    if isinstance(value, ShardedTensor):
+        return [(s.metadata.offsets, s.tensor) for s in value.local_shards()]
+    return [((0,) * value.dim(), value)]
+
+
+def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
+         storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
+         quiet: bool | None = None) -> dict[str, Any]:
+    """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
+
+    A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
+    its local shards, only the bytes of the saved regions that overlap it (fsspec range reads).
+    A plain tensor receives the full tensor (in place); a ``None`` entry is replaced by a new
+    CPU tensor. Non-tensor values replace the entry. Nested dicts match dotted names.
+
+    Args:
+        state_dict: the (possibly nested) state_dict to fill, e.g. ``model.state_dict()`` of the
+            sharded model, with tensors of the right sizes and dtypes.
+        path: the checkpoint folder: a local path or any fsspec URL.
+        process_group: the group that loads; every rank of it calls ``load``.
+        storage_options: passed to the fsspec file system.
+        strict: names in the state_dict but not in the checkpoint (missing) or the other way
+            round (unexpected) are an error; with ``False`` they are skipped.
+        cast: allow a target dtype other than the saved one (values are converted like
+            ``Tensor.copy_``); without it a dtype difference is an error.
+        quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large loads.
+
+    Returns:
+        ``state_dict`` itself.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete (no committed metadata), corrupt
+            (checksum, truncated or missing file, malformed metadata, unsafe file name), or does
+            not match the state_dict (missing/unexpected names under ``strict``, size, dtype);
+            the message names the file and the tensor. A failure on any rank raises on all.
+        FileNotFoundError: there is no checkpoint at ``path``.
+
+    Example:
+        >>> # saved by 4 ranks split by rows; loaded by 2 ranks split by columns
+        >>> sd = {"w": st.empty(10, 4, single_split(1, ["rank:0/cpu", "rank:1/cpu"]))}  # doctest: +SKIP
+        >>> checkpoint.load(sd, "ckpt")  # rank r reads columns 2r..2r+1 of every row  # doctest: +SKIP
+    """
+    failure: BaseException | None = None
+    try:
+        _load(state_dict, path, storage_options, strict, cast, quiet, process_group)
+    except Exception as exc:
+        failure = exc
+    reports = _comm.all_gather_json(None if failure is None else f"{type(failure).__name__}: {failure}",
+                                    process_group, what="checkpoint.load")
+    if failure is not None:
+        raise failure
+    errors = [(r, e) for r, e in enumerate(reports) if e is not None]
+    if errors:
+        msg = f"checkpoint.load from {os.fspath(path)!r} failed on " + "; ".join(f"rank {r}: {e}" for r, e in errors)
+        raise CheckpointError(msg)
+    return state_dict
+
+
+def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None,
+          strict: bool, cast: bool, quiet: bool | None, process_group: _comm.ProcessGroup) -> None:
+    rank, _ = _comm.rank_and_world(process_group)
+    fs, root = resolve(path, storage_options)
+    metadata = _read_metadata(fs, root)
+    source = posixpath.join(root, METADATA_FILE)
+    leaves = list(flatten_state_dict(state_dict))
+    names = {name for name, *_ in leaves}
+    saved = set(metadata.tensors) | set(metadata.values)
+    if strict:
+        missing, unexpected = sorted(names - saved), sorted(saved - names)
+        if missing or unexpected:
+            msg = (f"checkpoint {source!r} does not match the state_dict: missing={missing} (in the "
+                   f"state_dict, not in the checkpoint), unexpected={unexpected} (in the checkpoint, not in "
+                   f"the state_dict); pass strict=False to load only what matches.")
+            raise CheckpointError(msg)
+    tasks: list[_Task] = []
+    for name, parent, key, value in leaves:
+        if name in metadata.values:
+            if isinstance(value, (torch.Tensor, ShardedTensor)):
+                msg = (f"checkpoint {source!r} holds a non-tensor value for {name!r}, but the state_dict has a "
+                       f"{type(value).__name__} there.")
+                raise CheckpointError(msg)
+            parent[key] = metadata.values[name]  # type: ignore[index]
+            continue
+        entry = metadata.tensors.get(name)
+        if entry is None:
+            continue
+        if value is None:
+            value = torch.empty(entry.size, dtype=entry.dtype)
+            parent[key] = value  # type: ignore[index]
+        if not isinstance(value, (torch.Tensor, ShardedTensor)):
+            msg = (f"checkpoint {source!r} holds a tensor for {name!r}, but the state_dict has "
+                   f"{type(value).__name__} {value!r} there; put a tensor (or None) under that name.")
+            raise CheckpointError(msg)
+        if tuple(value.shape) != tuple(entry.size):
+            msg = (f"tensor {name!r} in {source!r} has size {tuple(entry.size)}, but the state_dict's "
+                   f"{type(value).__name__} has size {tuple(value.shape)}; load into a tensor of the saved size.")
+            raise CheckpointError(msg)
+        if value.dtype != entry.dtype and not cast:
+            msg = (f"tensor {name!r} in {source!r} has dtype {entry.dtype}, but the state_dict's has "
+                   f"{value.dtype}; pass cast=True to convert on load.")
+            raise CheckpointError(msg)
+        tasks.extend(_plan_tensor(name, entry, value, root))
+    tasks.sort(key=lambda t: (t.path, t.shard.byte_range[0]))
+    reader = _Reader(fs)
+    try:
+        with progress(sum(t.nbytes for t in tasks), "load", rank=rank, quiet=quiet) as bar:
+            for task in tasks:
+                _execute(task, reader)
+                bar.update(task.nbytes)
+    finally:
+        reader.close()
+
+
+def _plan_tensor(name: str, entry: TensorEntry, value: Any, root: str) -> list[_Task]:
+    """The overlaps between the saved regions of ``name`` and this rank's blocks of ``value``."""
+    shards = [s for s in entry.shards if s.numel > 0]
+    if not shards:
+        return []
+    index = RegionIndex([s.region for s in shards], entry.size)
+    tasks = []
+    for offsets, tensor in _targets(value):
+        for box_id, common in index.overlapping((tuple(offsets), tuple(tensor.shape))):
+            shard = shards[box_id]
+            dest = tensor[box_slices(common, offsets)]
+            tasks.append(_Task(name, member(root, shard.file), entry, shard, common, dest))
+    return tasks

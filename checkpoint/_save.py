@@ -1,0 +1,436 @@
+"""``checkpoint.save``: every rank writes its share of the regions, rank 0 commits the metadata last.
+
+Phases (every rank, in order)::
+
+    plan      pure: flatten the state_dict, list each tensor's distinct regions and pick one
+              writer per region among its holders (greedy by bytes, identical on every rank)
+    prepare   rank 0 creates the folder and draws a fresh generation id; one small all_gather
+              checks that every rank saves the same structure and shares the id
+    write     each rank writes data-<generation>-r<rank>.safetensors (new names: the previous
+              checkpoint at the path is untouched), checksumming while writing
+    exchange  gather what was written to rank 0 (doubles as a barrier with a timeout)
+    commit    rank 0 writes shardkit.json atomically (temp file + rename): the commit point;
+              then removes the files of older generations
+    report    rank 0 broadcasts success or the error, so every rank returns or raises together
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import math
+import os
+import posixpath
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import torch
+
+from sharded_tensor import ShardedTensor
+
+from . import _comm
+from ._format import (
+    METADATA_FILE,
+    Checksum,
+    CheckpointError,
+    CheckpointMetadata,
+    SavedShard,
+    TensorEntry,
+    _list_names,
+    build_safetensors_header,
+    check_json_value,
+    data_file_generation,
+    data_file_name,
+    dtype_name,
+    flatten_state_dict,
+    is_local,
+    parse_metadata,
+    resolve,
+)
+from ._progress import progress
+
+__all__ = ["save", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a rank waits for the others after writing its data before giving up (``timeout=``)."""
+
+_test_hook: Callable[[str], None] | None = None
+"""Private, for tests only: called with each phase name ("planned", "data_written",
+"before_commit", "committed") on every rank, so a test can crash a rank at a chosen point."""
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _hook(phase: str) -> None:
+    if _test_hook is not None:
+        _test_hook(phase)
+
+
+@dataclass(slots=True)
+class _Region:
+    """One distinct region of one tensor and the rank that writes it."""
+
+    name: str
+    box: Box
+    writer: int
+    tensor: torch.Tensor | None  # this rank's copy, when it holds the region
+
+
+@dataclass(slots=True)
+class _Plan:
+    tensors: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
+    regions: list[_Region] = field(default_factory=list)  # every region of every tensor, in save order
+    values: dict[str, Any] = field(default_factory=dict)
+    signature: list[list[Any]] = field(default_factory=list)
+
+
+def _region_key(name: str, box: Box, size: torch.Size) -> str:
+    if tuple(box[0]) == (0,) * len(size) and tuple(box[1]) == tuple(size):
+        return name
+    return f"{name}@{','.join(str(o) for o in box[0])}"
+
+
+def _plan(state_dict: Mapping[str, Any], rank: int, world: int) -> _Plan:
+    """Pure: what is saved and who writes which region. Identical on every rank for equal layouts."""
+    plan = _Plan()
+    load = [0] * world  # bytes assigned per rank, for greedy balancing
+    for name, _, _, value in flatten_state_dict(state_dict):
+        if isinstance(value, ShardedTensor):
+            metadata = value.sharding_metadata()
+            size, dtype = metadata.size, metadata.dtype
+            dtype_name(dtype, tensor=name)
+            holders: dict[Box, list[int]] = {}
+            for shard in metadata.shards:
+                if shard.numel == 0:
+                    continue
+                if shard.rank is None or not 0 <= shard.rank < world:
+                    msg = (f"ShardedTensor {name!r} has a shard on {str(shard.device)!r}, outside the "
+                           f"process group of {world} ranks that is saving it; save it with the process "
+                           f"group it was created with.")
+                    raise ValueError(msg)
+                ranks = holders.setdefault(shard.region, [])
+                if shard.rank not in ranks:
+                    ranks.append(shard.rank)
+            local = {s.metadata.region: s.tensor for s in value.local_shards()}
+            boxes = [(box, sorted(ranks)) for box, ranks in holders.items()]
+            plan.signature.append([name, "sharded", list(size), str(dtype),
+                                   [[list(o), list(d), r] for (o, d), r in boxes]])
+        elif isinstance(value, torch.Tensor):
+            size, dtype = value.shape, value.dtype
+            dtype_name(dtype, tensor=name)
+            box = ((0,) * value.dim(), tuple(value.shape))
+            boxes = [(box, list(range(world)))] if value.numel() > 0 else []
+            local = {box: value}
+            plan.signature.append([name, "tensor", list(size), str(dtype)])
+        else:
+            check_json_value(name, value)
+            plan.values[name] = value
+            plan.signature.append([name, "value"])
+            continue
+        plan.tensors[name] = (torch.Size(size), dtype)
+        for box, ranks in boxes:
+            writer = min(ranks, key=lambda r: (load[r], r))
+            load[writer] += math.prod(box[1]) * dtype.itemsize
+            plan.regions.append(_Region(name, box, writer, local.get(box) if writer == rank else None))
+    return plan
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of ``tensor`` in row-major order, without a copy when it is a contiguous CPU tensor."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    flat = tensor.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+
+
+def _write_all(handle: Any, data: memoryview) -> None:
+    while data:
+        written = handle.write(data)
+        if written is None:  # buffered fsspec files return None and take everything
+            return
+        data = data[written:]
+
+
+def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Region],
+                     plan: _Plan, generation: str, rank: int, bar: Any) -> tuple[int, list[dict[str, Any]]]:
+    """Write this rank's regions to one safetensors file; return its size and one record per region."""
+    entries, keys = [], []
+    for region in regions:
+        size, dtype = plan.tensors[region.name]
+        keys.append(_region_key(region.name, region.box, size))
+        entries.append((keys[-1], dtype, region.box[1]))
+    about = {"version": 1, "generation": generation, "rank": rank,
+             "regions": {k: {"name": r.name, "offsets": list(r.box[0]), "size": list(plan.tensors[r.name][0])}
+                         for k, r in zip(keys, regions)}}
+    prefix, ranges = build_safetensors_header(entries, {"format": "pt", "shardkit": json.dumps(about)})
+    records = []
+    local = is_local(fs)
+    handle = open(path, "wb", buffering=0) if local else fs.open(path, "wb")  # noqa: SIM115
+    # The checksum runs in a second thread while the bytes go to storage: crc32c and file
+    # writes both release the GIL, so checksumming costs almost no wall time.
+    with handle, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardkit-crc") as pool:
+        _write_all(handle, memoryview(prefix))
+        for region, key, byte_range in zip(regions, keys, ranges):
+            assert region.tensor is not None and tuple(region.tensor.shape) == region.box[1], region
+            data = _as_bytes(region.tensor)
+            digest = Checksum()
+            pending = pool.submit(digest.update, data)
+            _write_all(handle, data)
+            pending.result()
+            bar.update(len(data))
+            records.append({"name": region.name, "offsets": list(region.box[0]), "dims": list(region.box[1]),
+                            "key": key, "byte_range": list(byte_range), "checksum": digest.hexdigest()})
+        if local:
+            handle.flush()
+            os.fsync(handle.fileno())
+    return len(prefix) + sum(b - a for a, b in ranges), records
+
+
+def _describe_mismatch(signatures: list[list[list[Any]]]) -> str:
+    reference = {s[0]: s for s in signatures[0]}
+    for r, sig in enumerate(signatures[1:], start=1):
+        mine = {s[0]: s for s in sig}
+        missing = sorted(set(reference) - set(mine))
+        extra = sorted(set(mine) - set(reference))
+        differ = sorted(n for n in set(mine) & set(reference) if mine[n] != reference[n])
+        if missing or extra or differ or list(mine) != list(reference):
+            details = [f"missing {missing[:10]}" if missing else "", f"extra {extra[:10]}" if extra else "",
+                       f"different kind, size, dtype or layout for {differ[:10]}" if differ else "",
+                       "the same names in another order" if not (missing or extra or differ) else ""]
+            return f"rank {r}'s state_dict differs from rank 0's: " + "; ".join(d for d in details if d)
+    return "the ranks' state_dicts differ"
+
+
+def _prepare(fs: fsspec.AbstractFileSystem, root: str) -> str:
+    """Rank 0: create the folder and draw a generation id no file in it uses."""
+    if fs.isfile(root):
+        msg = f"cannot save a checkpoint to {root!r}: it is an existing file, and a checkpoint is a folder."
+        raise FileExistsError(msg)
+    fs.makedirs(root, exist_ok=True)
+    names = _list_names(fs, root)
+    used = {data_file_generation(n) for n in names}
+    generation = secrets.token_hex(4)
+    while generation in used:
+        generation = secrets.token_hex(4)
+    return generation
+
+
+def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetadata) -> None:
+    """Write ``shardkit.json`` atomically: temp file, then rename over the old one."""
+    text = metadata.to_json().encode()
+    final = posixpath.join(root, METADATA_FILE)
+    temp = posixpath.join(root, f"{METADATA_FILE}.tmp-{metadata.generation}")
+    if is_local(fs):
+        with open(temp, "wb") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, final)
+        try:  # make the rename durable; some file systems cannot fsync a directory
+            fd = os.open(root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+    else:
+        # Object stores create an object atomically on PUT/COPY, so copying the complete temp
+        # file makes the commit atomic there. (cp_file/rm_file, unlike mv, never glob-expand.)
+        fs.pipe_file(temp, text)
+        fs.cp_file(temp, final)
+        fs.rm_file(temp)
+
+
+def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> None:
+    """After a commit: delete data and temp files of every other generation (best effort)."""
+    stale = []
+    for name in _list_names(fs, root):
+        if name.startswith(f"{METADATA_FILE}.tmp-") or data_file_generation(name) is not None:
+            if data_file_generation(name) != generation and name != f"{METADATA_FILE}.tmp-{generation}":
+                stale.append(posixpath.join(root, name))
+    for path in stale:
+        try:
+            fs.rm_file(path)
+        except OSError:
+            pass
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
+         storage_options: Mapping[str, Any] | None = None, timeout: float = DEFAULT_TIMEOUT,
+         quiet: bool | None = None) -> None:
+    """Save a (sharded) state_dict to a checkpoint folder. Collective.
+
+    Every rank of ``process_group`` calls it with a state_dict of the same structure. Each
+    rank writes the regions of ``ShardedTensor`` entries it holds; a region held by several
+    ranks (replicas) is written once, by one of its holders, with the writing spread over
+    them. A plain ``torch.Tensor`` (the same on every rank) is written once. Non-tensor
+    values (None, bool, int, float, str, lists/dicts of them) are stored as JSON. Nested
+    dicts are flattened to dotted names (``{"opt": {"lr": 1}}`` -> ``"opt.lr"``).
+
+    Complete or absent: data files get fresh names, and the checkpoint exists only once
+    rank 0 has written ``shardkit.json`` last, atomically. A save that dies midway leaves
+    the checkpoint previously at ``path`` (if any) loadable and unchanged; files of older
+    saves are removed only after the new metadata is committed. Saving twice to the same
+    path at the same time is not supported.
+
+    Args:
+        state_dict: a (possibly nested) mapping of ``ShardedTensor``, tensors and JSON values.
+        path: the checkpoint folder: a local path or any fsspec URL (``"s3://bucket/ckpt"``).
+        process_group: the group whose ranks the ``ShardedTensor`` layouts name; ``None``: default.
+        storage_options: passed to the fsspec file system (credentials, endpoint, ...).
+        timeout: seconds each rank waits for the others once its own data is written. A rank
+            that crashed or hangs makes the others raise ``CheckpointError`` within this time
+            (at once when its connection closes).
+        quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large saves.
+
+    Raises:
+        TypeError: an entry is neither a tensor, a ``ShardedTensor`` nor JSON data (names the key).
+        ValueError: the ranks' state_dicts differ in structure, or a layout names ranks outside
+            the process group.
+        CheckpointError: another rank failed or did not finish; nothing was committed.
+        OSError: the storage failed (from fsspec), on the rank where it happened.
+
+    Example:
+        >>> # 4 ranks: a (10, 4) weight split by rows (3/3/3/1) plus a replicated bias
+        >>> checkpoint.save({"w": sharded_weight, "b": bias, "epoch": 3}, "ckpt")  # doctest: +SKIP
+        >>> # rank r writes ckpt/data-<id>-r0000r.safetensors; rank 0 then writes ckpt/shardkit.json
+    """
+    rank, world = _comm.rank_and_world(process_group)
+    fs, root = resolve(path, storage_options)
+    problem: Exception | None = None
+    plan = _Plan()
+    try:
+        plan = _plan(state_dict, rank, world)
+        _hook("planned")
+        # prepare: rank 0 makes the folder and the generation id; everyone checks the structure.
+        generation = _prepare(fs, root) if rank == 0 else ""
+    except Exception as exc:  # reported to every rank below, so none is left waiting
+        problem, generation = exc, ""
+    digest = hashlib.sha256(json.dumps(plan.signature).encode()).hexdigest()
+    hello = {"digest": digest, "generation": generation, "error": None if problem is None else _error_text(problem)}
+    everyone = _comm.all_gather_json(hello, process_group, timeout=timeout, what="checkpoint.save (prepare)")
+    if problem is not None:
+        raise problem
+    failed = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
+    if failed:
+        msg = (f"checkpoint.save to {root!r} failed before writing anything: "
+               + "; ".join(f"rank {r}: {e}" for r, e in failed))
+        raise CheckpointError(msg)
+    if len({e["digest"] for e in everyone}) > 1:
+        signatures = _comm.all_gather_json(plan.signature, process_group, timeout=timeout,
+                                           what="checkpoint.save (structure check)")
+        msg = (f"checkpoint.save to {root!r}: every rank must save a state_dict of the same structure "
+               f"(names, kinds, sizes, dtypes and layouts), but {_describe_mismatch(signatures)}.")
+        raise ValueError(msg)
+    generation = everyone[0]["generation"]
+
+    # write: this rank's regions, under a name no earlier save used.
+    mine = [r for r in plan.regions if r.writer == rank]
+    file_name = data_file_name(generation, rank)
+    report: dict[str, Any] = {"error": None, "file": None, "bytes": 0, "records": []}
+    failure: BaseException | None = None
+    total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in mine)
+    try:
+        if mine:
+            with progress(total, "save", rank=rank, quiet=quiet) as bar:
+                nbytes, records = _write_data_file(fs, posixpath.join(root, file_name), mine, plan,
+                                                   generation, rank, bar)
+            report.update(file=file_name, bytes=nbytes, records=records)
+        _hook("data_written")
+    except Exception as exc:
+        failure = exc
+        report["error"] = _error_text(exc)
+
+    # exchange: everything written reaches rank 0; a dead or stuck rank stops the save here.
+    try:
+        reports = _comm.gather_json(report, 0, process_group, timeout=timeout,
+                                    what="waiting for every rank to finish writing")
+    except _comm.CollectiveError as exc:
+        msg = (f"checkpoint.save to {root!r} failed: not every one of the {world} ranks finished writing "
+               f"its data ({exc}); a rank crashed, was killed or is stuck. Nothing was committed: the "
+               f"checkpoint previously at this path, if any, is unchanged.")
+        raise CheckpointError(msg) from (failure or exc)
+
+    # commit (rank 0): the metadata file is the commit point.
+    status: dict[str, Any] = {"error": None}
+    if rank == 0:
+        assert reports is not None
+        errors = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"] is not None]
+        if errors:
+            status["error"] = "; ".join(f"rank {r}: {e}" for r, e in errors)
+            _remove_generation(fs, root, generation)
+        else:
+            committed = False
+            try:
+                _hook("before_commit")
+                metadata = _assemble(plan, reports, generation, world, root)
+                _commit(fs, root, metadata)
+                committed = True
+                _remove_stale(fs, root, generation)
+                _hook("committed")
+            except Exception as exc:
+                failure = failure or exc
+                status["error"] = f"rank 0: {_error_text(exc)}"
+                if not committed and not _is_committed(fs, root, generation):
+                    _remove_generation(fs, root, generation)
+    try:
+        status = _comm.broadcast_json(status, 0, process_group, timeout=timeout,
+                                      what="waiting for rank 0 to commit")
+    except _comm.CollectiveError as exc:
+        msg = (f"checkpoint.save to {root!r}: rank 0 did not report whether it committed the checkpoint "
+               f"({exc}); check {posixpath.join(root, METADATA_FILE)!r}.")
+        raise CheckpointError(msg) from exc
+    if status["error"] is not None:
+        if failure is not None:
+            raise failure
+        msg = (f"checkpoint.save to {root!r} failed, nothing was committed (the checkpoint previously at "
+               f"this path, if any, is unchanged): {status['error']}")
+        raise CheckpointError(msg)
+
+
+def _is_committed(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> bool:
+    """Whether ``shardkit.json`` at ``root`` is the one of ``generation`` (after an ambiguous failure)."""
+    try:
+        return bool(json.loads(fs.cat_file(posixpath.join(root, METADATA_FILE))).get("generation") == generation)
+    except Exception:  # unreadable or absent: not ours
+        return False
+
+
+def _remove_generation(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> None:
+    """After a failed save whose ranks all reported: remove that save's data files (best effort)."""
+    for name in _list_names(fs, root):
+        if data_file_generation(name) == generation:
+            try:
+                fs.rm_file(posixpath.join(root, name))
+            except OSError:
+                pass
+
+
+def _assemble(plan: _Plan, reports: list[dict[str, Any]], generation: str, world: int,
+              root: str) -> CheckpointMetadata:
+    """Rank 0: the metadata of the new checkpoint from every rank's records, validated."""
+    shards: dict[str, list[SavedShard]] = {name: [] for name in plan.tensors}
+    files: dict[str, int] = {}
+    for rep in reports:
+        if rep["file"] is None:
+            continue
+        files[rep["file"]] = rep["bytes"]
+        for rec in rep["records"]:
+            shards[rec["name"]].append(SavedShard(tuple(rec["offsets"]), tuple(rec["dims"]), rep["file"],
+                                                  rec["key"], tuple(rec["byte_range"]), rec["checksum"]))
+    order = {(r.name, r.box): i for i, r in enumerate(plan.regions)}
+    tensors = {name: TensorEntry(size, dtype, tuple(sorted(shards[name], key=lambda s: order[(name, s.region)])))
+               for name, (size, dtype) in plan.tensors.items()}
+    metadata = CheckpointMetadata(tensors, plan.values, files, generation, world)
+    # Validate exactly what a reader will see before it becomes the checkpoint.
+    return parse_metadata(metadata.to_json(), source=posixpath.join(root, METADATA_FILE))

@@ -1,0 +1,380 @@
+"""checkpoint save/load in one process (a world of one): format, backends, every integrity error.
+
+Multi-rank behaviour (layouts across world sizes, replicas, crashes) is in
+``tests/distributed/test_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickletools
+from pathlib import Path
+
+import fsspec
+import pytest
+import safetensors
+import torch
+
+import checkpoint
+import sharded_tensor as st
+from checkpoint import CheckpointError, _format, _load, _save
+from sharding import single_split
+
+R0 = "rank:0/cpu"
+
+
+def _split(dim: int, parts: int):
+    return single_split(dim, [R0] * parts)
+
+
+def _sharded(full: torch.Tensor, spec) -> st.ShardedTensor:
+    t = st.zeros(*full.shape, sharding_spec=spec, dtype=full.dtype)
+    for shard in t.local_shards():
+        box = tuple(slice(o, o + n) for o, n in zip(shard.metadata.offsets, shard.metadata.dims))
+        shard.tensor.copy_(full[box])
+    return t
+
+
+def _full(t: st.ShardedTensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype)
+    for shard in t.local_shards():
+        out[tuple(slice(o, o + n) for o, n in zip(shard.metadata.offsets, shard.metadata.dims))] = shard.tensor
+    return out
+
+
+ALL_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2,
+              torch.uint16, torch.uint32, torch.uint64]
+
+
+def _example(dtype: torch.dtype, shape=(5, 3)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype) if not dtype.is_complex else \
+            torch.randn(shape, generator=g, dtype=dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+@pytest.fixture
+def memory_url(request):
+    """A fresh ``memory://`` folder; its name holds glob characters on purpose (``[...]``)."""
+    url = f"memory://ckpt-{request.node.name}"
+    yield url
+    store = fsspec.filesystem("memory").store
+    for key in [k for k in store if k.startswith(url.removeprefix("memory:/"))]:
+        del store[key]
+
+
+# -- round trips ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_round_trip_nested_state_dict(tmp_path, memory_url, backend):
+    path = str(tmp_path / "ck") if backend == "local" else memory_url
+    w = _example(torch.float32, (10, 4))
+    tensors = {dtype: _example(dtype) for dtype in ALL_DTYPES}
+    sd = {"model": {"w": _sharded(w, _split(0, 3)), "b": torch.arange(5.0)},
+          "dtypes": {str(d).removeprefix("torch."): t for d, t in tensors.items()},
+          "scalar": torch.tensor(3), "empty": torch.zeros(0, 4),
+          "opt": {"state": {0: {"step": 4, "exp_avg": torch.ones(2, 2)}},
+                  "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]},
+          "epoch": 3, "name": "run", "flag": True, "nothing": None, "inf": float("inf")}
+    checkpoint.save(sd, path)
+
+    md = checkpoint.read_metadata(path)
+    assert set(md.tensors) == {"model.w", "model.b", "scalar", "empty", "opt.state.0.exp_avg",
+                               *(f"dtypes.{str(d).removeprefix('torch.')}" for d in ALL_DTYPES)}
+    assert dict(md.values) == {"opt.state.0.step": 4, "opt.param_groups": [{"lr": 0.1, "betas": [0.9, 0.99],
+                                                                               "params": [0]}],
+                               "epoch": 3, "name": "run", "flag": True, "nothing": None, "inf": float("inf")}
+    assert md.tensors["model.w"].size == torch.Size([10, 4]) and md.tensors["model.w"].dtype == torch.float32
+    assert [s.region for s in md.tensors["model.w"].shards] == [((0, 0), (4, 4)), ((4, 0), (4, 4)), ((8, 0), (2, 4))]
+
+    target = {"model": {"w": st.zeros(10, 4, sharding_spec=_split(1, 2)), "b": torch.zeros(5)},
+              "dtypes": {k: torch.zeros_like(v) for k, v in sd["dtypes"].items()},
+              "scalar": torch.tensor(0), "empty": torch.zeros(0, 4),
+              "opt": {"state": {0: {"step": 0, "exp_avg": None}}, "param_groups": None},
+              "epoch": 0, "name": "", "flag": False, "nothing": 1, "inf": 0.0}
+    b_storage = target["model"]["b"].data_ptr()
+    out = checkpoint.load(target, path)
+    assert out is target
+    assert torch.equal(_full(target["model"]["w"]), w)
+    assert torch.equal(target["model"]["b"], torch.arange(5.0)) and target["model"]["b"].data_ptr() == b_storage
+    for key, t in sd["dtypes"].items():
+        assert torch.equal(target["dtypes"][key].view(torch.uint8), t.view(torch.uint8)), key
+    assert target["scalar"].item() == 3 and target["empty"].shape == (0, 4)
+    assert torch.equal(target["opt"]["state"][0]["exp_avg"], torch.ones(2, 2))  # None -> a new tensor
+    assert target["opt"]["state"][0]["step"] == 4
+    assert target["opt"]["param_groups"] == [{"lr": 0.1, "betas": [0.9, 0.99], "params": [0]}]
+    assert (target["epoch"], target["name"], target["flag"], target["nothing"], target["inf"]) == (3, "run", True, None,
+                                                                                                   float("inf"))
+
+
+def test_files_are_plain_safetensors_and_json_without_pickle(tmp_path):
+    sd = {"w": _sharded(_example(torch.float32, (6, 4)), _split(0, 2)), "b": torch.ones(3, dtype=torch.bfloat16),
+          "meta": {"epoch": 1}}
+    checkpoint.save(sd, tmp_path / "ck")
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert names[-1] == "shardkit.json" and all(n.endswith(".safetensors") for n in names[:-1]), names
+    meta = json.loads((tmp_path / "ck" / "shardkit.json").read_text())  # plain JSON
+    assert meta["format"] == "shardkit-checkpoint" and meta["version"] == 1
+    for name in names[:-1]:
+        raw = (tmp_path / "ck" / name).read_bytes()
+        assert not raw.startswith(b"\x80") and b"PK\x03\x04" not in raw[:8]  # neither pickle nor torch zip
+        with safetensors.safe_open(str(tmp_path / "ck" / name), "pt") as f:
+            about = json.loads(f.metadata()["shardkit"])
+            assert about["generation"] == meta["generation"]
+            for key in f.keys():
+                region = about["regions"][key]
+                tensor = f.get_tensor(key)
+                entry = meta["tensors"][region["name"]]
+                shard = next(s for s in entry["shards"] if s["key"] == key)
+                assert list(tensor.shape) == shard["dims"] and region["offsets"] == shard["offsets"]
+                # byte_range is exact: the bytes there are the tensor's, and the checksum matches
+                start, end = shard["byte_range"]
+                assert raw[start:end] == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+                assert _format.checksum(raw[start:end]) == shard["checksum"]
+        header, data_start = _format.parse_safetensors_header(raw, file=name)
+        assert data_start == 8 + int.from_bytes(raw[:8], "little") and data_start % 8 == 0
+    # Loading a file's bytes with pickle machinery would fail: there is no pickle opcode stream.
+    with pytest.raises(Exception):
+        list(pickletools.genops((tmp_path / "ck" / names[0]).read_bytes()))
+
+
+def test_overwrite_replaces_generation_and_never_writes_outside(tmp_path):
+    path = tmp_path / "sub" / "ck"
+    checkpoint.save({"w": torch.zeros(3)}, path)
+    first = checkpoint.read_metadata(path).generation
+    checkpoint.save({"w": torch.ones(3), "v": 2}, path)
+    md = checkpoint.read_metadata(path)
+    assert md.generation != first and dict(md.values) == {"v": 2}
+    assert sorted(os.listdir(path)) == sorted([*md.files, "shardkit.json"])  # old files removed
+    assert os.listdir(tmp_path) == ["sub"] and os.listdir(tmp_path / "sub") == ["ck"]
+    assert torch.equal(checkpoint.load({"w": torch.zeros(3), "v": 0}, path)["w"], torch.ones(3))
+
+
+def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    checkpoint.save({"w": torch.zeros(3)}, tmp_path)
+    before = sorted(os.listdir(tmp_path))
+
+    def boom(phase: str) -> None:
+        if phase == "before_commit":
+            raise OSError("storage went away (simulated)")
+
+    monkeypatch.setattr(_save, "_test_hook", boom)
+    with pytest.raises(OSError, match="simulated"):
+        checkpoint.save({"w": torch.ones(3)}, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == before  # the new generation's files are gone again
+    assert torch.equal(checkpoint.load({"w": torch.ones(3)}, tmp_path)["w"], torch.zeros(3))
+
+
+# -- reading only what is needed ------------------------------------------------------------------
+
+class _CountingReader(_load._Reader):
+    log: list[tuple[str, int]] = []
+
+    def readinto(self, task, start, buffer):
+        if self._local:
+            self.log.append((task.name, len(buffer)))
+        super().readinto(task, start, buffer)
+
+    def read(self, task, start, end):
+        if not self._local:
+            self.log.append((task.name, end - start))
+        return super().read(task, start, end)
+
+    def read_many(self, task, ranges):
+        if not self._local and len(ranges) > 1:
+            self.log.extend((task.name, b - a) for a, b in ranges)
+        return super().read_many(task, ranges)
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+@pytest.mark.parametrize(("saved", "target", "shape", "mode"), [
+    pytest.param((0, 4), (0, 2), (16, 8), "one range", id="rows-into-rows"),
+    pytest.param((1, 4), (0, 2), (16, 8), "one range", id="cols-into-rows"),
+    pytest.param((0, 4), (1, 2), (16, 32768), "runs", id="rows-into-cols-long-rows"),
+    pytest.param((0, 4), (1, 2), (16, 8), "slabs", id="rows-into-cols-short-rows"),
+])
+def test_load_reads_only_needed_bytes(tmp_path, memory_url, monkeypatch, backend, saved, target, shape, mode):
+    path = str(tmp_path / "ck") if backend == "local" else memory_url
+    full = _example(torch.float32, shape)
+    checkpoint.save({"w": _sharded(full, _split(*saved))}, path)
+    log: list[tuple[str, int]] = []
+    monkeypatch.setattr(_CountingReader, "log", log)
+    monkeypatch.setattr(_load, "_Reader", _CountingReader)
+    out = checkpoint.load({"w": st.zeros(*shape, sharding_spec=_split(*target))}, path)["w"]
+    assert torch.equal(_full(out), full)
+    read = sum(n for _, n in log)
+    needed = full.numel() * full.element_size()
+    if mode == "slabs":  # covering rows: at most the saved regions once
+        assert needed <= read <= needed * 2
+    else:
+        assert read == needed, (read, needed)
+
+
+def test_direct_read_into_target_memory(tmp_path, monkeypatch):
+    """Whole contiguous overlaps go straight into the target tensor: no scratch buffer, no copy."""
+    full = _example(torch.float32, (8, 4))
+    checkpoint.save({"w": full}, tmp_path)
+    copies = []
+    monkeypatch.setattr(_load, "_copy", lambda dest, src: copies.append(1) or dest.copy_(src))
+    target = torch.zeros(8, 4)
+    checkpoint.load({"w": target}, tmp_path)
+    assert torch.equal(target, full) and copies == []
+    checkpoint.load({"w": torch.zeros(8, 4, dtype=torch.float64)}, tmp_path, cast=True)
+    assert copies == [1]
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+def _saved(tmp_path: Path) -> tuple[Path, dict]:
+    path = tmp_path / "ck"
+    checkpoint.save({"w": _sharded(_example(torch.float32, (6, 4)), _split(0, 2)), "b": torch.ones(3),
+                     "epoch": 1}, path)
+    return path, json.loads((path / "shardkit.json").read_text())
+
+
+def _target() -> dict:
+    return {"w": st.zeros(6, 4, sharding_spec=_split(0, 2)), "b": torch.zeros(3), "epoch": 0}
+
+
+def test_flipped_byte_names_file_and_tensor(tmp_path):
+    path, meta = _saved(tmp_path)
+    shard = meta["tensors"]["w"]["shards"][1]
+    data = bytearray((path / shard["file"]).read_bytes())
+    data[shard["byte_range"][0] + 3] ^= 0x10
+    (path / shard["file"]).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch in '.*{shard['file']}' for tensor 'w'"):
+        checkpoint.load(_target(), path)
+
+
+def test_truncated_and_missing_files(tmp_path):
+    path, meta = _saved(tmp_path)
+    name = meta["tensors"]["b"]["shards"][0]["file"]
+    data = (path / name).read_bytes()
+    (path / name).write_bytes(data[:-4])
+    with pytest.raises(CheckpointError, match=rf"data file '.*{name}' of tensor '(w|b)' is truncated"):
+        checkpoint.load(_target(), path)
+    (path / name).unlink()
+    with pytest.raises(CheckpointError, match=rf"data file '.*{name}' of tensor '(w|b)' is missing"):
+        checkpoint.load(_target(), path)
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    pytest.param(lambda m: "{not json", "not valid JSON", id="not-json"),
+    pytest.param(lambda m: json.dumps({**m, "format": "other"}), "is not shardkit checkpoint metadata", id="format"),
+    pytest.param(lambda m: json.dumps({**m, "version": 99}), "format version 99, newer", id="version"),
+    pytest.param(lambda m: json.dumps({**m, "tensors": {**m["tensors"], "w": {**m["tensors"]["w"], "dtype": "float7"}}}),
+                 "tensor 'w' has unknown dtype 'float7'", id="dtype"),
+    pytest.param(lambda m: json.dumps({**m, "tensors": {"w": {**m["tensors"]["w"], "shards": m["tensors"]["w"]["shards"][:1]}}}),
+                 "tensor 'w': saved regions leave a gap", id="gap"),
+    pytest.param(lambda m: _set_shard(m, "byte_range", [0, 4]), r"tensor 'w' shards\[0\] byte_range", id="byte-range"),
+    pytest.param(lambda m: _set_shard(m, "checksum", "md5:0"), r"tensor 'w' shards\[0\] checksum", id="checksum"),
+])
+def test_malformed_metadata(tmp_path, edit, match):
+    path, meta = _saved(tmp_path)
+    (path / "shardkit.json").write_text(edit(meta))
+    with pytest.raises(CheckpointError, match=match) as info:
+        checkpoint.load(_target(), path)
+    assert "shardkit.json" in str(info.value)
+
+
+def _set_shard(meta: dict, field: str, value: object) -> str:
+    meta["tensors"]["w"]["shards"][0][field] = value
+    return json.dumps(meta)
+
+
+@pytest.mark.parametrize("name", ["../escape.safetensors", "/etc/passwd", "sub/x.safetensors", "..", "C:x",
+                                  "s3://bucket/x"])
+def test_file_names_outside_the_folder_are_refused(tmp_path, name):
+    path, meta = _saved(tmp_path)
+    old = meta["tensors"]["w"]["shards"][0]["file"]
+    meta["files"][name] = meta["files"].pop(old)
+    for entry in meta["tensors"].values():
+        for shard in entry["shards"]:
+            if shard["file"] == old:
+                shard["file"] = name
+    (path / "shardkit.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="not a plain file name inside the checkpoint folder") as info:
+        checkpoint.load(_target(), path)
+    assert repr(name) in str(info.value) and "shardkit.json" in str(info.value)
+
+
+def test_shape_and_dtype_mismatch(tmp_path):
+    path, _ = _saved(tmp_path)
+    target = _target() | {"b": torch.zeros(4)}
+    with pytest.raises(CheckpointError, match=r"tensor 'b' in '.*shardkit.json' has size \(3,\).* has size \(4,\)"):
+        checkpoint.load(target, path)
+    target = _target() | {"b": torch.zeros(3, dtype=torch.float16)}
+    with pytest.raises(CheckpointError, match=r"tensor 'b' .* has dtype torch.float32.*torch.float16; pass cast=True"):
+        checkpoint.load(target, path)
+    checkpoint.load(target, path, cast=True)
+    assert target["b"].dtype == torch.float16 and torch.equal(target["b"], torch.ones(3, dtype=torch.float16))
+    with pytest.raises(CheckpointError, match="holds a tensor for 'b', but the state_dict has int"):
+        checkpoint.load(_target() | {"b": 5}, path)
+    with pytest.raises(CheckpointError, match="holds a non-tensor value for 'epoch', but the state_dict has a Tensor"):
+        checkpoint.load(_target() | {"epoch": torch.zeros(1)}, path)
+
+
+def test_strict_keys(tmp_path):
+    path, _ = _saved(tmp_path)
+    target = {"w": st.zeros(6, 4, sharding_spec=_split(1, 2)), "extra": torch.zeros(1), "other": 3}
+    with pytest.raises(CheckpointError, match=r"missing=\['extra', 'other'\].*unexpected=\['b', 'epoch'\]"):
+        checkpoint.load(target, path)
+    checkpoint.load(target, path, strict=False)
+    assert target["other"] == 3 and torch.equal(target["extra"], torch.zeros(1))
+    assert not torch.equal(_full(target["w"]), torch.zeros(6, 4))
+
+
+def test_incomplete_and_absent_checkpoints(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="no shardkit checkpoint at"):
+        checkpoint.read_metadata(tmp_path / "nothing")
+
+    def die(phase: str) -> None:
+        if phase == "before_commit":
+            raise KeyboardInterrupt  # not an Exception: like a crash, no cleanup runs
+
+    monkeypatch.setattr(_save, "_test_hook", die)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save({"w": torch.ones(3)}, tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=r"checkpoint '.*ck' is incomplete: it holds 1 data file\(s\)"):
+        checkpoint.load({"w": torch.zeros(3)}, tmp_path / "ck")
+
+
+@pytest.mark.parametrize(("value", "where"), [
+    pytest.param(object(), "'opt.thing' is object", id="object"),
+    pytest.param([1, {2}], r"'opt.thing' is set at 'opt.thing\[1\]'", id="set-in-list"),
+    pytest.param({"a": torch.nn.Linear(1, 1)}, "'opt.thing.a' is Linear", id="module"),
+    pytest.param(b"bytes", "'opt.thing' is bytes", id="bytes"),
+    pytest.param([{1: 2}], "dict with key 1 of type int", id="int-key-in-value"),
+])
+def test_non_json_values_raise_type_error_naming_the_key(tmp_path, value, where):
+    with pytest.raises(TypeError, match=where):
+        checkpoint.save({"w": torch.ones(1), "opt": {"thing": value}}, tmp_path / "ck")
+    assert not (tmp_path / "ck" / "shardkit.json").exists()
+
+
+def test_unsupported_dtype_and_key_collisions(tmp_path):
+    with pytest.raises(TypeError, match="tensor 'c' has dtype torch.complex128, which safetensors cannot store"):
+        checkpoint.save({"c": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "ck")
+    with pytest.raises(ValueError, match="both flatten to the name 'a.b'"):
+        checkpoint.save({"a.b": 1, "a": {"b": 2}}, tmp_path / "ck")
+    with pytest.raises(TypeError, match="keys must be str"):
+        checkpoint.save({("a",): 1}, tmp_path / "ck")
+
+
+def test_metadata_file_is_compact_and_validated_before_commit():
+    md = _format.parse_metadata(json.dumps({
+        "format": "shardkit-checkpoint", "version": 1, "generation": "ab", "world_size": 1,
+        "files": {"data-ab-r00000.safetensors": {"bytes": 72}},
+        "tensors": {"x": {"dtype": "float32", "size": [2], "shards": [
+            {"offsets": [0], "dims": [2], "file": "data-ab-r00000.safetensors", "key": "x", "byte_range": [64, 72],
+             "checksum": "crc32c:00000000"}]}},
+        "values": {"n": 1}}), source="t")
+    assert md.tensors["x"].shards[0].nbytes == 8 and md.nbytes == 8 and md.values["n"] == 1
+    assert _format.parse_metadata(md.to_json()) == md
+    assert math.prod(md.tensors["x"].size) == 2
