@@ -1,21 +1,21 @@
-"""Command line entry point ``python -m checkpoint`` / ``shardkit-checkpoint`` (placeholder)."""
+"""Command line entry point: ``python -m checkpoint`` and the ``shardkit-checkpoint`` console script.
+
+Commands: ``inspect PATH``, ``verify PATH`` and ``consolidate PATH OUTPUT
+[--max-shard-size 5GB]``; ``--help`` on each. The implementation is ``checkpoint._cli``.
+"""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
-__all__: list[str] = []
+from ._cli import main as _main
+
+__all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print help; the inspect/verify/consolidate commands are not implemented yet."""
-    parser = argparse.ArgumentParser(
-        prog="shardkit-checkpoint",
-        description="Inspect, verify and consolidate shardkit checkpoints (not implemented yet).")
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    """Run ``shardkit-checkpoint`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    return _main(argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,286 @@
+"""``python -m checkpoint`` / ``shardkit-checkpoint``: inspect, verify and consolidate checkpoints.
+
+Exit status: 0 on success, 1 when the checkpoint is invalid or cannot be read (the error
+message, naming the file and the tensor, goes to stderr), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+import fsspec
+
+from ._consolidate import _Source, consolidate_files, parse_size
+from ._format import (
+    CheckpointError,
+    CheckpointMetadata,
+    _read_metadata,
+    member,
+    read_safetensors_header,
+    resolve,
+    safetensors_dtype,
+)
+from ._progress import progress
+
+__all__ = ["main", "verify"]
+
+PROG = "shardkit-checkpoint"
+
+_DESCRIPTION = """\
+Inspect, verify and consolidate shardkit checkpoints (local folders or fsspec URLs such as
+s3://bucket/ckpt; pass credentials or an endpoint with --storage-option)."""
+
+_EPILOG = """\
+examples:
+  %(prog)s inspect ckpt
+  %(prog)s verify s3://bucket/ckpt -o endpoint_url=http://127.0.0.1:9000
+  %(prog)s consolidate ckpt model.safetensors
+  %(prog)s consolidate ckpt hf-model --max-shard-size 5GB
+
+exit status: 0 success, 1 invalid or unreadable checkpoint, 2 usage error."""
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _storage_option(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        msg = f"expected KEY=VALUE, got {text!r} (e.g. endpoint_url=http://127.0.0.1:9000)"
+        raise argparse.ArgumentTypeError(msg)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key.split("."), value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(int(text) if text.isdigit() else text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _options(pairs: Sequence[tuple[list[str], Any]] | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for path, value in pairs or ():
+        where = options
+        for part in path[:-1]:
+            where = where.setdefault(part, {})
+        where[path[-1]] = value
+    return options
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=_DESCRIPTION, epilog=_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-o", "--storage-option", dest="storage_options", action="append", type=_storage_option,
+                        metavar="KEY=VALUE",
+                        help="fsspec storage option for the checkpoint's file system, repeatable; VALUE is "
+                             "parsed as JSON when it can be, dotted KEYs nest (client_kwargs.region_name=eu-west-1)")
+
+    inspect = commands.add_parser(
+        "inspect", parents=[common], help="list tensors, sizes, dtypes, shard counts and values",
+        description="List a checkpoint's tensors (dtype, shape, bytes, saved shards), its non-tensor values and "
+                    "its data files, from the metadata alone (no tensor data is read).")
+    inspect.add_argument("path", metavar="PATH", help="checkpoint folder (local path or fsspec URL)")
+    inspect.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+
+    verify_cmd = commands.add_parser(
+        "verify", parents=[common], help="re-read every byte: checksums, file sizes, headers",
+        description="Re-read the whole checkpoint: validate the metadata, check that every data file exists with "
+                    "the recorded size and a safetensors header matching the metadata, and check the checksum of "
+                    "every saved region. Exits 1 and names the file and tensor of every problem found.")
+    verify_cmd.add_argument("path", metavar="PATH", help="checkpoint folder (local path or fsspec URL)")
+    verify_cmd.add_argument("-q", "--quiet", action="store_true", help="no progress bar (also: environment SHARDKIT_QUIET=1)")
+
+    cons = commands.add_parser(
+        "consolidate", parents=[common], help="write one .safetensors file or a Hugging Face style folder",
+        description="Assemble the full tensors into one .safetensors file (OUTPUT is the file), or with "
+                    "--max-shard-size into a Hugging Face style folder (OUTPUT is the folder: "
+                    "model-0000k-of-0000N.safetensors plus model.safetensors.index.json). Streams one tensor at a "
+                    "time and verifies every checksum; non-tensor values are kept as JSON under "
+                    "'shardkit.values' (safetensors __metadata__, or the index's metadata).")
+    cons.add_argument("path", metavar="PATH", help="checkpoint folder (local path or fsspec URL)")
+    cons.add_argument("output", metavar="OUTPUT", help="output file, or folder with --max-shard-size")
+    cons.add_argument("--max-shard-size", type=_size, metavar="SIZE",
+                      help="largest output file: bytes, or 5GB / 500MB (powers of 1000) / 2GiB (powers of 1024)")
+    cons.add_argument("-q", "--quiet", action="store_true", help="no progress bar (also: environment SHARDKIT_QUIET=1)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    options = _options(args.storage_options)
+    try:
+        if args.command == "inspect":
+            return _inspect(args.path, options, as_json=args.json, out=sys.stdout)
+        if args.command == "verify":
+            return _verify_cmd(args.path, options, quiet=args.quiet, out=sys.stdout)
+        return _consolidate_cmd(args.path, args.output, args.max_shard_size, options, quiet=args.quiet,
+                                out=sys.stdout)
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+def _describe(path: str, metadata: CheckpointMetadata) -> dict[str, Any]:
+    return {
+        "path": path, "format_version": metadata.version, "generation": metadata.generation,
+        "saved_world_size": metadata.world_size,
+        "tensors": {name: {"dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.size), "bytes": e.nbytes,
+                           "shards": len([s for s in e.shards if s.numel > 0])}
+                    for name, e in metadata.tensors.items()},
+        "values": dict(metadata.values),
+        "files": dict(metadata.files),
+        "tensor_bytes": metadata.nbytes,
+        "file_bytes": sum(metadata.files.values()),
+    }
+
+
+def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextIO) -> int:
+    fs, root = resolve(path, options)
+    info = _describe(path, _read_metadata(fs, root))
+    if as_json:
+        print(json.dumps(info, indent=2), file=out)
+        return 0
+    tensors = info["tensors"]
+    print(f"checkpoint {path}  (format v{info['format_version']}, generation {info['generation']}, "
+          f"saved by {info['saved_world_size']} rank{'s' if info['saved_world_size'] != 1 else ''})", file=out)
+    rows = [("name", "dtype", "shape", "bytes", "shards")]
+    rows += [(name, t["dtype"], "(" + ", ".join(map(str, t["shape"])) + ")", _human(t["bytes"]), str(t["shards"]))
+             for name, t in tensors.items()]
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    print(file=out)
+    for k, row in enumerate(rows):
+        cells = [row[c].ljust(widths[c]) if c in (0, 1, 2) else row[c].rjust(widths[c]) for c in range(5)]
+        print("  ".join(cells).rstrip(), file=out)
+        if k == 0:
+            print("  ".join("-" * w for w in widths), file=out)
+    if info["values"]:
+        print(f"\nvalues ({len(info['values'])}):", file=out)
+        for name, value in info["values"].items():
+            print(f"  {name} = {json.dumps(value)}", file=out)
+    print(f"\n{len(tensors)} tensors, {info['tensor_bytes']} bytes ({_human(info['tensor_bytes'])}) of tensor data; "
+          f"{len(info['files'])} data files, {info['file_bytes']} bytes ({_human(info['file_bytes'])})", file=out)
+    return 0
+
+
+# -- verify ------------------------------------------------------------------------------------
+
+def verify(path: str, *, storage_options: Mapping[str, Any] | None = None, quiet: bool | None = None
+           ) -> tuple[CheckpointMetadata, list[str]]:
+    """Re-read a whole checkpoint; return its metadata and every problem found (empty if valid).
+
+    Raises ``CheckpointError`` only when the metadata itself is missing or malformed (nothing
+    else can be checked then). Each problem is a ``CheckpointError`` message naming the file
+    and, where one is involved, the tensor.
+    """
+    fs, root = resolve(path, storage_options)
+    metadata = _read_metadata(fs, root)
+    problems: list[str] = []
+    by_file: dict[str, list[str]] = {}
+    for name, entry in metadata.tensors.items():
+        for shard in entry.shards:
+            if name not in by_file.setdefault(shard.file, []):
+                by_file[shard.file].append(name)
+    bad_files: set[str] = set()
+    for file, expected in sorted(metadata.files.items()):
+        problem, unreadable = _check_file(fs, root, file, expected, by_file.get(file, []), metadata)
+        if problem:
+            problems.append(problem)
+        if unreadable:
+            bad_files.add(file)
+    regions = sorted(((shard.file, shard.byte_range[0], name, shard)
+                      for name, entry in metadata.tensors.items() for shard in entry.shards
+                      if shard.numel > 0 and shard.file not in bad_files), key=lambda r: r[:2])
+    scratch = memoryview(bytearray(16 << 20))
+    with progress(sum(r[3].nbytes for r in regions), "verify", quiet=quiet) as bar, _Source(fs, root) as source:
+        for _, _, name, shard in regions:
+            try:
+                for piece in source.chunks(name, shard, scratch):
+                    bar.update(len(piece))
+            except CheckpointError as exc:
+                problems.append(str(exc))
+    return metadata, problems
+
+
+def _check_file(fs: fsspec.AbstractFileSystem, root: str, file: str, expected: int, tensors: list[str],
+                metadata: CheckpointMetadata) -> tuple[str | None, bool]:
+    """``(problem or None, whether the file's regions cannot be read at all)``."""
+    path = member(root, file)
+    holding = (f" (holding tensor{'s' if len(tensors) != 1 else ''} "
+               f"{', '.join(repr(t) for t in tensors[:5])}{', ...' if len(tensors) > 5 else ''})") if tensors else ""
+    try:
+        actual = fs.size(path)
+    except FileNotFoundError:
+        return (f"data file {path!r}{holding} is missing; the checkpoint is incomplete or was modified after it "
+                f"was saved."), True
+    if actual != expected:
+        what = "truncated" if actual < expected else "longer than recorded"
+        return (f"data file {path!r}{holding} has {actual} bytes but the metadata records {expected}: it is {what} "
+                f"(restore it or save the checkpoint again)."), actual < expected
+    try:
+        header, data_start = read_safetensors_header(fs, path)
+    except CheckpointError as exc:
+        return f"{str(exc).rstrip('.')}{holding}.", False
+    for name in tensors:
+        entry = metadata.tensors[name]
+        for shard in entry.shards:
+            if shard.file != file:
+                continue
+            item = header.get(shard.key)
+            expected_item = {"dtype": safetensors_dtype(entry.dtype), "shape": list(shard.dims)}
+            offsets = (None if not isinstance(item, dict) or not isinstance(item.get("data_offsets"), list)
+                       else [data_start + int(o) for o in item["data_offsets"]])
+            if (not isinstance(item, dict) or {k: item.get(k) for k in expected_item} != expected_item
+                    or offsets != list(shard.byte_range)):
+                return (f"data file {path!r}: the safetensors header entry {shard.key!r} of tensor {name!r} is "
+                        f"{item!r} (data at {offsets}), but the metadata records {expected_item} at bytes "
+                        f"{list(shard.byte_range)}; the file does not belong to this checkpoint or is corrupt."), False
+    return None, False
+
+
+def _verify_cmd(path: str, options: Mapping[str, Any], *, quiet: bool, out: TextIO) -> int:
+    metadata, problems = verify(path, storage_options=options, quiet=True if quiet else None)
+    if problems:
+        for problem in problems:
+            print(f"{PROG} verify: error: {problem}", file=sys.stderr)
+        print(f"{PROG} verify: {path}: INVALID, {len(problems)} problem{'s' if len(problems) != 1 else ''} found.",
+              file=sys.stderr)
+        return 1
+    regions = sum(1 for e in metadata.tensors.values() for s in e.shards if s.numel > 0)
+    print(f"{path}: OK: {len(metadata.tensors)} tensors, {regions} saved regions, {len(metadata.files)} data files, "
+          f"{metadata.nbytes} bytes ({_human(metadata.nbytes)}) verified; {len(metadata.values)} values.", file=out)
+    return 0
+
+
+# -- consolidate -------------------------------------------------------------------------------
+
+def _consolidate_cmd(path: str, output: str, max_shard_size: int | None, options: Mapping[str, Any], *,
+                     quiet: bool, out: TextIO) -> int:
+    files = consolidate_files(path, output, max_shard_size=max_shard_size, storage_options=options,
+                              quiet=True if quiet else None)
+    for written in files:
+        print(f"wrote {written}", file=out)
+    return 0
+

@@ -1,0 +1,403 @@
+"""``checkpoint.consolidate``: a sharded checkpoint to one safetensors file or a Hugging Face style folder.
+
+Offline, one process, streaming. The output's safetensors headers are computed from the
+checkpoint's metadata alone (names, dtypes, shapes, hence every data offset), written first,
+and then each tensor's bytes follow in order:
+
+- a tensor whose saved regions are each one contiguous run of the full tensor (row blocks:
+  a split on dim 0, or a single region) is copied region by region, in bounded chunks,
+  without ever holding the tensor: memory is one chunk;
+- any other tensor (a split on dim 1, a mesh) is assembled in one preallocated full-size
+  buffer, each region read whole and copied into its block, then written: memory is one
+  output tensor plus one saved region.
+
+Every region's checksum is verified as it is read; on any error the partial output is
+removed, so ``output`` is either complete or absent (local outputs are written under a
+temporary name and renamed; object stores publish an upload only when it completes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import posixpath
+import re
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import torch
+
+from ._format import (
+    Checksum,
+    CheckpointError,
+    CheckpointMetadata,
+    SavedShard,
+    TensorEntry,
+    _read_metadata,
+    build_safetensors_header,
+    is_local,
+    member,
+    resolve,
+)
+from ._progress import progress
+
+__all__ = ["consolidate", "consolidate_files", "parse_size", "INDEX_FILE", "VALUES_KEY"]
+
+INDEX_FILE = "model.safetensors.index.json"
+"""Name of the Hugging Face index written next to the shard files."""
+
+VALUES_KEY = "shardkit.values"
+"""Key under which the checkpoint's non-tensor values are kept (as JSON) in the output."""
+
+_CHUNK = 16 << 20  # largest single read/write when streaming a region
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes in ``value``: an int, or a string like ``"5GB"`` (10^9) or ``"500MiB"`` (2^20).
+
+    Units follow Hugging Face's ``max_shard_size``: KB/MB/GB/TB are powers of 1000 and
+    KiB/MiB/GiB/TiB powers of 1024, case-insensitive; a bare number is bytes.
+
+    Raises:
+        ValueError: not a positive size, or an unknown unit.
+    """
+    if isinstance(value, bool):
+        number = None
+    elif isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and (match := _SIZE.match(value)) and match.group(2).upper() in _UNITS:
+        number = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    else:
+        number = None
+    if number is None or number <= 0:
+        msg = (f"max_shard_size={value!r} is not a positive size; pass bytes as an int or a string such as "
+               f"'5GB', '500MB' or '2GiB' (units: {', '.join(u for u in _UNITS if u)}).")
+        raise ValueError(msg)
+    return number
+
+
+@dataclass(frozen=True, slots=True)
+class _OutputFile:
+    path: str                   # full path on the output file system
+    name: str                   # base name (for the index)
+    tensors: tuple[str, ...]
+    nbytes: int                 # tensor bytes in this file
+
+
+def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
+                max_shard_size: int | str | None = None, storage_options: Mapping[str, Any] | None = None,
+                quiet: bool | None = None) -> None:
+    """Turn a sharded checkpoint into one ``.safetensors`` file, or a Hugging Face style folder.
+
+    Offline and single-process: no process group is needed. Memory stays about one output
+    tensor (row-block layouts stream in chunks with far less), never the whole model.
+
+    Without ``max_shard_size``, ``output`` is the ``.safetensors`` file to write (if it is an
+    existing folder, ``output/model.safetensors`` is written). With ``max_shard_size``,
+    ``output`` is a folder that receives ``model-00001-of-0000N.safetensors`` ... and
+    ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map":
+    {name: file}}``), as ``transformers``' ``save_pretrained`` writes them: tensors are packed
+    in checkpoint order, a new file starting when the next tensor would exceed
+    ``max_shard_size``; a tensor larger than that gets a file of its own.
+
+    Tensor names are the checkpoint's dotted names. Non-tensor values (the step, the
+    optimizer's hyper-parameters, ...) are kept as JSON: in a single file under the
+    ``__metadata__`` key ``"shardkit.values"`` (safetensors metadata is str to str), and in a
+    folder under ``"shardkit.values"`` of the index's ``"metadata"``. Every output file also
+    carries ``__metadata__["format"] = "pt"``, which ``transformers`` expects.
+
+    Args:
+        path: the checkpoint folder, a local path or fsspec URL.
+        output: the file (or folder, with ``max_shard_size``) to write; a local path or fsspec
+            URL. It receives ``storage_options`` too when it uses the same protocol as ``path``.
+        max_shard_size: largest output file, in bytes (int) or as ``"5GB"``/``"500MB"``.
+        storage_options: fsspec options (credentials, endpoint, ...) for ``path``.
+        quiet: ``True`` hides the progress bar shown on a terminal for large checkpoints;
+            ``None`` follows the ``SHARDKIT_QUIET`` environment variable.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete or corrupt (a checksum, a missing or
+            truncated file); the message names the file and the tensor.
+        ValueError: a bad ``max_shard_size``, or a tensor named ``"__metadata__"``.
+        FileNotFoundError: no checkpoint at ``path``.
+
+    Example:
+        >>> checkpoint.consolidate("ckpt", "model.safetensors")  # doctest: +SKIP
+        >>> checkpoint.consolidate("s3://b/ckpt", "hf", max_shard_size="5GB")  # doctest: +SKIP
+        >>> safetensors.torch.load_file("model.safetensors")["fc.weight"].shape  # doctest: +SKIP
+        torch.Size([10, 4])
+    """
+    consolidate_files(path, output, max_shard_size=max_shard_size, storage_options=storage_options, quiet=quiet)
+
+
+def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
+            max_shard_size: int | str | None = None, storage_options: Mapping[str, Any] | None = None,
+            quiet: bool | None = None) -> list[str]:
+    """``consolidate``, returning the paths it wrote (data files, then the index if any)."""
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
+    in_fs, root = resolve(path, storage_options)
+    metadata = _read_metadata(in_fs, root)
+    if "__metadata__" in metadata.tensors:
+        msg = ("checkpoint has a tensor named '__metadata__', which safetensors reserves for its metadata; "
+               "rename it in the state_dict and save again.")
+        raise ValueError(msg)
+    out_fs, out_path = _output_fs(path, output, storage_options)
+    files = _plan_files(metadata, out_fs, out_path, limit)
+    total = metadata.nbytes
+    done: list[str] = []
+    with progress(total, "consolidate", quiet=quiet) as bar, _Source(in_fs, root) as source:
+        try:
+            if limit is not None:
+                out_fs.makedirs(out_path, exist_ok=True)
+            for k, file in enumerate(files):
+                header = {"format": "pt"}
+                if limit is None and metadata.values:
+                    header[VALUES_KEY] = json.dumps(dict(metadata.values), separators=(",", ":"))
+                _write_file(out_fs, file, metadata, header, source, bar)
+                done.append(file.path)
+            if limit is not None:
+                index = {"metadata": {"total_size": total, **({VALUES_KEY: dict(metadata.values)}
+                                                              if metadata.values else {})},
+                         "weight_map": {name: f.name for f in files for name in f.tensors}}
+                index_path = posixpath.join(out_path, INDEX_FILE)
+                _publish(out_fs, index_path, [json.dumps(index, indent=2).encode()])
+                done.append(index_path)
+        except BaseException:
+            for p in done:
+                _remove(out_fs, p)
+            raise
+    return done
+
+
+# -- planning ----------------------------------------------------------------------------------
+
+def _output_fs(path: str | os.PathLike[str], output: str | os.PathLike[str],
+               storage_options: Mapping[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
+    in_protocol = fsspec.core.split_protocol(os.fspath(path))[0] or "file"
+    out_text = os.fspath(output)
+    out_protocol = fsspec.core.split_protocol(out_text)[0] or "file"
+    options = dict(storage_options or {}) if in_protocol == out_protocol else {}
+    fs, out_path = fsspec.core.url_to_fs(out_text, **options)
+    return fs, out_path.rstrip("/") or out_path
+
+
+def _plan_files(metadata: CheckpointMetadata, fs: fsspec.AbstractFileSystem, out_path: str,
+                limit: int | None) -> list[_OutputFile]:
+    names = list(metadata.tensors)
+    if limit is None:
+        target = out_path
+        if fs.isdir(out_path):
+            target = posixpath.join(out_path, "model.safetensors")
+        return [_OutputFile(target, posixpath.basename(target), tuple(names), metadata.nbytes)]
+    groups: list[list[str]] = []
+    sizes: list[int] = []
+    for name in names:
+        nbytes = metadata.tensors[name].nbytes
+        if not groups or (sizes[-1] + nbytes > limit and groups[-1]):
+            groups.append([])
+            sizes.append(0)
+        groups[-1].append(name)
+        sizes[-1] += nbytes
+    if not groups:
+        groups, sizes = [[]], [0]
+    count = len(groups)
+    return [_OutputFile(posixpath.join(out_path, f"model-{k + 1:05d}-of-{count:05d}.safetensors"),
+                        f"model-{k + 1:05d}-of-{count:05d}.safetensors", tuple(group), size)
+            for k, (group, size) in enumerate(zip(groups, sizes))]
+
+
+def _contiguous_start(entry: TensorEntry, shard: SavedShard) -> int | None:
+    """Element offset of ``shard`` in the full tensor if its block is one contiguous run, else None.
+
+    A block is one run of the row-major full tensor when, past its first dimension of
+    length > 1, every dimension is whole.
+    """
+    size = entry.size
+    k = next((d for d, n in enumerate(shard.dims) if n != 1), len(size))
+    if any(shard.dims[d] != size[d] for d in range(k + 1, len(size))):
+        return None
+    strides = [math.prod(size[d + 1:]) for d in range(len(size))]
+    return sum(o * s for o, s in zip(shard.offsets, strides))
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+class _Source:
+    """Reads saved regions of one checkpoint, verifying each region's checksum."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
+        self._fs, self._root = fs, root
+        self._local = is_local(fs)
+        self._handles: dict[str, Any] = {}
+
+    def __enter__(self) -> _Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
+
+    def _missing(self, path: str, name: str, exc: BaseException) -> CheckpointError:
+        return CheckpointError(f"data file {path!r} of tensor {name!r} is missing; the checkpoint is incomplete "
+                               f"or was modified after it was saved ({exc}).")
+
+    def _short(self, path: str, name: str, start: int, wanted: int, got: int) -> CheckpointError:
+        return CheckpointError(f"data file {path!r} of tensor {name!r} is truncated: needed bytes "
+                               f"[{start}, {start + wanted}) but only {got} of {wanted} could be read.")
+
+    def _readinto(self, path: str, name: str, start: int, buffer: memoryview) -> None:
+        if not self._local:
+            try:
+                data = self._fs.cat_file(path, start=start, end=start + len(buffer))
+            except FileNotFoundError as exc:
+                raise self._missing(path, name, exc) from exc
+            if len(data) != len(buffer):
+                raise self._short(path, name, start, len(buffer), len(data))
+            buffer[:] = data
+            return
+        handle = self._handles.get(path)
+        if handle is None:
+            try:
+                handle = self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in __exit__
+            except FileNotFoundError as exc:
+                raise self._missing(path, name, exc) from exc
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(handle.fileno(), [buffer[done:]], start + done)
+            if n <= 0:
+                raise self._short(path, name, start, len(buffer), done)
+            done += n
+
+    def chunks(self, name: str, shard: SavedShard, buffer: memoryview) -> Iterator[memoryview]:
+        """The region's bytes in pieces of at most ``len(buffer)``, read into ``buffer``.
+
+        The checksum is checked after the last piece, before it is handed out: a consumer
+        that writes pieces as they come must discard its output on ``CheckpointError``.
+        """
+        path = member(self._root, shard.file)
+        start, end = shard.byte_range
+        digest = Checksum()
+        position = start
+        while position < end:
+            piece = buffer[:min(len(buffer), end - position)]
+            self._readinto(path, name, position, piece)
+            digest.update(piece)
+            position += len(piece)
+            if position == end:
+                self._check(digest, shard, path, name)
+            yield piece
+
+    def read(self, name: str, shard: SavedShard, out: memoryview) -> None:
+        """The whole region into ``out`` (exactly ``shard.nbytes`` long), checksum verified."""
+        path = member(self._root, shard.file)
+        self._readinto(path, name, shard.byte_range[0], out)
+        digest = Checksum()
+        digest.update(out)
+        self._check(digest, shard, path, name)
+
+    @staticmethod
+    def _check(digest: Checksum, shard: SavedShard, path: str, name: str) -> None:
+        actual = digest.hexdigest()
+        if actual != shard.checksum:
+            msg = (f"checksum mismatch in {path!r} for tensor {name!r} (region offsets={list(shard.offsets)}, "
+                   f"dims={list(shard.dims)}): the metadata records {shard.checksum} but the data has {actual}; "
+                   f"the file is corrupt (restore it or save the checkpoint again).")
+            raise CheckpointError(msg)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """Writable raw bytes of a contiguous CPU tensor (any dtype, bool and bfloat16 included)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+def _tensor_pieces(name: str, entry: TensorEntry, source: _Source, scratch: memoryview,
+                   bar: Any) -> Iterator[memoryview]:
+    """The full tensor's bytes in row-major order, in pieces, assembled from its saved regions."""
+    regions = [s for s in entry.shards if s.numel > 0]
+    starts = [_contiguous_start(entry, s) for s in regions]
+    if all(s is not None for s in starts):
+        # Row blocks: the regions, sorted by where they start, are the tensor's bytes in order.
+        for _, shard in sorted(zip(starts, regions), key=lambda p: p[0]):  # type: ignore[arg-type, return-value]
+            for piece in source.chunks(name, shard, scratch):
+                yield piece
+                bar.update(len(piece))
+        return
+    full = torch.empty(entry.size, dtype=entry.dtype)
+    for shard in regions:
+        block = torch.empty(shard.dims, dtype=entry.dtype)
+        source.read(name, shard, _bytes_of(block))
+        index = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.dims))
+        full[index].copy_(block)
+        del block
+        bar.update(shard.nbytes)
+    data = _bytes_of(full)
+    for start in range(0, len(data), _CHUNK):
+        yield data[start:start + _CHUNK]
+
+
+def _write_file(fs: fsspec.AbstractFileSystem, file: _OutputFile, metadata: CheckpointMetadata,
+                header_metadata: Mapping[str, str], source: _Source, bar: Any) -> None:
+    entries = [(name, metadata.tensors[name].dtype, tuple(metadata.tensors[name].size)) for name in file.tensors]
+    prefix, _ = build_safetensors_header(entries, header_metadata)
+    scratch = memoryview(bytearray(_CHUNK))
+
+    def body() -> Iterator[bytes | memoryview]:
+        yield prefix
+        for name in file.tensors:
+            yield from _tensor_pieces(name, metadata.tensors[name], source, scratch, bar)
+
+    _publish(fs, file.path, body())
+
+
+def _publish(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterator[bytes | memoryview] | Sequence[bytes]) -> None:
+    """Write ``path`` so that it is complete or absent, whatever fails in between."""
+    if is_local(fs):
+        folder = posixpath.dirname(path) or "."
+        fs.makedirs(folder, exist_ok=True)
+        temporary = posixpath.join(folder, f".{posixpath.basename(path)}.partial-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(temporary, "wb") as handle:
+                for piece in pieces:
+                    handle.write(piece)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+            raise
+        return
+    # Object stores make an upload visible only once it completes; on failure abort it.
+    handle = fs.open(path, "wb")
+    try:
+        for piece in pieces:
+            handle.write(piece)
+    except BaseException:
+        try:
+            if isinstance(handle, fsspec.spec.AbstractBufferedFile):
+                handle.discard()        # s3fs: abort the multipart upload
+                handle.closed = True    # and never flush the rest
+            else:
+                handle.close()
+        finally:
+            _remove(fs, path)
+        raise
+    handle.close()
+
+
+def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    try:
+        fs.rm_file(path)
+    except (FileNotFoundError, OSError):
+        pass
