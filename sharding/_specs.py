@@ -175,6 +175,14 @@ class SingleSplitShardingSpec(PlacementSpec):
         """The split dimension as a non-negative int for a tensor of ``size``."""
         ndim = len(size)
         dim = self.split_dimension
+        if ndim == 0:
+            msg = ("a 0-d tensor has no dimension to split; place it whole with DevicePlacement "
+                   "(e.g. DevicePlacement('rank:0/cpu'), or 'cpu' for a replica on every rank).")
+            raise ValueError(msg)
+        if names is not None and len(names) != ndim:
+            msg = (f"names={tuple(names)!r} has {len(names)} entries but the tensor has {ndim} dimensions "
+                   f"(size={tuple(size)!r}); give one name (or None) per dimension.")
+            raise ValueError(msg)
         if isinstance(dim, str):
             if names is None or dim not in names:
                 msg = (f"split_dimension={dim!r} is a dimension name but the tensor's names are "
@@ -298,6 +306,9 @@ class MeshShardingSpec(PlacementSpec):
             shards += _expand(placement, offsets, dims, world_size, f"mesh element {tuple(index)!r}")
         return ShardedTensorMetadata(shards, size, dtype)
 
+    def __repr__(self) -> str:
+        return f"MeshShardingSpec({self.to_dict()['shard_placement']!r})"
+
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
         def strs(a: object) -> object:
@@ -394,11 +405,12 @@ class CompositeShardingSpec(PlacementSpec):
         The most specific key wins. Keys that match none of ``names`` raise ``ValueError``.
         """
         names = list(names)
-        result: dict[str, tuple[int, ShardingSpec]] = {}
+        result: dict[str, tuple[int, ShardingSpec, str]] = {}
         self._resolve(names, "", result)
         return {n: result[n][1] for n in names if n in result}
 
-    def _resolve(self, names: list[str], prefix: str, result: dict[str, tuple[int, ShardingSpec]]) -> None:
+    def _resolve(self, names: list[str], prefix: str,
+                 result: dict[str, tuple[int, ShardingSpec, str]]) -> None:
         for key, spec in self.param_placement.items():
             path = prefix + key
             matched = [n for n in names if n == path or n.startswith(path + ".")]
@@ -412,8 +424,12 @@ class CompositeShardingSpec(PlacementSpec):
                 continue
             depth = path.count(".") + 1
             for n in matched:
-                if n not in result or result[n][0] <= depth:
-                    result[n] = (depth, spec)  # type: ignore[assignment]
+                if n in result and result[n][0] == depth and result[n][1] != spec:
+                    msg = (f"CompositeShardingSpec gives {n!r} two different specs through the same path "
+                           f"{path!r} ({result[n][1]!r} and {spec!r}); keep one of them.")
+                    raise ValueError(msg)
+                if n not in result or result[n][0] < depth:
+                    result[n] = (depth, spec, path)  # type: ignore[assignment]
 
     def build_metadata(self, *args: object, **kwargs: object) -> ShardedTensorMetadata:
         """Refused: a composite spec applies to modules, not to one tensor."""
@@ -440,6 +456,9 @@ class _FrozenDict(dict):  # type: ignore[type-arg]
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted(self.items(), key=lambda kv: kv[0])))
+
+    def __reduce__(self) -> tuple[type[_FrozenDict], tuple[dict[str, PlacementSpec]]]:
+        return (_FrozenDict, (dict(self),))
 
 
 def single_split(split_dimension: int | str, shard_placement: Sequence[DeviceLike],
