@@ -159,3 +159,24 @@ def barrier(group: ProcessGroup = None) -> None:
         dist.barrier(group=group)
 
 
+
+
+# -- appended for sharded compute (sharded_tensor/_functional.py) ------------------------------
+
+def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup = None) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, in group-rank order. Collective.
+
+    All ranks pass tensors of the same shape and dtype (pad uneven pieces first); each rank
+    receives every piece on ``tensor``'s own device. Without a process group (or in a world of
+    one) the result is ``[tensor]``.
+    """
+    if not _initialized() or dist.get_world_size(group) == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    _record("all_gather", tensor.numel() * tensor.element_size())
+    return gathered
+
+
+__all__ += ["all_gather_tensor"]

@@ -1,0 +1,419 @@
+"""Layout-invariant initialization of parameters materialized shard by shard.
+
+A model built on the meta device has shapes but no values. ``shard_model`` allocates each
+rank's block of every parameter and then runs the modules' own ``reset_parameters()``
+inside :class:`LayoutInvariantInit`, which makes the random fills of ``torch.nn.init`` (and
+``Tensor.uniform_`` / ``Tensor.normal_`` called directly) produce, for every element, the
+value that the *global* tensor would hold at that element's global index:
+
+* Values come from the counter-based generator of ``_random``: element ``i`` (row-major
+  global index) of a parameter named ``name`` is a hash of ``(derive_seed(seed, name), i)``.
+  A rank computes exactly its own block and nothing else, and the same model split over
+  1, 2 or 4 ranks along any dimension holds bit-identical values.
+* Distributions are the ones the init rule asks for, with fans from the **global** shape:
+  ``_calculate_fan_in_and_fan_out`` answers for the global tensor, so ``kaiming_uniform_``,
+  ``xavier_*``, ``kaiming_normal_`` and ``Linear``'s bias bound are the unsharded ones.
+* Init rules that need the whole tensor at once (``orthogonal_``, ``sparse_``, ``eye_``,
+  ``dirac_``) are refused for split parameters (a ``ValueError`` naming the parameter);
+  on whole (replicated) parameters they run normally.
+* Any other use of torch's RNG during a module's init (buffers, helper tensors) runs with
+  torch's generator seeded from ``(seed, module name)``, so replicas agree on every rank.
+
+The generator is the one in ``_random`` (SplitMix64 of ``index * golden + seed``); this
+module evaluates the same formula in fixed-size, vector-aligned chunks with numpy's uint64
+arithmetic, about 10x faster than ``_random``'s int64 torch ops (which have no vector
+multiply on CPU) and as fast as ``torch.Tensor.uniform_``. Without numpy it falls back to
+``_random`` itself. The chunks are always processed at full width, so no element ever
+takes a scalar code path that another layout would take vectorized.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import init as _nn_init
+from torch.overrides import TorchFunctionMode
+
+from . import _random
+
+try:  # numpy is optional: it only makes the generator faster, never changes its values.
+    import numpy as _np
+except ImportError:  # pragma: no cover - exercised only without numpy
+    _np = None
+
+__all__ = ["fill_uniform_", "fill_normal_", "fill_trunc_normal_", "LayoutInvariantInit"]
+
+_CHUNK = 1 << 14  # a multiple of every SIMD width and below torch's parallel grain size
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+Transform = Callable[["_np.ndarray", "_np.ndarray", torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# -- the generator ------------------------------------------------------------------------------
+
+def _runs(offsets: Sequence[int], dims: Sequence[int], global_shape: Sequence[int]) -> tuple[list[int], int]:
+    """Global start index of each contiguous run of the block, and the run length.
+
+    The block's row-major order is also global order within a run, so run ``r`` fills local
+    elements ``[r * length, (r + 1) * length)``.
+    """
+    ndim = len(global_shape)
+    if ndim == 0:
+        return [0], 1
+    strides = [math.prod(global_shape[d + 1:]) for d in range(ndim)]
+    split = [d for d in range(ndim) if dims[d] != global_shape[d]]
+    k = split[-1] if split else 0
+    length = dims[k] * strides[k]
+    starts = [offsets[k] * strides[k]]
+    for d in reversed(range(k)):
+        starts = [(offsets[d] + i) * strides[d] + s for i in range(dims[d]) for s in starts]
+    return starts, length
+
+
+def _fill_fast(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],
+               transform: Transform) -> None:
+    assert _np is not None
+    u64 = _np.uint64
+    starts, length = _runs(offsets, tuple(tensor.shape), global_shape)
+    out = tensor.view(-1)
+    x = _np.empty(_CHUNK, dtype=u64)
+    t = _np.empty(_CHUNK, dtype=u64)
+    # Garbage from a previous chunk past the end is harmless, but must be a valid number.
+    x.fill(0)
+    t.fill(0)
+    f1 = torch.zeros(_CHUNK, dtype=torch.float64)
+    f2 = torch.zeros(_CHUNK, dtype=torch.float64)
+    steps = _np.arange(_CHUNK, dtype=u64) * u64(_GOLDEN)
+    shifts = {k: u64(k) for k in (27, 30, 31)}
+    mix1, mix2 = u64(_MIX1), u64(_MIX2)
+
+    def produce(n: int) -> None:
+        # SplitMix64's finalizer, in place on x[:_CHUNK] (the whole chunk, for vector alignment).
+        for shift, mult in ((30, mix1), (27, mix2), (31, None)):
+            _np.right_shift(x, shifts[shift], out=t)
+            _np.bitwise_xor(x, t, out=x)
+            if mult is not None:
+                _np.multiply(x, mult, out=x)
+        values = transform(x, t, f1, f2)
+        out[position:position + n].copy_(values[:n])
+
+    position = 0
+    if length >= _CHUNK:
+        for start in starts:
+            for piece in range(0, length, _CHUNK):
+                n = min(_CHUNK, length - piece)
+                _np.add(steps, u64(((start + piece) * _GOLDEN + seed) & _MASK64), out=x)
+                produce(n)
+                position += n
+        return
+    per_chunk = _CHUNK // length
+    for first in range(0, len(starts), per_chunk):
+        group = starts[first:first + per_chunk]
+        bases = _np.array([(s * _GOLDEN + seed) & _MASK64 for s in group], dtype=u64)
+        n = len(group) * length
+        _np.add(bases[:, None], steps[None, :length], out=x[:n].reshape(len(group), length))
+        produce(n)
+        position += n
+
+
+def _uniform_transform(low: float, high: float) -> Transform:
+    scale = 2.0 ** -53 * (high - low)  # a power-of-two rescale: rounds exactly as u * (high - low)
+
+    def transform(x, t, f1, f2):  # type: ignore[no-untyped-def]
+        _np.right_shift(x, _np.uint64(11), out=t)
+        f = f1.numpy()
+        _np.multiply(t.view(_np.int64), scale, out=f, casting="unsafe")
+        _np.add(f, low, out=f)
+        return f1
+    return transform
+
+
+def _normal_transform(mean: float, std: float) -> Transform:
+    def transform(x, t, f1, f2):  # type: ignore[no-untyped-def]
+        # Box-Muller on the two 32-bit halves of each element's 64 bits, exactly as _random does.
+        _np.right_shift(x, _np.uint64(32), out=t)
+        _np.add(t.view(_np.int64), 1.0, out=f1.numpy(), casting="unsafe")
+        f1.mul_(2.0 ** -32)
+        _np.bitwise_and(x, _np.uint64(0xFFFFFFFF), out=t)
+        _np.multiply(t.view(_np.int64), 2.0 ** -32, out=f2.numpy(), casting="unsafe")
+        torch.log(f1, out=f1)
+        f1.mul_(-2.0).sqrt_()
+        f2.mul_(2.0 * math.pi).cos_()
+        return f1.mul_(f2).mul_(std).add_(mean)
+    return transform
+
+
+def _trunc_bounds(mean: float, std: float, a: float, b: float) -> tuple[float, float]:
+    def cdf(v: float) -> float:
+        return (1.0 + math.erf(v / math.sqrt(2.0))) / 2.0
+    return 2.0 * cdf((a - mean) / std) - 1.0, 2.0 * cdf((b - mean) / std) - 1.0
+
+
+def _trunc_transform(mean: float, std: float, a: float, b: float) -> Transform:
+    low, high = _trunc_bounds(mean, std, a, b)
+    uniform = _uniform_transform(low, high)
+
+    def transform(x, t, f1, f2):  # type: ignore[no-untyped-def]
+        return uniform(x, t, f1, f2).erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
+    return transform
+
+
+def _fill(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],
+          transform: Transform, fallback: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    if tensor.numel() == 0:
+        return tensor
+    with torch.no_grad():
+        target = tensor if tensor.is_contiguous() and tensor.device.type == "cpu" else None
+        work = target if target is not None else torch.empty(tensor.shape, dtype=tensor.dtype)
+        if _np is not None:
+            _fill_fast(work, seed & _MASK64, offsets, global_shape, transform)
+        else:  # pragma: no cover
+            fallback(work)
+        if target is None:
+            tensor.copy_(work)
+    return tensor
+
+
+def fill_uniform_(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],
+                  low: float = 0.0, high: float = 1.0) -> torch.Tensor:
+    """Fill the block at ``offsets`` of a ``global_shape`` tensor with U[low, high).
+
+    Bit-identical to ``_random.uniform_``: each element depends only on ``seed`` and its
+    global index.
+    """
+    return _fill(tensor, seed, offsets, global_shape, _uniform_transform(low, high),
+                 lambda t: _random.uniform_(t, seed, offsets, global_shape, low, high))
+
+
+def fill_normal_(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],
+                 mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+    """Fill the block with N(mean, std^2), the same values as ``_random.normal_``."""
+    return _fill(tensor, seed, offsets, global_shape, _normal_transform(mean, std),
+                 lambda t: _random.normal_(t, seed, offsets, global_shape, mean, std))
+
+
+def fill_trunc_normal_(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],
+                       mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> torch.Tensor:
+    """Fill the block with N(mean, std^2) truncated to [a, b] (inverse-CDF of a uniform draw)."""
+    low, high = _trunc_bounds(mean, std, a, b)
+
+    def fallback(t: torch.Tensor) -> None:  # pragma: no cover
+        _random.uniform_(t, seed, offsets, global_shape, low, high)
+        t.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
+    return _fill(tensor, seed, offsets, global_shape, _trunc_transform(mean, std, a, b), fallback)
+
+
+# -- intercepting torch.nn.init -------------------------------------------------------------------
+
+@dataclass
+class _Region:
+    """A registered local block: which parameter it belongs to and where it sits."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    calls: int = field(default=0)
+
+    @property
+    def split(self) -> bool:
+        return self.local_shape != self.global_shape
+
+
+_WHOLE_TENSOR_RULES = ("orthogonal_", "sparse_", "eye_", "dirac_")
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, owner: LayoutInvariantInit) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        handler = self.owner._handlers.get(func)
+        if handler is not None:
+            named = {("from_" if k == "from" else k): v for k, v in kwargs.items()}
+            bound = inspect.signature(self.owner._signatures[func]).bind(*args, **named)
+            tensor = next(iter(bound.arguments.values()))
+            region = self.owner.lookup(tensor) if isinstance(tensor, torch.Tensor) else None
+            if region is not None:
+                bound.apply_defaults()
+                return handler(tensor, region, bound.arguments)
+        return func(*args, **kwargs)
+
+
+def _tensor_uniform_(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, *,  # noqa: ARG001
+                     generator: torch.Generator | None = None) -> None: ...
+
+
+def _tensor_normal_(self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *,  # noqa: ARG001
+                    generator: torch.Generator | None = None) -> None: ...
+
+
+class LayoutInvariantInit:
+    """Make ``torch.nn.init`` fill registered local blocks as slices of their global tensors.
+
+    Use as a context manager around the modules' ``reset_parameters()``; register every
+    local block first. Not thread-safe (it patches ``torch.nn.init`` while active).
+
+    Example:
+        >>> ctx = LayoutInvariantInit(seed=0)
+        >>> w = torch.empty(2, 8)            # rows 2..3 of a (4, 8) weight
+        >>> ctx.register(w, "fc.weight", (4, 8), (2, 0))
+        >>> with ctx:
+        ...     _ = torch.nn.init.kaiming_uniform_(w, a=5 ** 0.5)   # bound from fan_in = 8
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
+        self._by_id: dict[int, tuple[torch.Tensor, _Region]] = {}
+        self._by_ptr: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], _Region] = {}
+        self._storages: dict[int, _Region] = {}
+        self._saved: dict[str, object] = {}
+        self._mode: _Mode | None = None
+        self._signatures: dict[object, Callable[..., object]] = {
+            _nn_init.uniform_: _nn_init.uniform_, _nn_init.normal_: _nn_init.normal_,
+            _nn_init.kaiming_uniform_: _nn_init.kaiming_uniform_,
+            torch.Tensor.uniform_: _tensor_uniform_, torch.Tensor.normal_: _tensor_normal_,
+        }
+        self._handlers: dict[object, Callable[[torch.Tensor, _Region, dict[str, object]], torch.Tensor]] = {
+            _nn_init.uniform_: lambda t, r, a: self._uniform(t, r, a["a"], a["b"]),
+            _nn_init.normal_: lambda t, r, a: self._normal(t, r, a["mean"], a["std"]),
+            _nn_init.kaiming_uniform_: self._kaiming_uniform,
+            torch.Tensor.uniform_: lambda t, r, a: self._uniform(t, r, a["from_"], a["to"]),
+            torch.Tensor.normal_: lambda t, r, a: self._normal(t, r, a["mean"], a["std"]),
+        }
+
+    # -- registry --------------------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor, name: str, global_shape: Sequence[int], offsets: Sequence[int]) -> None:
+        """Declare ``tensor`` as the block at ``offsets`` of parameter ``name`` (``global_shape``)."""
+        region = _Region(name, tuple(global_shape), tuple(offsets), tuple(tensor.shape))
+        self._by_id[id(tensor)] = (tensor, region)
+        if tensor.numel() > 0:
+            self._by_ptr[(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)] = region
+            self._storages[tensor.untyped_storage().data_ptr()] = region
+
+    def lookup(self, tensor: torch.Tensor) -> _Region | None:
+        """The region of a registered tensor (or of a ``.data`` / ``.detach()`` alias of it)."""
+        entry = self._by_id.get(id(tensor))
+        if entry is not None and entry[0] is tensor:
+            return entry[1]
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            return None
+        return self._by_ptr.get((tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype))
+
+    def _view_of_split(self, tensor: torch.Tensor) -> _Region | None:
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            return None
+        region = self._storages.get(tensor.untyped_storage().data_ptr())
+        return region if region is not None and region.split else None
+
+    def _seed(self, region: _Region) -> int:
+        k = region.calls
+        region.calls += 1
+        return _random.derive_seed(self.seed, region.name) if k == 0 else _random.derive_seed(self.seed, region.name, k)
+
+    # -- fills -------------------------------------------------------------------------------
+
+    def _uniform(self, tensor: torch.Tensor, region: _Region, low: object, high: object) -> torch.Tensor:
+        return fill_uniform_(tensor, self._seed(region), region.offsets, region.global_shape, float(low), float(high))  # type: ignore[arg-type]
+
+    def _normal(self, tensor: torch.Tensor, region: _Region, mean: object, std: object) -> torch.Tensor:
+        return fill_normal_(tensor, self._seed(region), region.offsets, region.global_shape, float(mean), float(std))  # type: ignore[arg-type]
+
+    def _fans(self, region: _Region) -> tuple[int, int]:
+        shape = region.global_shape
+        if len(shape) < 2:
+            msg = (f"fan_in and fan_out of parameter {region.name!r} cannot be computed: it has "
+                   f"{len(shape)} dimension(s) (shape {shape}); they need at least 2.")
+            raise ValueError(msg)
+        receptive = math.prod(shape[2:])
+        return shape[1] * receptive, shape[0] * receptive
+
+    def _kaiming_uniform(self, tensor: torch.Tensor, region: _Region, args: dict[str, object]) -> torch.Tensor:
+        if 0 in region.global_shape:
+            return tensor
+        mode = str(args["mode"]).lower()
+        fan_in, fan_out = self._fans(region)
+        if mode not in ("fan_in", "fan_out"):
+            msg = f"kaiming_uniform_ mode={args['mode']!r} for {region.name!r}; use 'fan_in' or 'fan_out'."
+            raise ValueError(msg)
+        gain = _nn_init.calculate_gain(args["nonlinearity"], args["a"])  # type: ignore[arg-type]
+        bound = math.sqrt(3.0) * gain / math.sqrt(fan_in if mode == "fan_in" else fan_out)
+        return self._uniform(tensor, region, -bound, bound)
+
+    # -- patches -------------------------------------------------------------------------------
+
+    def _patched_fans(self, original: Callable[[torch.Tensor], tuple[int, int]]) -> Callable[[torch.Tensor], tuple[int, int]]:
+        def fans(tensor: torch.Tensor) -> tuple[int, int]:
+            region = self.lookup(tensor)
+            return self._fans(region) if region is not None else original(tensor)
+        return fans
+
+    def _patched_trunc_normal(self, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
+                          b: float = 2.0, generator: torch.Generator | None = None) -> torch.Tensor:
+            region = self.lookup(tensor)
+            if region is None:
+                self._refuse_partial(tensor, "trunc_normal_")
+                return original(tensor, mean, std, a, b, generator=generator)
+            return fill_trunc_normal_(tensor, self._seed(region), region.offsets, region.global_shape,
+                                      float(mean), float(std), float(a), float(b))
+        return trunc_normal_
+
+    def _patched_whole(self, rule: str, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def whole(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            region = self.lookup(tensor) or self._view_of_split(tensor)
+            if region is not None and region.split:
+                msg = (f"torch.nn.init.{rule} needs the whole of parameter {region.name!r} (shape "
+                       f"{region.global_shape}) at once, but this rank holds only the block at offsets "
+                       f"{region.offsets} with shape {region.local_shape}; keep this parameter whole on every "
+                       f"rank (a rankless placement such as 'cpu') or initialize it with an element-wise rule.")
+                raise ValueError(msg)
+            return original(tensor, *args, **kwargs)
+        return whole
+
+    def _refuse_partial(self, tensor: torch.Tensor, rule: str) -> None:
+        region = self._view_of_split(tensor)
+        if region is not None:
+            msg = (f"{rule} on a view of part of the split parameter {region.name!r} cannot be made "
+                   f"layout-invariant; initialize the whole parameter (or keep it whole on every rank).")
+            raise ValueError(msg)
+
+    def __enter__(self) -> LayoutInvariantInit:
+        patches: dict[str, Callable[..., object]] = {
+            "_calculate_fan_in_and_fan_out": self._patched_fans(_nn_init._calculate_fan_in_and_fan_out),
+            "trunc_normal_": self._patched_trunc_normal(_nn_init.trunc_normal_),
+        }
+        for rule in _WHOLE_TENSOR_RULES:
+            patches[rule] = self._patched_whole(rule, getattr(_nn_init, rule))
+        for name, fn in patches.items():
+            self._saved[name] = getattr(_nn_init, name)
+            setattr(_nn_init, name, fn)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+        self._mode = None
+        for name, fn in self._saved.items():
+            setattr(_nn_init, name, fn)
+        self._saved.clear()
+
+    @contextlib.contextmanager
+    def module_scope(self, module_name: str) -> Iterator[None]:
+        """Seed torch's own RNG from ``(seed, module_name)`` for anything not intercepted."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_random.derive_seed(self.seed, "module", module_name))
+            yield

@@ -1,0 +1,584 @@
+"""Sharded compute for ``nn.Linear`` and ``nn.Embedding``, inserted automatically.
+
+Three layers, from data to execution:
+
+1. :func:`classify` reads a parameter's shard layout (``ShardedTensorMetadata``) and says
+   what it is for compute: *replicated* (whole on every rank), *split* along one dimension
+   (each element on exactly one rank; ``intervals`` give each rank's slice), or something no
+   layer here can compute with (blocks split along several dimensions, or elements held by
+   some ranks but not all).
+2. :func:`plan_module` turns the layouts of one module's parameters into a plan
+   (:class:`LinearPlan` / :class:`EmbeddingPlan`), or refuses with a ``ValueError`` that
+   names the module and says why. Refusal happens at shard time: a layout that cannot be
+   computed correctly never produces numbers.
+3. The module's ``forward`` is replaced (on the instance) by a sharded one. Called directly
+   it takes and returns *replicated* tensors, exactly like the original module. Then
+   :func:`optimize` traces the enclosing modules with ``torch.fx`` (as the RFC proposes)
+   and, where a Linear split on its outputs (or an Embedding split on its embedding
+   dimension) feeds a Linear split on its inputs only through element-wise ops, rewrites
+   those two call sites so the intermediate stays sharded: a two-layer MLP forward then does
+   exactly one all-reduce. The rewritten graph runs as the traced module's ``forward``.
+
+Why module-level forwards plus fx call-site rewriting rather than a whole-graph rewrite with
+explicit communication nodes: every sharded module stays correct on its own (direct calls,
+hooks, models fx cannot trace), and fx is used only for what needs the data flow, deciding
+which activations may stay sharded. A model (or submodule) that fx cannot trace keeps
+working, with each sharded layer gathering its output.
+
+Communication per forward (``k`` = number of ranks): Linear split on outputs: none in
+forward, all-gather of the output unless it stays sharded; Linear split on inputs: one
+all-reduce; Embedding split on the vocabulary: one all-reduce; Embedding split on the
+embedding dimension: all-gather unless it stays sharded. Backward mirrors this (see
+``_functional``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from sharding import ShardedTensorMetadata
+
+from . import _comm
+from ._functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
+
+__all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install", "optimize"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+# -- 1. layouts -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one parameter is laid out over the ranks of a group, as compute sees it.
+
+    Attributes:
+        name: the parameter's full name in the model (the first one, for tied parameters).
+        metadata: the full shard layout.
+        boxes: per group rank, the block its shards form together (``None``: it holds none).
+        kind: ``"replicated"``, ``"split"``, ``"blocks"`` (split along several dimensions) or
+            ``"partial"`` (some elements on several ranks but not all).
+        dim: the split dimension for ``"split"``; ``None`` when one rank holds everything.
+        intervals: per group rank, ``(start, length)`` along ``dim`` (for ``"split"``).
+    """
+
+    name: str
+    metadata: ShardedTensorMetadata
+    boxes: tuple[Box | None, ...]
+    kind: Literal["replicated", "split", "blocks", "partial"]
+    dim: int | None
+    intervals: Intervals | None
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return tuple(self.metadata.size)
+
+    def owner(self) -> int | None:
+        """The only rank holding any element, for a split with ``dim is None``."""
+        holders = [r for r, box in enumerate(self.boxes) if box is not None and _volume(box) > 0]
+        return holders[0] if len(holders) == 1 else None
+
+    def along(self, dim: int) -> Intervals:
+        """Per-rank ``(start, length)`` along ``dim`` (for a one-owner layout too)."""
+        if self.dim == dim and self.intervals is not None:
+            return self.intervals
+        size = self.global_shape[dim]
+        return tuple((0, size) if box is not None and _volume(box) > 0 else (0, 0) for box in self.boxes)
+
+    def local_shape(self, rank: int, compute_dim: int | None = None) -> tuple[int, ...]:
+        """Shape of ``rank``'s local tensor (empty along the split dimension if it holds nothing)."""
+        box = self.boxes[rank]
+        if box is not None:
+            return box[1]
+        shape = list(self.global_shape)
+        dim = compute_dim if compute_dim is not None else (self.dim if self.dim is not None else 0)
+        if shape:
+            shape[dim] = 0
+        return tuple(shape)
+
+    def describe(self) -> str:
+        """A short human-readable account of who holds what."""
+        parts = [f"rank {r}: offsets {b[0]} sizes {b[1]}" for r, b in enumerate(self.boxes) if b is not None]
+        return "; ".join(parts) if parts else "no rank holds it"
+
+
+def _volume(box: Box) -> int:
+    n = 1
+    for s in box[1]:
+        n *= s
+    return n
+
+
+def _union_box(regions: Sequence[Box]) -> Box | None:
+    """The block covered by ``regions`` (distinct, disjoint) if they form one block, else ``None``."""
+    ndim = len(regions[0][0])
+    lo = tuple(min(o[d] for o, _ in regions) for d in range(ndim))
+    hi = tuple(max(o[d] + s[d] for o, s in regions) for d in range(ndim))
+    box = (lo, tuple(h - l for h, l in zip(hi, lo)))
+    return box if _volume(box) == sum(_volume(r) for r in regions) else None
+
+
+def classify(name: str, metadata: ShardedTensorMetadata, world: int) -> ParamLayout:
+    """Read ``metadata`` as a compute layout. Pure; identical on every rank.
+
+    Raises:
+        ValueError: if some rank's shards do not form a single block (the model keeps one local
+            tensor per parameter and rank).
+    """
+    size = tuple(metadata.size)
+    boxes: list[Box | None] = []
+    for rank in range(world):
+        regions = list(dict.fromkeys(s.region for _, s in metadata.shards_on(rank)))
+        if not regions:
+            boxes.append(None)
+            continue
+        nonempty = [r for r in regions if _volume(r) > 0]
+        box = _union_box(nonempty) if nonempty else regions[0]
+        if box is None:
+            shown = ", ".join(f"offsets {o} sizes {s}" for o, s in nonempty)
+            msg = (f"parameter {name!r} (size {size}): rank {rank} would hold shards [{shown}], which do not "
+                   f"form one block; a sharded model keeps one local tensor per parameter on each rank, so "
+                   f"give each rank one shard (or adjacent shards) of every parameter.")
+            raise ValueError(msg)
+        boxes.append(box)
+    full: Box = ((0,) * len(size), size)
+    numel = _volume(full)
+    if all(b == full for b in boxes):
+        return ParamLayout(name, metadata, tuple(boxes), "replicated", None, None)
+    held = sum(_volume(b) for b in boxes if b is not None)
+    if held != numel:
+        return ParamLayout(name, metadata, tuple(boxes), "partial", None, None)
+    split_dims = sorted({d for b in boxes if b is not None and _volume(b) > 0
+                         for d in range(len(size)) if b[1][d] != size[d]})
+    if len(split_dims) > 1:
+        return ParamLayout(name, metadata, tuple(boxes), "blocks", None, None)
+    if not split_dims:
+        return ParamLayout(name, metadata, tuple(boxes), "split", None, None)
+    dim = split_dims[0]
+    intervals = tuple((b[0][dim], b[1][dim]) if b is not None else (0, 0) for b in boxes)
+    return ParamLayout(name, metadata, tuple(boxes), "split", dim, intervals)
+
+
+# -- 2. plans -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How a sharded ``nn.Linear`` computes.
+
+    ``mode``: ``"out"`` (weight split on dim 0, output features), ``"in"`` (split on dim 1,
+    input features) or ``"bias"`` (weight whole, bias split). ``bias``: ``"none"``,
+    ``"replicated"``, ``"local"`` (split like the output features) or ``"disjoint"`` (split
+    its own way; added once, before the all-reduce).
+    """
+
+    mode: Literal["out", "in", "bias"]
+    intervals: Intervals
+    bias: Literal["none", "replicated", "local", "disjoint"]
+    bias_intervals: Intervals | None
+    weight_dim: int | None
+    group: _comm.ProcessGroup = None
+
+
+@dataclass(frozen=True)
+class EmbeddingPlan:
+    """How a sharded ``nn.Embedding`` computes: ``"vocab"`` (rows split) or ``"dim"`` (columns split)."""
+
+    mode: Literal["vocab", "dim"]
+    intervals: Intervals
+    weight_dim: int
+    group: _comm.ProcessGroup = None
+
+
+Plan = LinearPlan | EmbeddingPlan
+
+
+def _what(layout: ParamLayout) -> str:
+    if layout.kind == "blocks":
+        return f"split into blocks along several dimensions ({layout.describe()})"
+    if layout.kind == "partial":
+        return (f"held by some ranks but not all, with overlapping copies ({layout.describe()}); every "
+                f"element must be on exactly one rank or on every rank")
+    return f"split ({layout.describe()})"
+
+
+def plan_module(module_name: str, module: nn.Module, layouts: Mapping[str, ParamLayout],
+                group: _comm.ProcessGroup = None) -> Plan | None:
+    """The compute plan for ``module`` given its parameters' layouts; ``None`` if nothing is split.
+
+    ``layouts`` maps the module's own parameter names (``"weight"``, ``"bias"``) to layouts;
+    parameters not in it are whole on every rank.
+
+    Raises:
+        ValueError: the layout cannot be computed correctly; the message names the module and why.
+    """
+    split = {p: l for p, l in layouts.items() if l.kind != "replicated"}
+    if not split:
+        return None
+    label = f"module {module_name!r} ({type(module).__name__})" if module_name else f"the root module ({type(module).__name__})"
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        return _plan_linear(label, module, layouts, group)
+    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
+        return _plan_embedding(label, module, layouts, group)
+    names = ", ".join(f"{p!r} is {_what(l)}" for p, l in split.items())
+    msg = (f"{label}: {names}; shardkit computes with split parameters only in nn.Linear and nn.Embedding "
+           f"(whose forward is not overridden), so this module would compute wrong numbers. Keep its "
+           f"parameters whole on every rank with a rankless placement such as 'cpu'.")
+    raise ValueError(msg)
+
+
+def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayout],
+                 group: _comm.ProcessGroup) -> LinearPlan:
+    weight = layouts.get("weight")
+    bias = layouts.get("bias") if module.bias is not None else None
+    for name, layout in (("weight", weight), ("bias", bias)):
+        if layout is not None and layout.kind in ("blocks", "partial"):
+            msg = (f"{label}: {name} is {_what(layout)}; a Linear computes with its weight split along one "
+                   f"dimension only: 0 (output features) or 1 (input features), each rank holding a slice.")
+            raise ValueError(msg)
+    if weight is None or weight.kind == "replicated":
+        assert bias is not None
+        return LinearPlan("bias", (), "disjoint", bias.along(0), None, group)
+    if module.bias is None:
+        bias_kind = "none"
+    elif bias is None or bias.kind == "replicated":
+        bias_kind = "replicated"
+    else:
+        bias_kind = "split"
+    dim = weight.dim
+    if dim is None:  # one rank holds the whole weight: split on outputs if the bias allows it
+        owner_out = weight.along(0)
+        dim = 0 if bias_kind != "split" or bias.along(0) == owner_out else 1  # type: ignore[union-attr]
+    intervals = weight.along(dim)
+    if dim == 0:
+        if bias_kind == "split" and bias.along(0) != intervals:  # type: ignore[union-attr]
+            msg = (f"{label}: the bias is split as {list(bias.along(0))} ((start, length) per rank) but the weight's "  # type: ignore[union-attr]
+                   f"output features as {list(intervals)}; split the bias the same way as dim 0 of the weight, "
+                   f"or keep the bias whole on every rank.")
+            raise ValueError(msg)
+        return LinearPlan("out", intervals, "local" if bias_kind == "split" else bias_kind, None, 0, group)  # type: ignore[arg-type]
+    if dim == 1:
+        kind = "disjoint" if bias_kind == "split" else bias_kind
+        return LinearPlan("in", intervals, kind, bias.along(0) if bias_kind == "split" else None, 1, group)  # type: ignore[arg-type, union-attr]
+    msg = f"{label}: weight split along dimension {dim}, which a Linear weight does not have."
+    raise ValueError(msg)
+
+
+def _plan_embedding(label: str, module: nn.Embedding, layouts: Mapping[str, ParamLayout],
+                    group: _comm.ProcessGroup) -> EmbeddingPlan:
+    weight = layouts["weight"]
+    if weight.kind in ("blocks", "partial"):
+        msg = (f"{label}: weight is {_what(weight)}; an Embedding computes with its weight split along one "
+               f"dimension only: 0 (the vocabulary) or 1 (the embedding dimension).")
+        raise ValueError(msg)
+    dim = weight.dim if weight.dim is not None else 0
+    if module.max_norm is not None:
+        msg = (f"{label}: max_norm={module.max_norm} renormalizes whole embedding rows in place during "
+               f"forward, which a split weight cannot do exactly; keep this Embedding whole on every rank.")
+        raise ValueError(msg)
+    if dim == 0 and module.scale_grad_by_freq:
+        msg = (f"{label}: scale_grad_by_freq=True counts index frequencies over the whole vocabulary, which "
+               f"a vocabulary split cannot reproduce; split the embedding dimension (dim 1) instead.")
+        raise ValueError(msg)
+    return EmbeddingPlan("vocab" if dim == 0 else "dim", weight.along(dim), dim, group)
+
+
+# -- 3. sharded forwards ------------------------------------------------------------------------------
+
+_REPLICATED = "replicated"
+_LOCAL = "local"
+
+
+def _linear_forward(self: nn.Linear, input: torch.Tensor, *, _shardkit_input: str = _REPLICATED,
+                    _shardkit_output: str = _REPLICATED) -> torch.Tensor:
+    """Forward of a sharded ``nn.Linear``: replicated in and out unless a call site asks otherwise."""
+    plan: LinearPlan = self._shardkit_plan  # type: ignore[assignment]
+    group = plan.group
+    rank, _ = _comm.rank_and_world(group)
+    weight, bias = self.weight, self.bias
+    if plan.mode == "bias":
+        return F.linear(input, weight) + gather(bias, 0, plan.bias_intervals, group)  # type: ignore[arg-type]
+    if plan.mode == "out":
+        y = F.linear(copy_to_ranks(input, group), weight, bias if plan.bias == "local" else None)
+        if _shardkit_output == _LOCAL:
+            if plan.bias == "replicated":
+                start, length = plan.intervals[rank]
+                y = y + copy_to_ranks(bias, group).narrow(0, start, length)
+            return y
+        y = gather(y, -1, plan.intervals, group)
+        return y + bias if plan.bias == "replicated" else y
+    x = input if _shardkit_input == _LOCAL else scatter(input, -1, plan.intervals, group)
+    y = F.linear(x, weight)
+    if plan.bias == "disjoint":
+        start, length = plan.bias_intervals[rank]  # type: ignore[index]
+        y = y + F.pad(bias, (start, self.out_features - start - length))
+    y = reduce_from_ranks(y, group)
+    return y + bias if plan.bias == "replicated" else y
+
+
+def _embedding_forward(self: nn.Embedding, input: torch.Tensor, *,
+                       _shardkit_output: str = _REPLICATED) -> torch.Tensor:
+    """Forward of a sharded ``nn.Embedding``: replicated indices in, replicated rows out."""
+    plan: EmbeddingPlan = self._shardkit_plan  # type: ignore[assignment]
+    group = plan.group
+    rank, _ = _comm.rank_and_world(group)
+    weight = self.weight
+    if plan.mode == "dim":
+        y = F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return y if _shardkit_output == _LOCAL else gather(y, -1, plan.intervals, group)
+    if input.numel() and (bool((input < 0).any()) or bool((input >= self.num_embeddings).any())):
+        msg = f"index out of range in self: indices must be in [0, {self.num_embeddings}) for this Embedding."
+        raise IndexError(msg)
+    start, length = plan.intervals[rank]
+    if length == 0:
+        # Nothing local; keep the (empty) weight in the graph so every rank has a gradient for it.
+        y = weight.new_zeros((*input.shape, self.embedding_dim)) + weight.sum()
+    else:
+        inside = (input >= start) & (input < start + length)
+        local = torch.where(inside, input - start, torch.zeros_like(input))
+        pad = self.padding_idx
+        local_pad = pad - start if pad is not None and start <= pad < start + length else None
+        y = F.embedding(local, weight, local_pad, None, self.norm_type, False, self.sparse)
+        y = y * inside.unsqueeze(-1).to(y.dtype)
+    return reduce_from_ranks(y, group)
+
+
+def install(module: nn.Module, plan: Plan | None) -> None:
+    """Give ``module`` its sharded forward for ``plan`` (``None``: restore the class's forward)."""
+    if plan is None:
+        if "_shardkit_plan" in module.__dict__:
+            del module.__dict__["_shardkit_plan"]
+            module.__dict__.pop("forward", None)
+        return
+    module.__dict__["_shardkit_plan"] = plan
+    forward = _linear_forward if isinstance(plan, LinearPlan) else _embedding_forward
+    module.__dict__["forward"] = types.MethodType(forward, module)
+
+
+# -- fx: keep activations sharded between layers -------------------------------------------------
+
+_ELEMENTWISE_FUNCTIONS: set[object] = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.clamp,
+    torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.sqrt, torch.rsqrt, torch.square,
+    torch.erf, torch.sin, torch.cos,
+    F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.hardtanh,
+    F.hardswish, F.hardsigmoid, F.softplus, F.sigmoid, F.tanh, F.logsigmoid, F.softsign, F.tanhshrink,
+    F.dropout,
+}
+_ELEMENTWISE_METHODS = {
+    "add", "sub", "mul", "div", "neg", "pow", "clamp", "relu", "sigmoid", "tanh", "exp", "abs", "sqrt",
+    "rsqrt", "square", "erf", "sin", "cos", "add_", "sub_", "mul_", "div_", "relu_", "clamp_",
+    "float", "half", "bfloat16", "double", "contiguous",
+}
+_ELEMENTWISE_MODULES: set[type[nn.Module]] = {
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.SELU, nn.CELU, nn.LeakyReLU, nn.Hardtanh,
+    nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Sigmoid, nn.Tanh, nn.LogSigmoid, nn.Softsign,
+    nn.Tanhshrink, nn.Dropout, nn.Identity,
+}
+
+
+class _Tracer(torch.fx.Tracer):
+    def __init__(self, sharded: set[nn.Module]) -> None:
+        super().__init__()
+        self._sharded = sharded
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return m in self._sharded or super().is_leaf_module(m, module_qualified_name)
+
+
+def _node_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)  # type: ignore[func-returns-value]
+    return found
+
+
+def _is_elementwise(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> bool:
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    if node.op == "call_module":
+        return type(modules.get(str(node.target))) in _ELEMENTWISE_MODULES
+    return False
+
+
+def _plan_of(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> Plan | None:
+    if node.op != "call_module":
+        return None
+    return modules.get(str(node.target)).__dict__.get("_shardkit_plan")  # type: ignore[union-attr]
+
+
+def _rewrite(graph: torch.fx.Graph, modules: Mapping[str, nn.Module]) -> int:
+    """Mark call sites whose activation may stay sharded; returns how many pairs were linked."""
+    produces: dict[torch.fx.Node, Intervals] = {}
+    for node in graph.nodes:
+        plan = _plan_of(node, modules)
+        if isinstance(plan, LinearPlan) and plan.mode == "out" and len(node.args) == 1 and not node.kwargs:
+            produces[node] = plan.intervals
+        elif isinstance(plan, EmbeddingPlan) and plan.mode == "dim" and len(node.args) == 1 and not node.kwargs:
+            produces[node] = plan.intervals
+
+    def consumes(user: torch.fx.Node, node: torch.fx.Node, intervals: Intervals) -> bool:
+        plan = _plan_of(user, modules)
+        return (isinstance(plan, LinearPlan) and plan.mode == "in" and plan.intervals == intervals
+                and user.args == (node,) and not user.kwargs)
+
+    sharded: dict[torch.fx.Node, Intervals] = {}
+    for node in graph.nodes:  # topological order
+        if node in produces:
+            sharded[node] = produces[node]
+        elif _is_elementwise(node, modules):
+            args = _node_args(node)
+            if args and all(a in sharded for a in args) and len({sharded[a] for a in args}) == 1:
+                sharded[node] = sharded[args[0]]
+    changed = True
+    while changed:
+        changed = False
+        for node in list(sharded):
+            intervals = sharded[node]
+            ok = all(user in sharded or consumes(user, node, intervals) for user in node.users)
+            if ok and node not in produces:
+                ok = all(a in sharded for a in _node_args(node))
+            if not ok:
+                del sharded[node]
+                changed = True
+    linked = 0
+    for node in graph.nodes:
+        if node in produces and node in sharded and node.users:
+            node.kwargs = {**node.kwargs, "_shardkit_output": _LOCAL}
+        elif node.op == "call_module" and node.args and node.args[0] in sharded \
+                and consumes(node, node.args[0], sharded[node.args[0]]):  # type: ignore[index]
+            node.kwargs = {**node.kwargs, "_shardkit_input": _LOCAL}
+            linked += 1
+    return linked
+
+
+def _check_direct_uses(graph: torch.fx.Graph, root: nn.Module, root_name: str,
+                       split_params: Mapping[str, str]) -> None:
+    """Refuse code that reads a split parameter directly (not through its module's forward)."""
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        full = f"{root_name}.{node.target}" if root_name else str(node.target)
+        if full in split_params:
+            users = ", ".join(str(u.format_node()) for u in node.users) or "nothing"
+            msg = (f"{split_params[full]}: parameter {full!r} is split across ranks, but the forward of "
+                   f"{root_name or 'the root module'!r} ({type(root).__name__}) uses it directly ({users}) instead "
+                   f"of calling its module; that op would see only this rank's shard. Keep {full!r} whole on "
+                   f"every rank, or use it only through its nn.Linear / nn.Embedding.")
+            raise ValueError(msg)
+
+
+class _GraphForward:
+    """``forward`` of a traced module: the rewritten graph for calls that match the trace.
+
+    The graph was traced with every defaulted argument at its default and in both training
+    modes; any other call runs the module's original forward (each sharded layer then
+    gathers its own output), so specialization can never change the numbers.
+    """
+
+    def __init__(self, module: nn.Module, graphs: dict[bool, torch.fx.GraphModule],
+                 original: Callable[..., object]) -> None:
+        self._module = module
+        self._graphs = graphs
+        self._original = original
+        self._signature = inspect.signature(original)
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError:
+            return self._original(*args, **kwargs)
+        for name, value in bound.arguments.items():
+            default = self._signature.parameters[name].default
+            if default is not inspect.Parameter.empty and not _same(value, default):
+                return self._original(*args, **kwargs)
+        return self._graphs[self._module.training](*args, **kwargs)
+
+
+def _same(value: object, default: object) -> bool:
+    if value is default:
+        return True
+    if isinstance(default, (bool, int, float, str)) and type(value) is type(default):
+        return value == default
+    return False
+
+
+def _trace(module: nn.Module, sharded: set[nn.Module]) -> dict[bool, torch.fx.GraphModule] | None:
+    original = type(module).forward.__get__(module)
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        return None
+    params = signature.parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None
+    concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    graphs: dict[bool, torch.fx.GraphModule] = {}
+    was_training = module.training
+    try:
+        for training in (True, False):
+            module.train(training)
+            graph = _Tracer(sharded).trace(module, concrete_args=concrete or None)
+            graphs[training] = torch.fx.GraphModule(module, graph, type(module).__name__)
+    except Exception:  # noqa: BLE001 - anything fx cannot trace just keeps the per-layer path
+        return None
+    finally:
+        module.train(was_training)
+    return graphs
+
+
+def optimize(model: nn.Module, split_params: Mapping[str, str]) -> list[str]:
+    """Trace ``model`` (or, if it cannot be traced, its submodules) and keep activations sharded.
+
+    Args:
+        model: a model whose sharded layers already have their plans installed.
+        split_params: full names of split parameters -> label of their module, for the check
+            that no code reads a split parameter directly.
+
+    Returns:
+        Names of the modules whose ``forward`` now runs a rewritten graph.
+
+    Raises:
+        ValueError: a traced forward reads a split parameter directly.
+    """
+    named = dict(model.named_modules())
+    sharded = {m for m in named.values() if "_shardkit_plan" in m.__dict__}
+    if not sharded:
+        return []
+    installed: list[str] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        inside = [m for n, m in module.named_modules() if m in sharded]
+        if not inside or module in sharded:
+            return
+        graphs = _trace(module, sharded)
+        if graphs is None:
+            for child_name, child in module.named_children():
+                visit(f"{name}.{child_name}" if name else child_name, child)
+            return
+        for training, gm in graphs.items():
+            _check_direct_uses(gm.graph, module, name, split_params)
+            modules = dict(gm.named_modules())
+            linked = _rewrite(gm.graph, modules)
+            gm.recompile()
+            if not linked:
+                graphs = {}
+                break
+        if graphs:
+            module.__dict__["forward"] = _GraphForward(module, graphs, type(module).forward.__get__(module))
+            installed.append(name)
+
+    visit("", model)
+    return installed

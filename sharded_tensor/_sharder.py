@@ -1,0 +1,653 @@
+"""Shard modules: ``shard_parameter`` and ``shard_model``.
+
+After sharding, a parameter is an ordinary ``nn.Parameter`` holding this rank's block of the
+global tensor (so ``model.parameters()`` and any ``torch.optim`` optimizer work unchanged),
+and its module remembers the layout (``_shardkit_params``). Three things follow from that
+layout:
+
+* compute: ``nn.Linear`` / ``nn.Embedding`` get a sharded forward (see ``_parallel``);
+  anything else with a split parameter is refused at shard time;
+* ``model.state_dict()`` holds a ``ShardedTensor`` under each sharded parameter's name (a
+  state-dict post-hook wraps the local block, no copy, no communication);
+* ``model.load_state_dict(sd)`` accepts ``ShardedTensor`` entries in any layout (a
+  load pre-hook reshards them into the parameter's layout; collective when the layouts
+  differ) and full tensors (each rank copies its block).
+
+Each rank keeps exactly one local tensor per parameter. A spec that gives a rank several
+shards of one parameter is accepted when those shards form one block (they are adjacent),
+and refused otherwise, since ``model.parameters()`` must yield one tensor per parameter.
+
+Meta-device models are materialized module by module: each rank allocates only its blocks
+and runs the module's own ``reset_parameters()`` under ``_init.LayoutInvariantInit``, so
+the full model never exists anywhere and the values do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from sharding import (
+    CompositeShardingSpec,
+    DevicePlacement,
+    EnumerableShardingSpec,
+    MeshShardingSpec,
+    PlacementSpec,
+    RemoteDevice,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    SingleSplitShardingSpec,
+)
+
+from . import _comm, _parallel
+from ._init import LayoutInvariantInit
+from ._parallel import ParamLayout, Plan
+from ._plan import box_slices
+from ._reshard import redistribute
+from ._tensor import ShardedTensor
+
+__all__ = ["shard_parameter", "shard_model", "sharded_parameters", "ShardedParameter"]
+
+_TENSOR_SPECS = (DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec)
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+@dataclass(frozen=True)
+class ShardedParameter:
+    """What a module remembers about one of its sharded parameters."""
+
+    layout: ParamLayout
+    spec: PlacementSpec
+    group: _comm.ProcessGroup
+    compute_dim: int | None = None
+
+    @property
+    def metadata(self) -> ShardedTensorMetadata:
+        return self.layout.metadata
+
+    def box(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(offsets, sizes)`` of ``rank``'s local tensor in the global tensor."""
+        box = self.layout.boxes[rank]
+        if box is not None:
+            return box
+        shape = self.layout.local_shape(rank, self.compute_dim)
+        return ((0,) * len(shape), shape)
+
+    def wrap(self, local: torch.Tensor, rank: int) -> ShardedTensor:
+        """A ShardedTensor whose local shards are views of ``local`` (no copy, no communication)."""
+        offsets, _ = self.box(rank)
+        tensors = {}
+        for i, shard in self.metadata.shards_on(rank):
+            if shard.region == (offsets, tuple(local.shape)):
+                tensors[i] = local
+            else:
+                tensors[i] = local[box_slices(shard.region, offsets)]
+        return ShardedTensor._make(tensors, self.metadata, self.spec, rank=rank, group=self.group)
+
+    def local_from(self, value: object, key: str, rank: int) -> torch.Tensor:
+        """This rank's block of ``value`` (a ShardedTensor in any layout, or the full tensor)."""
+        shape = self.layout.global_shape
+        offsets, sizes = self.box(rank)
+        if isinstance(value, ShardedTensor):
+            if tuple(value.shape) != shape:
+                msg = (f"size mismatch for {key}: the ShardedTensor has shape {tuple(value.shape)}, the model's "
+                       f"parameter has {shape}.")
+                raise ValueError(msg)
+            source = value.sharding_metadata()
+            if source.shards == self.metadata.shards:
+                pieces = value._local_by_index()
+            else:
+                target = ShardedTensorMetadata(self.metadata.shards, shape, source.dtype)
+                pieces = redistribute(value._local_by_index(), source, target, rank=rank, group=self.group)
+            return _assemble(pieces, self.metadata, rank, (offsets, sizes), source.dtype)
+        if isinstance(value, torch.Tensor):
+            if tuple(value.shape) != shape:
+                msg = (f"size mismatch for {key}: got a tensor of shape {tuple(value.shape)}; this sharded "
+                       f"parameter takes the full tensor of shape {shape} or a ShardedTensor.")
+                raise ValueError(msg)
+            return value[box_slices((offsets, sizes), (0,) * len(shape))]
+        msg = f"{key}: expected a ShardedTensor or a torch.Tensor, got {type(value).__name__}."
+        raise ValueError(msg)
+
+
+def _assemble(pieces: Mapping[int, torch.Tensor], metadata: ShardedTensorMetadata, rank: int,
+              box: tuple[tuple[int, ...], tuple[int, ...]], dtype: torch.dtype) -> torch.Tensor:
+    mine = metadata.shards_on(rank)
+    if len(mine) == 1 and mine[0][1].region == box:
+        return pieces[mine[0][0]]
+    device = mine[0][1].device.device if mine else torch.device("cpu")
+    out = torch.empty(box[1], dtype=dtype, device=device)
+    for i, shard in mine:
+        out[box_slices(shard.region, box[0])] = pieces[i]
+    return out
+
+
+def sharded_parameters(module: nn.Module) -> dict[str, ShardedParameter]:
+    """The sharded parameters of ``module`` itself (not its children), by attribute name."""
+    return dict(module.__dict__.get("_shardkit_params", {}))
+
+
+# -- collecting what is to be sharded -------------------------------------------------------------
+
+Source = Literal["init", "local", "src", "keep"]
+
+
+@dataclass
+class _Entry:
+    """One parameter object, with every name and module it appears under."""
+
+    name: str
+    param: nn.Parameter
+    owners: list[tuple[str, nn.Module, str]] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+    spec: PlacementSpec | None = None
+    layout: ParamLayout | None = None
+    source: Source = "keep"
+    new: nn.Parameter | None = None
+    compute_dim: int | None = None
+
+    def sharded(self, group: _comm.ProcessGroup) -> ShardedParameter:
+        assert self.layout is not None and self.spec is not None
+        return ShardedParameter(self.layout, self.spec, group, self.compute_dim)
+
+    def box(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if self.layout is None:
+            shape = tuple(self.param.shape)
+            return (0,) * len(shape), shape
+        return self.sharded(None).box(rank)
+
+
+def _collect(model: nn.Module) -> list[_Entry]:
+    entries: dict[int, _Entry] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            entry = entries.setdefault(id(param), _Entry(full, param))
+            entry.aliases.append(full)
+            if not any(m is module and a == attr for _, m, a in entry.owners):
+                entry.owners.append((mod_name, module, attr))
+    return list(entries.values())
+
+
+def _label(name: str, module: nn.Module) -> str:
+    return f"module {name!r} ({type(module).__name__})" if name else f"the root module ({type(module).__name__})"
+
+
+def _resolve(spec: PlacementSpec, entries: Sequence[_Entry]) -> None:
+    names = [a for e in entries for a in e.aliases]
+    if isinstance(spec, CompositeShardingSpec):
+        resolved = spec.resolve(names)
+    elif isinstance(spec, _TENSOR_SPECS):
+        resolved = {n: spec for n in names}
+    else:
+        msg = (f"sharding_spec must be a CompositeShardingSpec or a tensor spec (SingleSplitShardingSpec, "
+               f"MeshShardingSpec, DevicePlacement, EnumerableShardingSpec), got {type(spec).__name__} {spec!r}.")
+        raise TypeError(msg)
+    for entry in entries:
+        given = {a: resolved[a] for a in entry.aliases if a in resolved}
+        if len(set(given.values())) > 1:
+            msg = (f"parameter {entry.name!r} is shared (tied) under the names {entry.aliases}, and the spec gives "
+                   f"them different specs {given}; a tied parameter has one layout, so give one spec (or the same) "
+                   f"for all its names.")
+            raise ValueError(msg)
+        if given:
+            entry.spec = next(iter(given.values()))
+
+
+def _layout(entry: _Entry, world: int) -> ParamLayout:
+    shape = tuple(entry.param.shape)
+    try:
+        metadata = entry.spec.build_metadata(shape, entry.param.dtype, world_size=world)  # type: ignore[union-attr]
+    except ValueError as exc:
+        msg = f"parameter {entry.name!r} (size {shape}): {exc}"
+        raise ValueError(msg) from exc
+    return _parallel.classify(entry.name, metadata, world)
+
+
+def _check_ancestors(model: nn.Module, module_name: str, module: nn.Module) -> None:
+    """Refuse sharded layers inside built-in torch.nn modules that read their weights directly."""
+    parts = module_name.split(".") if module_name else []
+    for i in range(len(parts)):
+        name = ".".join(parts[:i])
+        ancestor = model.get_submodule(name)
+        if type(ancestor).__module__.startswith("torch.") and not isinstance(ancestor, _CONTAINERS):
+            msg = (f"{_label(module_name, module)} is inside {_label(name, ancestor)}, a built-in module whose "
+                   f"forward may use its submodules' weights directly (e.g. fused attention kernels), where "
+                   f"shardkit cannot insert communication; keep the parameters under {name!r} whole on every rank.")
+            raise ValueError(msg)
+
+
+def _plans(model: nn.Module, entries: Sequence[_Entry],
+           group: _comm.ProcessGroup) -> dict[int, tuple[str, nn.Module, Plan | None]]:
+    """Plan every module owning a sharded parameter (validation only; nothing changes)."""
+    per_module: dict[int, tuple[str, nn.Module, dict[str, ParamLayout]]] = {}
+    for entry in entries:
+        if entry.layout is None:
+            continue
+        for mod_name, module, attr in entry.owners:
+            slot = per_module.setdefault(id(module), (mod_name, module, {}))
+            slot[2][attr] = entry.layout
+    plans = {}
+    for key, (mod_name, module, layouts) in per_module.items():
+        existing = {a: s.layout for a, s in sharded_parameters(module).items()}
+        plan = _parallel.plan_module(mod_name, module, {**existing, **layouts}, group)
+        if plan is not None:
+            _check_ancestors(model, mod_name, module)
+        plans[key] = (mod_name, module, plan)
+        # A rank holding nothing of a weight gets an empty tensor along the dim compute splits.
+        if plan is not None and plan.weight_dim is not None:
+            for entry in entries:
+                if any(m is module and a == "weight" for _, m, a in entry.owners):
+                    entry.compute_dim = plan.weight_dim
+    return plans
+
+
+# -- moving and creating data ---------------------------------------------------------------------
+
+def _full_metadata(shape: tuple[int, ...], dtype: torch.dtype, ranks: Sequence[int]) -> ShardedTensorMetadata:
+    # Devices in these layouts only matter for the local rank's allocations (the planner
+    # looks at regions and ranks), and each rank allocates on its own default device.
+    return ShardedTensorMetadata([ShardMetadata((0,) * len(shape), shape, RemoteDevice.of(r, "cpu"))
+                                  for r in ranks], shape, dtype)
+
+
+def _from_src(tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+              target: ShardedTensorMetadata, src: int, rank: int,
+              group: _comm.ProcessGroup) -> dict[int, torch.Tensor]:
+    source = _full_metadata(shape, dtype, [src])
+    local = {0: tensor.detach()} if rank == src and tensor is not None else {}
+    return redistribute(local, source, ShardedTensorMetadata(target.shards, shape, dtype), rank=rank, group=group)
+
+
+def _device_for(layout: ParamLayout | None, rank: int, default: torch.device) -> torch.device:
+    if layout is not None:
+        mine = layout.metadata.shards_on(rank)
+        if mine:
+            return mine[0][1].device.device
+    return default
+
+
+def _reset_method(module: nn.Module):  # type: ignore[no-untyped-def]
+    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+
+
+def _agree(payload: dict[str, object], group: _comm.ProcessGroup) -> list[dict[str, object]]:
+    """Every rank's ``payload``; raises the same ``ValueError`` everywhere if the models differ."""
+    everyone: list[dict[str, object]] = _comm.all_gather_json(payload, group)
+    first = everyone[0]
+    for rank, other in enumerate(everyone):
+        for key in ("params", "spec", "src_rank", "seed_given"):
+            if other[key] != first[key]:
+                msg = (f"shard_model must be called with the same model and arguments on every rank, but {key} "
+                       f"differs between rank 0 and rank {rank}: {_short(first[key])} vs {_short(other[key])}.")
+                raise ValueError(msg)
+    return everyone
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) < 300 else text[:300] + "..."
+
+
+# -- public API ------------------------------------------------------------------------------------
+
+def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int | None = None,
+                process_group: _comm.ProcessGroup = None, seed: int | None = None) -> nn.Module:
+    """Shard ``model``'s parameters as ``sharding_spec`` says, in place, and return it. Collective.
+
+    ``sharding_spec`` is a ``CompositeShardingSpec`` (parameter or submodule names, dotted
+    paths, nested composites, device strings) or one tensor spec applied to every parameter.
+    Parameters the composite does not name stay whole on every rank.
+
+    Where the values come from:
+
+    * parameters on the meta device are allocated block by block on each rank and initialized
+      by their module's ``reset_parameters()``; every value depends only on ``seed``, the
+      parameter's name and the init rule, never on the layout or the world size. Without
+      ``seed``, rank 0 draws one (so replicas agree);
+    * with ``src_rank``, the model on that rank is the source of truth: each rank receives only
+      its blocks, and unsharded parameters are broadcast (other ranks may build on meta);
+    * otherwise each rank keeps its block of its own (identical) copy.
+
+    ``nn.Linear`` and ``nn.Embedding`` with split weights compute with the needed communication;
+    activations stay sharded between a Linear split on outputs and a Linear split on inputs
+    (torch.fx). Buffers are never sharded.
+
+    Args:
+        model: the model; modified in place.
+        sharding_spec: see above.
+        src_rank: group rank whose weights are the source of truth, or ``None``.
+        process_group: the group the spec's ranks refer to (``None``: the default group).
+        seed: seed for the layout-invariant initialization of meta parameters.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: a spec that cannot be laid out or computed (the message names the parameter
+            or module and why), or arguments that differ between ranks. Raised identically on
+            every rank, before anything changes.
+        TypeError: ``sharding_spec`` is not a spec.
+
+    Example:
+        >>> # 2 ranks: a Megatron-style MLP, built on meta, never materialized in full
+        >>> with torch.device("meta"):  # doctest: +SKIP
+        ...     mlp = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+        >>> ranks = ["rank:0/cpu", "rank:1/cpu"]
+        >>> spec = composite(**{"0": single_split(0, ranks), "2.weight": single_split(1, ranks)})
+        >>> shard_model(mlp, spec, seed=0)  # doctest: +SKIP
+    """
+    rank, world = _comm.rank_and_world(process_group)
+    if src_rank is not None and (isinstance(src_rank, bool) or not isinstance(src_rank, int)
+                                 or not 0 <= src_rank < world):
+        msg = f"src_rank={src_rank!r} is outside the world of {world} ranks; use 0..{world - 1} or None."
+        raise ValueError(msg)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        msg = f"seed must be an int or None, got {type(seed).__name__} {seed!r}."
+        raise TypeError(msg)
+    if not isinstance(model, nn.Module):
+        msg = f"shard_model expects an nn.Module, got {type(model).__name__}."
+        raise TypeError(msg)
+
+    entries = _collect(model)
+    _resolve(sharding_spec, entries)
+    for entry in entries:
+        if entry.spec is None:
+            continue
+        for mod_name, module, attr in entry.owners:
+            if attr in sharded_parameters(module):
+                msg = (f"parameter {entry.name!r} is already sharded; reshard its values through "
+                       f"model.state_dict() / load_state_dict instead of sharding it twice.")
+                raise ValueError(msg)
+        entry.layout = _layout(entry, world)
+    plans = _plans(model, entries, process_group)
+
+    # Agree across ranks on the model, the arguments and the seed before any data moves.
+    is_meta = [e.param.is_meta for e in entries]
+    proposal = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
+    payload = {"params": [[e.name, list(e.param.shape), str(e.param.dtype)] for e in entries],
+               "spec": sharding_spec.to_dict(),  # type: ignore[attr-defined]
+               "src_rank": src_rank, "seed_given": seed is not None, "meta": is_meta, "seed": proposal}
+    everyone = _agree(payload, process_group) if world > 1 else [payload]
+    if src_rank is None:
+        for r, other in enumerate(everyone):
+            if other["meta"] != is_meta:
+                names = [e.name for e, a, b in zip(entries, is_meta, other["meta"]) if a != b][:5]  # type: ignore[call-overload]
+                msg = (f"parameters {names} are on the meta device on some ranks and not on others (ranks 0 and "
+                       f"{r} differ); build the model the same way everywhere, or pass src_rank= to take the "
+                       f"values from one rank.")
+                raise ValueError(msg)
+    else:
+        src_meta = [e.name for e, m in zip(entries, everyone[src_rank]["meta"]) if m]  # type: ignore[call-overload]
+        if src_meta:
+            msg = (f"src_rank={src_rank} has parameters on the meta device ({src_meta[:5]}); the source rank "
+                   f"must hold real values, or pass src_rank=None to initialize meta parameters.")
+            raise ValueError(msg)
+    seed_value = int(everyone[0]["seed"])  # type: ignore[call-overload]
+
+    for entry, meta in zip(entries, is_meta):
+        if src_rank is not None:
+            entry.source = "src"
+        elif meta:
+            entry.source = "init"
+        else:
+            entry.source = "local" if entry.layout is not None else "keep"
+    if seed is not None and not any(e.source == "init" for e in entries):
+        msg = ("seed= initializes parameters on the meta device, but this model has none; its real values "
+               "are sharded as they are (drop seed=, or build the model under torch.device('meta')).")
+        raise ValueError(msg)
+    for entry in entries:
+        mod_name, module, _ = entry.owners[0]
+        if entry.source == "init" and _reset_method(module) is None:
+            msg = (f"{_label(mod_name, module)} has parameters on the meta device but no reset_parameters() to "
+                   f"initialize them; add a reset_parameters() method that initializes them (as torch.nn modules "
+                   f"do), or build the model with real weights and pass src_rank=.")
+            raise ValueError(msg)
+
+    default_device = torch.device("cpu")
+    for entry in entries:
+        if entry.layout is not None and entry.layout.metadata.shards_on(rank):
+            default_device = _device_for(entry.layout, rank, default_device)
+            break
+
+    _materialize(model, entries, plans, rank, process_group, src_rank, seed_value, default_device)
+    _finish(model, entries, plans, rank, process_group)
+    return model
+
+
+def _materialize(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int, tuple[str, nn.Module, Plan | None]],
+                 rank: int, group: _comm.ProcessGroup, src_rank: int | None, seed: int,
+                 default_device: torch.device) -> None:
+    by_param = {id(e.param): e for e in entries}
+    ctx = LayoutInvariantInit(seed)
+    done_modules: set[int] = set()
+    with ctx:
+        for mod_name, module in model.named_modules():
+            if id(module) in done_modules:
+                continue
+            done_modules.add(id(module))
+            to_init: list[tuple[str, _Entry]] = []
+            others: list[tuple[str, _Entry]] = []
+            for attr, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                entry = by_param.get(id(param))
+                if entry is None:  # replaced already through another owner
+                    continue
+                if entry.new is None:
+                    entry.new = _new_param(entry, rank, group, src_rank, default_device)
+                    (to_init if entry.source == "init" else others).append((attr, entry))
+                else:
+                    others.append((attr, entry))
+                module._parameters[attr] = entry.new
+            meta_buffers = [b for b, t in module._buffers.items() if t is not None and t.is_meta]
+            for name in meta_buffers:
+                old = module._buffers[name]
+                module._buffers[name] = torch.zeros(old.shape, dtype=old.dtype, device=default_device)
+            if to_init:
+                _init_module(ctx, mod_name, module, to_init, others, rank)
+            elif meta_buffers and src_rank is None:
+                reset = _reset_method(module)
+                if reset is not None:
+                    with ctx.module_scope(mod_name):
+                        reset()
+                else:
+                    warnings.warn(f"{_label(mod_name, module)}: buffers {meta_buffers} were on the meta device and "
+                                  f"have no reset_parameters() to fill them; they are zeros now.", stacklevel=3)
+        if src_rank is not None:
+            _broadcast_buffers(model, rank, group, src_rank)
+
+
+def _broadcast_buffers(model: nn.Module, rank: int, group: _comm.ProcessGroup, src_rank: int) -> None:
+    _, world = _comm.rank_and_world(group)
+    for module in dict.fromkeys(m for _, m in model.named_modules()):
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            shape = tuple(buf.shape)
+            got = _from_src(buf if rank == src_rank else None, shape, buf.dtype,
+                            _full_metadata(shape, buf.dtype, range(world)), src_rank, rank, group)
+            value = got[rank]
+            if buf.is_meta or value.device != buf.device:
+                module._buffers[name] = value.to(buf.device if not buf.is_meta else value.device)
+            else:
+                with torch.no_grad():
+                    buf.copy_(value)
+
+
+def _new_param(entry: _Entry, rank: int, group: _comm.ProcessGroup, src_rank: int | None,
+               default_device: torch.device) -> nn.Parameter:
+    param = entry.param
+    shape, dtype = tuple(param.shape), param.dtype
+    layout = entry.layout
+    _, world = _comm.rank_and_world(group)
+    if entry.source == "keep":
+        return param
+    offsets, sizes = entry.box(rank)
+    if layout is not None:
+        device = _device_for(layout, rank, default_device)
+    else:
+        device = param.device if not param.is_meta else default_device
+    if entry.source == "init":
+        local = torch.empty(sizes, dtype=dtype, device=device)
+    elif entry.source == "local":
+        with torch.no_grad():
+            local = param.detach()[box_slices((offsets, sizes), (0,) * len(shape))].to(device).clone()
+    else:  # "src"
+        target = layout.metadata if layout is not None else _full_metadata(shape, dtype, range(world))
+        pieces = _from_src(param if rank == src_rank else None, shape, dtype, target, src_rank, rank, group)  # type: ignore[arg-type]
+        if layout is not None:
+            local = _assemble(pieces, layout.metadata, rank, (offsets, sizes), dtype)
+        else:
+            local = pieces[rank].to(device)
+    return nn.Parameter(local, requires_grad=param.requires_grad)
+
+
+def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
+                 to_init: Sequence[tuple[str, _Entry]], others: Sequence[tuple[str, _Entry]], rank: int) -> None:
+    """Run ``module``'s own init on its new local blocks, leaving parameters it does not own alone."""
+    for attr, entry in to_init:
+        offsets = entry.box(rank)[0]
+        ctx.register(entry.new, entry.name, tuple(entry.param.shape), offsets)  # type: ignore[arg-type]
+    # Parameters initialized elsewhere (tied to an earlier module) or holding real values are
+    # swapped for scratch tensors, so this module's reset cannot overwrite them.
+    swapped = {}
+    for attr, entry in others:
+        scratch = nn.Parameter(torch.empty_like(entry.new), requires_grad=False)  # type: ignore[arg-type]
+        ctx.register(scratch, f"{entry.name}#scratch", tuple(entry.param.shape), entry.box(rank)[0])
+        swapped[attr] = module._parameters[attr]
+        module._parameters[attr] = scratch
+    padding = None
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        # Embedding zeroes weight[padding_idx] by local index; do it by global index instead.
+        padding, module.padding_idx = module.padding_idx, None
+    try:
+        with ctx.module_scope(mod_name):
+            _reset_method(module)()
+    finally:
+        if padding is not None:
+            module.padding_idx = padding
+        module._parameters.update(swapped)
+    if padding is not None:
+        for attr, entry in to_init:
+            if attr != "weight":
+                continue
+            offsets, sizes = entry.box(rank)
+            if offsets[0] <= padding < offsets[0] + sizes[0]:
+                with torch.no_grad():
+                    entry.new[padding - offsets[0]].fill_(0)  # type: ignore[index]
+
+
+def _finish(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int, tuple[str, nn.Module, Plan | None]],
+            rank: int, group: _comm.ProcessGroup, *, fx: bool = True) -> None:
+    """Record layouts, install sharded forwards and state_dict hooks, then link layers with fx."""
+    for entry in entries:
+        if entry.layout is None:
+            continue
+        sp = entry.sharded(group)
+        for _, module, attr in entry.owners:
+            params = module.__dict__.setdefault("_shardkit_params", {})
+            params[attr] = sp
+    for _, module, plan in plans.values():
+        _parallel.install(module, plan)
+    for module in dict.fromkeys(m for _, m in model.named_modules()):
+        if module._parameters and "_shardkit_hooks" not in module.__dict__:
+            module.__dict__["_shardkit_hooks"] = (module.register_state_dict_post_hook(_state_dict_hook),
+                                                  module.register_load_state_dict_pre_hook(_load_hook))
+    if fx:
+        split = {}
+        for entry in entries:
+            if entry.layout is not None and entry.layout.kind != "replicated":
+                mod_name, module, _ = entry.owners[0]
+                for alias in entry.aliases:
+                    split[alias] = _label(mod_name, module)
+        _parallel.optimize(model, split)
+
+
+def _state_dict_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object) -> None:
+    for attr, sp in sharded_parameters(module).items():
+        key = prefix + attr
+        if key in state_dict:
+            rank, _ = _comm.rank_and_world(sp.group)
+            state_dict[key] = sp.wrap(state_dict[key], rank)  # type: ignore[arg-type]
+
+
+def _load_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object,
+               strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    sharded = sharded_parameters(module)
+    for attr, param in module._parameters.items():
+        key = prefix + attr
+        if param is None or key not in state_dict:
+            continue
+        value = state_dict[key]
+        try:
+            if attr in sharded:
+                rank, _ = _comm.rank_and_world(sharded[attr].group)
+                state_dict[key] = sharded[attr].local_from(value, key, rank)
+            elif isinstance(value, ShardedTensor):
+                state_dict[key] = value.full_tensor()
+        except ValueError as exc:
+            error_msgs.append(str(exc))
+            del state_dict[key]
+
+
+def shard_parameter(module: nn.Module, param_name: str, sharding_spec: PlacementSpec, src_rank: int = 0,
+                    process_group: _comm.ProcessGroup = None) -> None:
+    """Replace ``module``'s parameter ``param_name`` by this rank's block of it, in place. Collective.
+
+    The parameter on ``src_rank`` is the source of truth (other ranks may hold it on the meta
+    device); each rank receives only its block. ``param_name`` may be dotted
+    (``"net1.weight"``). If the owning module is an ``nn.Linear`` or ``nn.Embedding`` its
+    forward becomes the sharded one; a split that cannot be computed is refused.
+
+    Raises:
+        ValueError: unknown parameter, already sharded, invalid or uncomputable spec, or a
+            source parameter on the meta device.
+        TypeError: ``sharding_spec`` is not a tensor spec.
+
+    Example:
+        >>> # 2 ranks: split fc1's output features, rows 0-4 on rank 0, 5-9 on rank 1
+        >>> shard_parameter(model.fc1, "weight", single_split(0, ["rank:0/cpu", "rank:1/cpu"]))  # doctest: +SKIP
+    """
+    rank, world = _comm.rank_and_world(process_group)
+    if not isinstance(sharding_spec, _TENSOR_SPECS):
+        msg = (f"shard_parameter takes a tensor spec (SingleSplitShardingSpec, MeshShardingSpec, DevicePlacement, "
+               f"EnumerableShardingSpec), got {type(sharding_spec).__name__}; use shard_model for a composite spec.")
+        raise TypeError(msg)
+    if isinstance(src_rank, bool) or not isinstance(src_rank, int) or not 0 <= src_rank < world:
+        msg = f"src_rank={src_rank!r} is outside the world of {world} ranks; use 0..{world - 1}."
+        raise ValueError(msg)
+    entries = [e for e in _collect(module) if param_name in e.aliases]
+    if not entries:
+        names = [n for n, _ in module.named_parameters()]
+        msg = f"{type(module).__name__} has no parameter {param_name!r}; its parameters are {names}."
+        raise ValueError(msg)
+    entry = entries[0]
+    for _, owner, attr in entry.owners:
+        if attr in sharded_parameters(owner):
+            msg = f"parameter {param_name!r} is already sharded; shard it once."
+            raise ValueError(msg)
+    entry.spec = sharding_spec
+    entry.layout = _layout(entry, world)
+    plans = _plans(module, [entry], process_group)
+    payload = {"params": [[param_name, list(entry.param.shape), str(entry.param.dtype)]],
+               "spec": sharding_spec.to_dict(), "src_rank": src_rank, "seed_given": False,  # type: ignore[attr-defined]
+               "meta": [entry.param.is_meta], "seed": 0}
+    everyone = _agree(payload, process_group) if world > 1 else [payload]
+    if everyone[src_rank]["meta"] == [True]:
+        msg = (f"parameter {param_name!r} is on the meta device on src_rank={src_rank}; shard_parameter shards "
+               f"existing values. For a model built on meta, use shard_model(), which initializes it shard by shard.")
+        raise ValueError(msg)
+    entry.source = "src"
+    entry.new = _new_param(entry, rank, process_group, src_rank, torch.device("cpu"))
+    for _, owner, attr in entry.owners:
+        owner._parameters[attr] = entry.new
+    _finish(module, [entry], plans, rank, process_group, fx=False)
