@@ -473,8 +473,9 @@ def _check_direct_uses(graph: torch.fx.Graph, root: nn.Module, root_name: str,
         full = f"{root_name}.{node.target}" if root_name else str(node.target)
         if full in split_params:
             users = ", ".join(str(u.format_node()) for u in node.users) or "nothing"
+            where = f"module {root_name!r}" if root_name else "the root module"
             msg = (f"{split_params[full]}: parameter {full!r} is split across ranks, but the forward of "
-                   f"{root_name or 'the root module'!r} ({type(root).__name__}) uses it directly ({users}) instead "
+                   f"{where} ({type(root).__name__}) uses it directly ({users}) instead "
                    f"of calling its module; that op would see only this rank's shard. Keep {full!r} whole on "
                    f"every rank, or use it only through its nn.Linear / nn.Embedding.")
             raise ValueError(msg)
@@ -504,7 +505,9 @@ class _GraphForward:
             default = self._signature.parameters[name].default
             if default is not inspect.Parameter.empty and not _same(value, default):
                 return self._original(*args, **kwargs)
-        return self._graphs[self._module.training](*args, **kwargs)
+        # forward, not __call__: the module's own __call__ already ran its hooks, and the
+        # GraphModule is an internal object that hooks and trackers should not see.
+        return self._graphs[self._module.training].forward(*args, **kwargs)
 
 
 def _same(value: object, default: object) -> bool:
@@ -539,8 +542,11 @@ def _trace(module: nn.Module, sharded: set[nn.Module]) -> dict[bool, torch.fx.Gr
     return graphs
 
 
-def optimize(model: nn.Module, split_params: Mapping[str, str]) -> list[str]:
-    """Trace ``model`` (or, if it cannot be traced, its submodules) and keep activations sharded.
+def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], list[str]]:
+    """Trace ``model`` (or, if it cannot be traced, its submodules) to keep activations sharded.
+
+    Tracing only needs shapes, so it runs before any data moves (on a meta model too); the
+    rewritten forwards are installed by calling the returned function.
 
     Args:
         model: a model whose sharded layers already have their plans installed.
@@ -548,19 +554,18 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> list[str]:
             that no code reads a split parameter directly.
 
     Returns:
-        Names of the modules whose ``forward`` now runs a rewritten graph.
+        A function that installs the rewritten forwards and returns the names of the modules
+        whose ``forward`` now runs a rewritten graph.
 
     Raises:
         ValueError: a traced forward reads a split parameter directly.
     """
     named = dict(model.named_modules())
     sharded = {m for m in named.values() if "_shardkit_plan" in m.__dict__}
-    if not sharded:
-        return []
-    installed: list[str] = []
+    pending: list[tuple[str, nn.Module, dict[bool, torch.fx.GraphModule]]] = []
 
     def visit(name: str, module: nn.Module) -> None:
-        inside = [m for n, m in module.named_modules() if m in sharded]
+        inside = [m for _, m in module.named_modules() if m in sharded]
         if not inside or module in sharded:
             return
         graphs = _trace(module, sharded)
@@ -568,17 +573,20 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> list[str]:
             for child_name, child in module.named_children():
                 visit(f"{name}.{child_name}" if name else child_name, child)
             return
-        for training, gm in graphs.items():
+        for gm in graphs.values():
             _check_direct_uses(gm.graph, module, name, split_params)
-            modules = dict(gm.named_modules())
-            linked = _rewrite(gm.graph, modules)
+        linked = 0
+        for gm in graphs.values():
+            linked += _rewrite(gm.graph, dict(gm.named_modules()))
             gm.recompile()
-            if not linked:
-                graphs = {}
-                break
-        if graphs:
-            module.__dict__["forward"] = _GraphForward(module, graphs, type(module).forward.__get__(module))
-            installed.append(name)
+        if linked:
+            pending.append((name, module, graphs))
 
-    visit("", model)
-    return installed
+    if sharded:
+        visit("", model)
+
+    def commit() -> list[str]:
+        for _, module, graphs in pending:
+            module.__dict__["forward"] = _GraphForward(module, graphs, type(module).forward.__get__(module))
+        return [name for name, _, _ in pending]
+    return commit

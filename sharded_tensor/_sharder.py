@@ -418,9 +418,30 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
             default_device = _device_for(entry.layout, rank, default_device)
             break
 
+    # Install the sharded forwards and trace before any data moves: fx only needs shapes, and
+    # a forward that reads a split parameter directly is refused with the model unchanged.
+    for _, module, plan in plans.values():
+        _parallel.install(module, plan)
+    try:
+        commit = _parallel.optimize(model, _split_labels(entries))
+    except BaseException:
+        for _, module, _plan in plans.values():
+            _parallel.install(module, None)
+        raise
     _materialize(model, entries, plans, rank, process_group, src_rank, seed_value, default_device)
-    _finish(model, entries, plans, rank, process_group)
+    _finish(model, entries, process_group)
+    commit()
     return model
+
+
+def _split_labels(entries: Sequence[_Entry]) -> dict[str, str]:
+    split = {}
+    for entry in entries:
+        if entry.layout is not None and entry.layout.kind != "replicated":
+            mod_name, module, _ = entry.owners[0]
+            for alias in entry.aliases:
+                split[alias] = _label(mod_name, module)
+    return split
 
 
 def _materialize(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int, tuple[str, nn.Module, Plan | None]],
@@ -546,9 +567,8 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
                     entry.new[padding - offsets[0]].fill_(0)  # type: ignore[index]
 
 
-def _finish(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int, tuple[str, nn.Module, Plan | None]],
-            rank: int, group: _comm.ProcessGroup, *, fx: bool = True) -> None:
-    """Record layouts, install sharded forwards and state_dict hooks, then link layers with fx."""
+def _finish(model: nn.Module, entries: Sequence[_Entry], group: _comm.ProcessGroup) -> None:
+    """Record layouts on their modules and install the state_dict hooks."""
     for entry in entries:
         if entry.layout is None:
             continue
@@ -556,20 +576,10 @@ def _finish(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int, tup
         for _, module, attr in entry.owners:
             params = module.__dict__.setdefault("_shardkit_params", {})
             params[attr] = sp
-    for _, module, plan in plans.values():
-        _parallel.install(module, plan)
     for module in dict.fromkeys(m for _, m in model.named_modules()):
         if module._parameters and "_shardkit_hooks" not in module.__dict__:
             module.__dict__["_shardkit_hooks"] = (module.register_state_dict_post_hook(_state_dict_hook),
                                                   module.register_load_state_dict_pre_hook(_load_hook))
-    if fx:
-        split = {}
-        for entry in entries:
-            if entry.layout is not None and entry.layout.kind != "replicated":
-                mod_name, module, _ = entry.owners[0]
-                for alias in entry.aliases:
-                    split[alias] = _label(mod_name, module)
-        _parallel.optimize(model, split)
 
 
 def _state_dict_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object) -> None:
@@ -650,4 +660,6 @@ def shard_parameter(module: nn.Module, param_name: str, sharding_spec: Placement
     entry.new = _new_param(entry, rank, process_group, src_rank, torch.device("cpu"))
     for _, owner, attr in entry.owners:
         owner._parameters[attr] = entry.new
-    _finish(module, [entry], plans, rank, process_group, fx=False)
+    _finish(module, [entry], process_group)
+    for _, owner, plan in plans.values():
+        _parallel.install(owner, plan)
