@@ -1,0 +1,174 @@
+"""reshard on real Gloo ranks: random layout pairs, bit-for-bit regions, minimal bytes, errors.
+
+Hypothesis draws the cases in the parent (sizes, source and destination specs as
+``spec.to_dict()``, dtypes); one spawn runs a whole list of cases on every rank. Mismatches
+come back as data, so one run reports every failing case instead of the first one, and the
+ranks never fall out of step. Shrinking is off: each attempt would cost a spawn, and the
+report already names the failing case.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as hst
+
+import sharded_tensor as st
+from sharded_tensor._plan import plan_reshard
+from sharding import DevicePlacement, ShardMetadata, mesh, single_split, spec_from_dict
+from tests.distributed._launch import run_distributed
+from tests.unit.test_plan import minimum_elements, sizes, specs
+
+pytestmark = pytest.mark.distributed
+
+DTYPES = ["float32", "float64", "bfloat16", "int64", "bool"]
+CASES_PER_SPAWN = 20
+SPAWN_SETTINGS = settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate],
+                          suppress_health_check=list(HealthCheck))
+
+
+@hst.composite
+def cases(draw: hst.DrawFn, world: int) -> dict[str, object]:
+    size = draw(sizes(max_ndim=3, max_dim=7))
+    return {"size": list(size), "dtype": draw(hst.sampled_from(DTYPES)),
+            "src": draw(specs(size, world)).to_dict(), "dst": draw(specs(size, world)).to_dict()}
+
+
+def _tensor(size: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, size, generator=g).bool()
+    if not dtype.is_floating_point:
+        return torch.randint(-(2**40), 2**40, size, generator=g).to(dtype)
+    return torch.randn(size, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _region(x: torch.Tensor, md: ShardMetadata) -> torch.Tensor:
+    return x[tuple(slice(o, o + n) for o, n in zip(md.offsets, md.dims))]
+
+
+def _invalid_specs(size: tuple[int, ...], world: int) -> list[tuple[object, str]]:
+    """Specs that do not fit a tensor of ``size`` on ``world`` ranks, with the message to expect."""
+    ranks = [f"rank:{r}/cpu" for r in range(world)]
+    too_deep: object = ranks[0]
+    for _ in range(len(size) + 1):
+        too_deep = [too_deep]
+    bad = [(DevicePlacement(f"rank:{world}/cpu"), rf"rank {world}\b"),
+           (single_split(0, [*ranks[1:], f"rank:{world + 1}/cpu"]),
+            rf"rank {world + 1}\b" if size else "0-d tensor has no dimension to split"),
+           (mesh(too_deep), rf"mesh has {len(size) + 1} dimensions")]
+    if size:
+        bad.append((single_split(0, ranks, [size[0] + 1] + [0] * (world - 1)), rf"sum to {size[0] + 1}\b"))
+    return bad
+
+
+def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> list[dict[str, object]]:
+    out = []
+    for i, case in enumerate(case_list):
+        size = tuple(case["size"])  # type: ignore[arg-type]
+        dtype = getattr(torch, str(case["dtype"]))
+        src, dst = spec_from_dict(case["src"]), spec_from_dict(case["dst"])  # type: ignore[arg-type]
+        x = _tensor(size, dtype, seed=i)
+        problems: list[str] = []
+        t = st.shard_tensor(x if rank == i % world else None, src, src_rank=i % world)
+        src_md = t.sharding_metadata()
+        # A spec that does not fit: ValueError, and the old data and layout stay as they were.
+        for spec, match in _invalid_specs(size, world) if i < 4 else []:
+            before = [s.tensor for s in t.local_shards()]
+            values = [b.clone() for b in before]
+            try:
+                t.reshard(spec)  # type: ignore[arg-type]
+                problems.append(f"reshard to invalid {spec!r} did not raise")
+            except ValueError as exc:
+                if not re.search(match, str(exc)):
+                    problems.append(f"reshard to invalid {spec!r}: message {exc} does not match {match!r}")
+            if t.sharding_metadata() != src_md or t.sharding_spec() != src:
+                problems.append(f"failed reshard to {spec!r} changed the layout")
+            now = t.local_shards()
+            if len(now) != len(before) or not all(a.tensor is b and torch.equal(b, v)
+                                                  for a, b, v in zip(now, before, values)):
+                problems.append(f"failed reshard to {spec!r} changed the local shards")
+        with st.CommCounter() as comm:
+            result = t.reshard(dst)  # type: ignore[arg-type]
+        if result is not t:
+            problems.append("reshard did not return self")
+        dst_md = dst.build_metadata(size, dtype, world_size=world)  # type: ignore[attr-defined]
+        if t.sharding_metadata() != dst_md:
+            problems.append(f"layout after reshard {t.sharding_metadata()} != {dst_md}")
+        if [s.metadata for s in t.local_shards()] != [m for _, m in dst_md.shards_on(rank)]:
+            problems.append("local shards do not follow the destination layout")
+        for s in t.local_shards():
+            if s.tensor.dtype != dtype or not torch.equal(s.tensor, _region(x, s.metadata)):
+                problems.append(f"shard {s.metadata} differs from the original region")
+        planned = plan_reshard(src_md, dst_md, rank=rank).elements_sent() * x.element_size()
+        if comm.bytes_sent != planned:
+            problems.append(f"sent {comm.bytes_sent} bytes but the plan says {planned} ({comm})")
+        if not torch.equal(t.full_tensor(), x):
+            problems.append("full_tensor() after reshard differs from the original")
+        out.append({"bytes": comm.bytes_sent, "problems": problems})
+    return out
+
+
+def _check(case_list: list[dict[str, object]], world: int) -> None:
+    results = run_distributed(_run_cases, world, case_list, timeout=120)
+    failures = []
+    for i, case in enumerate(case_list):
+        size = tuple(case["size"])  # type: ignore[arg-type]
+        dtype = getattr(torch, str(case["dtype"]))
+        src_md = spec_from_dict(case["src"]).build_metadata(size, dtype, world_size=world)  # type: ignore[arg-type, attr-defined]
+        dst_md = spec_from_dict(case["dst"]).build_metadata(size, dtype, world_size=world)  # type: ignore[arg-type, attr-defined]
+        problems = [f"rank {r}: {p}" for r in range(world) for p in results[r][i]["problems"]]
+        total = sum(results[r][i]["bytes"] for r in range(world))
+        minimum = minimum_elements(src_md, dst_md) * torch.empty((), dtype=dtype).element_size()
+        if total != minimum:
+            problems.append(f"all ranks sent {total} bytes, the minimum is {minimum}")
+        if problems:
+            failures.append(f"case {i} {case}:\n  " + "\n  ".join(problems))
+    assert not failures, "\n".join(failures)
+
+
+@SPAWN_SETTINGS
+@given(hst.lists(cases(4), min_size=CASES_PER_SPAWN, max_size=CASES_PER_SPAWN))
+def test_reshard_random_layouts_on_4_ranks(case_list):
+    _check(case_list, 4)
+
+
+@SPAWN_SETTINGS
+@given(hst.lists(cases(3), min_size=CASES_PER_SPAWN, max_size=CASES_PER_SPAWN))
+def test_reshard_random_layouts_on_3_ranks(case_list):
+    _check(case_list, 3)
+
+
+R4 = [f"rank:{r}/cpu" for r in range(4)]
+# The issue's named transitions on an (8, 12) tensor, with the bytes each needs in float32.
+NAMED = [
+    ("dim0-to-dim1", single_split(0, R4), single_split(1, R4), 4 * 3 * 2 * 3 * 4),
+    ("dim0-to-replicate", single_split(0, R4), DevicePlacement("cpu"), 4 * 3 * 24 * 4),
+    ("replicate-to-dim0", DevicePlacement("cpu"), single_split(0, R4), 0),
+    ("even-to-uneven", single_split(0, R4), single_split(0, R4, [1, 3, 3, 1]), 2 * 12 * 4),
+    ("mesh-to-single-split", mesh([R4[:2], R4[2:]]), single_split(0, R4), 4 * 2 * 6 * 4),
+    ("mesh-to-mesh-transposed", mesh([R4[:2], R4[2:]]), mesh([[R4[0], R4[2]], [R4[1], R4[3]]]), 2 * 24 * 4),
+]
+
+
+def _named(rank: int, world: int) -> list[int]:
+    sent = []
+    for i, (_, src, dst, _) in enumerate(NAMED):
+        x = _tensor((8, 12), torch.float32, seed=i)
+        t = st.shard_tensor(x, src)
+        with st.CommCounter() as comm:
+            t.reshard(dst)
+        for s in t.local_shards():
+            assert torch.equal(s.tensor, _region(x, s.metadata)), (NAMED[i][0], s.metadata)
+        sent.append(comm.bytes_sent)
+    return sent
+
+
+def test_named_transitions_send_the_minimum():
+    results = run_distributed(_named, 4)
+    for i, (name, _, _, expected) in enumerate(NAMED):
+        assert sum(r[i] for r in results) == expected, name
