@@ -288,6 +288,14 @@ def _requires_grad_is_global(rank: int) -> None:
         assert t.local_shard().requires_grad, f"rank {rank}: shard received by reshard lost requires_grad"
 
 
+def _from_local_shards_inconsistent_size(rank: int) -> None:
+    """Ranks passing different global sizes: a ValueError on every rank, never some ranks going on."""
+    md = ShardMetadata((2 * rank, 0), (2, 4), R[rank])
+    size = (8, 4) if rank != 3 else (8, 5)
+    with pytest.raises(ValueError, match=r"size"):
+        st.ShardedTensor.from_local_shards([st.Shard(torch.zeros(2, 4), md)], size)
+
+
 def _core(rank: int, world_size: int, tmp: str) -> dict[str, object]:
     assert world_size == WORLD
     _rfc_row_wise(rank)
@@ -299,7 +307,8 @@ def _core(rank: int, world_size: int, tmp: str) -> dict[str, object]:
     _from_local_shards_invalid(rank)
     random = _factories(rank)
     _save_load(rank, tmp)
-    _requires_grad_is_global(rank)  # last: it fails today (see the report)
+    _requires_grad_is_global(rank)
+    _from_local_shards_inconsistent_size(rank)  # last: a failure here leaves ranks out of step
     return {"sent": sent, "metadata": metadata, "random": random}
 
 
