@@ -106,9 +106,14 @@ class ShardedTensor:
                     problems.append(f"rank {rank}: local_shards[{i}] tensor is on {tensor.device} "
                                     f"but its metadata says {md.device.device}")
             mine.append({**md.to_dict(), "dtype": str(tensor.dtype), "grad": tensor.requires_grad})
-        everyone = _comm.all_gather_json({"shards": mine, "problems": problems}, process_group)
+        everyone = _comm.all_gather_json({"shards": mine, "problems": problems, "size": list(size)},
+                                         process_group)
         all_shards = [s for r in everyone for s in r["shards"]]
         problems = [p for r in everyone for p in r["problems"]]
+        sizes = [tuple(r["size"]) for r in everyone]
+        if any(s != sizes[0] for s in sizes):
+            problems.append(f"ranks pass different sizes {dict(enumerate(sizes))}; every rank must pass "
+                            f"the same global size")
         dtypes = sorted({s["dtype"] for s in all_shards})
         if validate:
             if len(dtypes) > 1:
@@ -224,6 +229,16 @@ class ShardedTensor:
                 return shard.device.device
         return _comm.default_device(self._group)
 
+    def _world(self) -> int:
+        _, world = _comm.rank_and_world(self._group)
+        ranks = self._metadata.ranks
+        if ranks and ranks[-1] >= world:
+            msg = (f"this ShardedTensor has shards on ranks up to {ranks[-1]} but the process group has "
+                   f"{world} rank(s); initialize torch.distributed with the world that created it "
+                   f"(e.g. launch with torchrun --nproc-per-node {ranks[-1] + 1}).")
+            raise RuntimeError(msg)
+        return world
+
     def reshard(self, sharding_spec: PlacementSpec) -> ShardedTensor:
         """Lay the data out as ``sharding_spec``, in place, and return self. Collective.
 
@@ -236,7 +251,7 @@ class ShardedTensor:
             >>> # diagonal block and receives three 2x2 blocks.
             >>> t.reshard(single_split(1, [f"rank:{r}/cpu" for r in range(4)]))  # doctest: +SKIP
         """
-        _, world = _comm.rank_and_world(self._group)
+        world = self._world()
         target = _build(sharding_spec, self.shape, self.dtype, self._names, world)
         requires_grad = self.requires_grad
         tensors = redistribute(self._local_by_index(), self._metadata, target, rank=self._rank, group=self._group)
@@ -249,7 +264,7 @@ class ShardedTensor:
 
     def gather(self, dst: int = 0) -> torch.Tensor | None:
         """The full tensor on rank ``dst`` (on its shards' device), ``None`` elsewhere. Collective."""
-        _, world = _comm.rank_and_world(self._group)
+        world = self._world()
         if not 0 <= dst < world:
             msg = f"gather(dst={dst!r}) is outside the world of {world} ranks; use 0..{world - 1}."
             raise ValueError(msg)
@@ -259,7 +274,7 @@ class ShardedTensor:
 
     def full_tensor(self) -> torch.Tensor:
         """The full tensor on every rank (on each rank's own device). Collective."""
-        _, world = _comm.rank_and_world(self._group)
+        world = self._world()
         target = ShardedTensorMetadata(
             [ShardMetadata((0,) * self.dim(), tuple(self.shape), RemoteDevice.of(r, self._device_of(r)))
              for r in range(world)], self.shape, self.dtype)
