@@ -1,271 +1,432 @@
-"""shardkit demo: shard a model's weights over several processes, reshard them, gather them back.
+"""shardkit demo: train a sharded model, checkpoint it, resume it on fewer ranks, export it.
 
 Run it with ``./scripts/demo.sh`` (4 CPU processes, Gloo), or directly:
 
-    python scripts/demo.py [--nproc 4] [--out out/demo] [--device cpu|cuda]
+    python scripts/demo.py [--nproc 4] [--out out/demo] [--device cpu|cuda] [--steps 5]
 
-Without torchrun's environment this script is the driver: it launches itself under
-``torchrun`` (``python -m torch.distributed.run``) and reports. Each rank then:
+This script is its own driver: started without torchrun's environment, it runs
 
-1. declares a composite spec (one spec per parameter) for a small MLP and prints the layout;
-2. shards the weights from rank 0 with ``shard_tensor`` and reports the bytes each rank holds;
-3. reshards every weight to a second spec, counting the bytes with ``CommCounter`` and
-   checking them against the minimum implied by the two layouts;
-4. gathers every weight on rank 0 and checks it bit for bit against the original.
+0. a single-process reference: the same small language model, unsharded, trained with plain
+   PyTorch for 2 x ``--steps`` steps;
+1. ``torchrun`` with ``--nproc`` ranks: declare a composite spec (one spec per parameter),
+   shard the model straight from the meta device, train ``--steps`` steps, save a sharded
+   checkpoint (model, optimizer state, step);
+2. ``torchrun`` with half as many ranks and another spec: load the checkpoint into the new
+   layout, train ``--steps`` more steps, collect the full state_dict on rank 0, save the
+   model's weights as a sharded checkpoint;
+3. offline, in one process: consolidate those weights into a Hugging Face style safetensors
+   folder and load it into a plain PyTorch model.
 
-Every check that fails is reported and makes the demo exit non-zero.
+Every stage is checked against the reference (losses, weights, logits); any failed check
+makes the demo exit non-zero. ``--device cuda`` runs the ranks on GPUs with NCCL.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+import checkpoint
 import sharded_tensor as st
-from sharding import CompositeShardingSpec, DevicePlacement, ShardedTensorMetadata, composite, single_split
+from sharding import CompositeShardingSpec, composite, single_split
 
 ROOT = Path(__file__).resolve().parent.parent
+
+VOCAB, DIM, HIDDEN, LAYERS = 512, 64, 256, 2
+BATCH, SEQ = 16, 32
+LR, MOMENTUM = 0.5, 0.9
+LOSS_TOL = 1e-4    # absolute, on losses around 1..7
+WEIGHT_TOL = 1e-4  # absolute, on every weight
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4, help="number of ranks (default: 4)")
+    parser.add_argument("--nproc", type=int, default=4, help="ranks of the first run; the second uses half (default: 4)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "demo",
-                        help="output folder (default: out/demo in the repository)")
+                        help="folder for checkpoints and the exported model (default: out/demo)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: Gloo on CPU processes; cuda: NCCL, one GPU per rank (default: cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights (default: 0)")
-    return parser.parse_args(argv)
+    parser.add_argument("--steps", type=int, default=5, help="training steps in each run (default: 5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
+    parser.add_argument("--phase", choices=("train", "resume"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.nproc < 1 or args.steps < 1:
+        parser.error("--nproc and --steps must be at least 1")
+    return args
 
 
-# -- the model ---------------------------------------------------------------------------------
+# -- the model and the data ---------------------------------------------------------------------
 
 
-class MLP(nn.Module):
-    """A small MLP: embedding, two hidden layers with a layer norm, an output projection."""
+class Block(nn.Module):
+    """Pre-norm residual MLP block."""
 
-    def __init__(self, vocab: int = 512, dim: int = 64, hidden: int = 256) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """A small next-token model: embedding, MLP blocks, layer norm, output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        x = x + self.fc2(torch.relu(self.fc1(x)))
+        for block in self.blocks:
+            x = block(x)
         return self.head(self.norm(x))
 
 
-def first_spec(devices: list[str]) -> CompositeShardingSpec:
-    """Split the big matrices so that each rank holds a slice; keep the layer norm everywhere."""
-    rows, cols = single_split(0, devices), single_split(1, devices)
-    return composite(
-        embed=rows,                   # vocabulary rows
-        fc1=rows,                     # output features (weight and bias)
-        fc2=composite(weight=cols, bias=DevicePlacement(devices[0])),  # input features; bias whole on rank 0
-        norm=DevicePlacement(devices[0].split("/", 1)[1]),  # a replica on every rank
-        head=rows,
-    )
+def batch(step: int, seed: int) -> torch.Tensor:
+    """Sequences that count up by 7 modulo the vocabulary from a random start: learnable."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + step)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=generator)
+    return (start + 7 * torch.arange(SEQ + 1)) % VOCAB
 
 
-def second_spec(devices: list[str]) -> CompositeShardingSpec:
-    """Another layout: the same parameters split on their other dimension, unevenly for the embedding."""
-    n = len(devices)
-    vocab_cols = [64 // n + (1 if r < 64 % n else 0) for r in range(n)]
-    return composite(
-        embed=single_split(1, devices, shard_sizes=vocab_cols[::-1]),
-        fc1=composite(weight=single_split(1, devices), bias=single_split(0, devices)),
-        fc2=single_split(0, devices),
-        norm=single_split(0, devices),
-        head=composite(weight=single_split(1, devices), bias=DevicePlacement(devices[-1])),
-    )
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item()
 
 
-# -- helpers --------------------------------------------------------------------------------------
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-class Checks:
-    """Collects pass/fail results so the demo can report them all and exit non-zero."""
+def first_spec(ranks: list[str]) -> CompositeShardingSpec:
+    """Megatron-style: embedding dim split, MLPs split out then in, output split on the vocabulary."""
+    rows, cols = single_split(0, ranks), single_split(1, ranks)
+    block = composite(fc1=rows, fc2=composite(weight=cols))  # fc2.bias and the norms: whole on every rank
+    return composite(embed=cols, head=rows, **{f"blocks.{i}": block for i in range(LAYERS)})
 
-    def __init__(self) -> None:
+
+def second_spec(ranks: list[str]) -> CompositeShardingSpec:
+    """Every split turned around, and the vocabulary split unevenly."""
+    n = len(ranks)
+    small = VOCAB // (2 * n)
+    vocab_rows = single_split(0, ranks, shard_sizes=[VOCAB - small * (n - 1)] + [small] * (n - 1))
+    rows, cols = single_split(0, ranks), single_split(1, ranks)
+    block = composite(fc1=composite(weight=cols), fc2=rows)
+    return composite(embed=vocab_rows, head=composite(weight=cols), **{f"blocks.{i}": block for i in range(LAYERS)})
+
+
+# -- reporting and checks ---------------------------------------------------------------------------
+
+
+class Report:
+    """Prints on rank 0 and keeps the result of every check."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
         self.failed: list[str] = []
         self.passed = 0
+
+    def say(self, text: str = "") -> None:
+        if self.rank == 0:
+            print(text, flush=True)
 
     def check(self, ok: bool, what: str) -> None:
         if ok:
             self.passed += 1
         else:
             self.failed.append(what)
+        self.say(f"    check: {what}: {'ok' if ok else 'FAILED'}")
+
+    def table(self, text: str) -> None:
+        self.say("\n".join("      " + line for line in text.splitlines()))
 
 
-def log(rank: int, text: str = "") -> None:
-    if rank == 0:
-        print(text, flush=True)
+def kib(nbytes: float) -> str:
+    return f"{nbytes / 1024:.1f} KiB"
 
 
-def show(rank: int, tensor: st.ShardedTensor) -> None:
-    """``visualize_sharding``, indented under the current step."""
-    text = st.visualize_sharding(tensor, file=io.StringIO())
-    log(rank, "\n".join("      " + line for line in text.splitlines()))
+def timed(fn: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
 
 
-def mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.3f} MiB"
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in b)
 
 
-def local_bytes(tensors: dict[str, st.ShardedTensor]) -> int:
-    return sum(s.tensor.numel() * s.tensor.element_size() for t in tensors.values() for s in t.local_shards())
+# -- 0. the reference, in one process ------------------------------------------------------------
 
 
-def min_bytes_received(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: int, element_size: int) -> int:
-    """Bytes ``rank`` must receive to go from ``src`` to ``dst``: its new blocks minus what it already holds."""
-    total = 0
-    for _, shard in dst.shards_on(rank):
-        need = shard.numel
-        for held in (s for s in src.shards if s.rank == rank):
-            overlap = 1
-            for o1, n1, o2, n2 in zip(shard.offsets, shard.dims, held.offsets, held.dims):
-                overlap *= max(0, min(o1 + n1, o2 + n2) - max(o1, o2))
-            need -= overlap
-        total += need
-    return total * element_size
+def initial_weights(seed: int) -> dict[str, torch.Tensor]:
+    """The model's initial weights: built on meta and initialized by shard_model in a world of one.
+
+    The values depend only on the seed and the parameter names, so they are the ones every
+    sharded run starts from, whatever its spec and world size.
+    """
+    with torch.device("meta"):
+        model = TinyLM()
+    st.shard_model(model, composite(), seed=seed)  # nothing split: every parameter whole
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def all_ranks(value: int, device: torch.device) -> list[int]:
-    """``value`` from every rank, in rank order."""
-    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, torch.tensor([value], dtype=torch.int64, device=device))
-    return [int(t.item()) for t in gathered]
+def run_reference(args: argparse.Namespace) -> None:
+    """Train the unsharded model with plain PyTorch; save its losses and final weights."""
+    model = TinyLM()
+    model.load_state_dict(initial_weights(args.seed))
+    optim = make_optimizer(model)
+    start = time.perf_counter()
+    losses = [train_step(model, optim, batch(step, args.seed)) for step in range(2 * args.steps)]
+    elapsed = time.perf_counter() - start
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out / "reference.safetensors")
+    (args.out / "reference.json").write_text(json.dumps({"losses": losses}))
+    print(f"[0] reference: the unsharded model trained {2 * args.steps} steps in one process in {elapsed:.2f} s; "
+          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
 
 
-# -- the job on every rank ---------------------------------------------------------------------
+# -- 1. and 2. the sharded runs, under torchrun -------------------------------------------------------
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """The SPMD part, run by every rank under torchrun. Returns the exit code."""
+    """Every rank runs this under torchrun. Returns the exit code."""
     use_cuda = args.device == "cuda"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
-        return _job(args, use_cuda)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        ranks = [f"rank:{r}/cuda:{r % per_host}" if use_cuda else f"rank:{r}/cpu" for r in range(world)]
+        device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        report = Report(rank)
+        reference = json.loads((args.out / "reference.json").read_text())["losses"]
+        if args.phase == "train":
+            train_phase(args, report, ranks, device, reference)
+        else:
+            resume_phase(args, report, ranks, device, reference)
+        failures = [0] * world
+        dist.all_gather_object(failures, len(report.failed))
+        return 0 if sum(failures) == 0 else 1
     finally:
         dist.destroy_process_group()
 
 
-def _job(args: argparse.Namespace, use_cuda: bool) -> int:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    devices = [f"rank:{r}/cuda:{r % per_host}" if use_cuda else f"rank:{r}/cpu" for r in range(world)]
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    checks = Checks()
-    backend = dist.get_backend()
-    log(rank, f"shardkit demo: {world} ranks, backend {backend}, device {device.type}")
+def all_ints(value: int) -> list[int]:
+    values = [0] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
-    # 1. Declare the layout: one spec per parameter.
-    torch.manual_seed(args.seed)
-    reference = MLP()  # the weights to shard; rank 0's copy is the source of truth
-    names = [name for name, _ in reference.named_parameters()]
-    spec_a = first_spec(devices).resolve(names)
-    spec_b = second_spec(devices).resolve(names)
-    full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
-    log(rank, f"\n[1] composite spec for {len(names)} parameters ({mib(full_bytes)} in full)")
-    for name, p in reference.named_parameters():
-        layout = spec_a[name].build_metadata(tuple(p.shape), world_size=world)
-        log(rank, f"    {name:12} {str(tuple(p.shape)):11} -> "
-                  + ", ".join(f"r{s.rank}:{s.dims}" for s in layout.shards))
 
-    # 2. Shard from rank 0: each rank receives only its shards.
-    start = time.perf_counter()
-    with st.CommCounter() as comm:
-        weights = {name: st.shard_tensor(p.detach().to(device) if rank == 0 else None, spec_a[name])
-                   for name, p in reference.named_parameters()}
-    elapsed = time.perf_counter() - start
-    held = all_ranks(local_bytes(weights), device)
-    log(rank, f"\n[2] shard_tensor from rank 0: {elapsed:.3f} s, rank 0 sent {mib(comm.bytes_by_op['send/recv'])}")
+def build_sharded(report: Report, spec: CompositeShardingSpec, seed: int, label: str) -> nn.Module:
+    """Shard a meta-device model and print what each rank holds."""
+    with torch.device("meta"):
+        model = TinyLM()  # no memory allocated: shapes only
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    dist.barrier()
+    _, elapsed = timed(lambda: st.shard_model(model, spec, seed=seed))
+    held = all_ints(sum(p.numel() * p.element_size() for p in model.parameters()))
+    report.say(f"    {label} in {elapsed:.2f} s; the full model is {kib(full_bytes)}, never allocated on any rank")
     for r, nbytes in enumerate(held):
-        log(rank, f"    rank {r} holds {mib(nbytes)} ({100 * nbytes / full_bytes:.0f}% of the model)")
-    log(rank, "    fc1.weight:")
-    show(rank, weights["fc1.weight"])
-    checks.check(rank != 0 or comm.bytes_by_op["send/recv"] == sum(held) - held[0],
-                 "rank 0 sent exactly the bytes of the other ranks' shards")
+        report.say(f"    rank {r} holds {kib(nbytes)} ({100 * nbytes / full_bytes:.0f}% of the model)")
+    return model
 
-    # 3. Reshard every weight to the second layout and count the bytes.
-    expected = sum(min_bytes_received(t.sharding_metadata(),
-                                      spec_b[name].build_metadata(tuple(t.shape), t.dtype, world_size=world),
-                                      rank, t.dtype.itemsize)
-                   for name, t in weights.items())
-    start = time.perf_counter()
+
+def describe_spec(report: Report, model: nn.Module) -> None:
+    """One line per parameter: global size and the local shape on each rank."""
+    for name, value in model.state_dict().items():
+        if isinstance(value, st.ShardedTensor):
+            shards = value.sharding_metadata().shards
+            where = "split " + ", ".join(f"r{s.rank}:{s.dims}" for s in shards)
+        else:
+            where = "whole on every rank"
+        report.say(f"    {name:22} {str(tuple(value.shape)):10} {where}")
+
+
+def train(args: argparse.Namespace, report: Report, model: nn.Module, optim: torch.optim.Optimizer,
+          device: torch.device, first: int, reference: list[float]) -> None:
+    """Train steps ``first .. first + steps - 1`` and compare every loss with the reference."""
+    worst = 0.0
+    for step in range(first, first + args.steps):
+        tokens = batch(step, args.seed).to(device)
+        with st.CommCounter() as comm:
+            loss, elapsed = timed(lambda: train_step(model, optim, tokens))
+        assert isinstance(loss, float)
+        worst = max(worst, abs(loss - reference[step]))
+        ops = ", ".join(f"{n} {op}" for op, n in sorted(comm.counts.items()))
+        report.say(f"    step {step}: loss {loss:.4f} (reference {reference[step]:.4f}) in {elapsed * 1000:.0f} ms; "
+                   f"rank 0 sent {kib(comm.bytes_sent)} in {ops}")
+    report.check(worst <= LOSS_TOL, f"losses match the reference within {LOSS_TOL} (largest difference {worst:.1e})")
+
+
+def train_phase(args: argparse.Namespace, report: Report, ranks: list[str], device: torch.device,
+                reference: list[float]) -> None:
+    world = len(ranks)
+    report.say(f"\n[1] a composite spec: one spec per parameter, over {world} ranks ({dist.get_backend()})")
+    model = build_sharded(report, first_spec(ranks), args.seed, "shard_model from the meta device")
+    describe_spec(report, model)
+    report.say("    blocks.0.fc1.weight:")
+    report.table(st.visualize_sharding(model.state_dict()["blocks.0.fc1.weight"], file=io.StringIO()))
+
+    report.say(f"\n[2] train {args.steps} steps with torch.optim.SGD on the local shards")
+    optim = make_optimizer(model)
+    train(args, report, model, optim, device, 0, reference)
+
+    path = args.out / "checkpoint"
+    report.say(f"\n[3] save a sharded checkpoint (model, optimizer state, step) to {path}")
+    state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": args.steps}
+    dist.barrier()
+    _, elapsed = timed(lambda: checkpoint.save(state, str(path), quiet=True))
+    meta = checkpoint.read_metadata(str(path))
+    report.say(f"    {len(meta.tensors)} tensors, {kib(meta.nbytes)} of data in {elapsed:.2f} s, "
+               f"one file per rank (replicated tensors written once):")
+    for name, nbytes in sorted(meta.files.items()):
+        report.say(f"      {name}  {kib(nbytes)}")
+    report.check(meta.values.get("step") == args.steps, "the checkpoint records the step")
+
+
+def resume_phase(args: argparse.Namespace, report: Report, ranks: list[str], device: torch.device,
+                 reference: list[float]) -> None:
+    world = len(ranks)
+    report.say(f"\n[4] restart on {world} ranks with another spec")
+    model = build_sharded(report, second_spec(ranks), args.seed + 1, "shard_model from the meta device")
+    describe_spec(report, model)
+    report.say("    blocks.0.fc1.weight, now split on its other dimension:")
+    report.table(st.visualize_sharding(model.state_dict()["blocks.0.fc1.weight"], file=io.StringIO()))
+
+    path = args.out / "checkpoint"
+    report.say(f"\n[5] load {path}, saved by {checkpoint.read_metadata(str(path)).world_size} ranks, "
+               f"into the new layout")
+    optim = make_optimizer(model)
+    state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 0}
+    dist.barrier()
     with st.CommCounter() as comm:
-        for name, t in weights.items():
-            t.reshard(spec_b[name])
-    elapsed = time.perf_counter() - start
-    sent = all_ranks(comm.bytes_sent, device)
-    minimum = all_ranks(expected, device)
-    log(rank, f"\n[3] reshard to a second layout: {elapsed:.3f} s")
-    for r in range(world):
-        log(rank, f"    rank {r} sent {mib(sent[r])}")
-    log(rank, f"    all ranks together sent {mib(sum(sent))}; the layouts require at least {mib(sum(minimum))}")
-    checks.check(sum(sent) == sum(minimum), "reshard moved exactly the minimum number of bytes")
-    log(rank, "    fc1.weight:")
-    show(rank, weights["fc1.weight"])
+        _, elapsed = timed(lambda: checkpoint.load(state, str(path), quiet=True))
+        model.load_state_dict(state["model"])
+        st.load_optim_state_dict(model, optim, state["optim"])
+    report.say(f"    loaded in {elapsed:.2f} s: each rank read only the byte ranges of its own blocks; "
+               f"shards exchanged between ranks: {kib(comm.bytes_by_op['send/recv'])}")
+    report.check(state["step"] == args.steps, f"training resumes at step {args.steps}")
 
-    # 4. Gather on rank 0 and compare with the original weights.
+    report.say(f"\n[6] train {args.steps} more steps")
+    train(args, report, model, optim, device, args.steps, reference)
+
+    report.say("\n[7] collect the full state_dict on rank 0")
+    dist.barrier()
+    full, elapsed = timed(lambda: checkpoint.collect_state_dict(model.state_dict()))
+    if report.rank == 0:
+        assert isinstance(full, dict)
+        expected = load_file(args.out / "reference.safetensors")
+        diff = max_diff(full, expected)
+        report.say(f"    {len(full)} full CPU tensors on rank 0 in {elapsed:.2f} s; largest difference from the "
+                   f"reference after {2 * args.steps} steps: {diff:.2e}")
+        report.check(sorted(full) == sorted(expected) and diff <= WEIGHT_TOL,
+                     f"collected weights match the single-process reference within {WEIGHT_TOL}")
+
+    path = args.out / "model"
+    report.say(f"\n[8] save the trained weights as a sharded checkpoint to {path}")
+    dist.barrier()
+    _, elapsed = timed(lambda: checkpoint.save(model.state_dict(), str(path), quiet=True))
+    report.say(f"    saved in {elapsed:.2f} s")
+
+
+# -- 3. offline export, and the driver ---------------------------------------------------------------
+
+
+def export(args: argparse.Namespace, report: Report) -> None:
+    """Consolidate the sharded weights into a Hugging Face style folder and check it."""
+    source, output = args.out / "model", args.out / "hf-model"
+    report.say(f"\n[9] consolidate {source} into a Hugging Face style folder {output} (one process, streaming)")
+    _, elapsed = timed(lambda: checkpoint.consolidate(str(source), str(output), max_shard_size="256KB", quiet=True))
+    index = json.loads((output / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    report.say(f"    {len(index['weight_map'])} tensors in {len(files)} files in {elapsed:.2f} s:")
+    for name in files:
+        report.say(f"      {name}  {kib((output / name).stat().st_size)}")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(output / name))
+    expected = load_file(args.out / "reference.safetensors")
+    diff = max_diff(weights, expected)
+    report.check(sorted(weights) == sorted(expected) and diff <= WEIGHT_TOL,
+                 f"exported weights match the reference within {WEIGHT_TOL} (largest difference {diff:.2e})")
+
+    plain, reference_model = TinyLM(), TinyLM()
+    plain.load_state_dict(weights)
+    reference_model.load_state_dict(expected)
+    tokens = batch(10_000, args.seed)
+    with torch.no_grad():
+        diff = (plain(tokens) - reference_model(tokens)).abs().max().item()
+    report.check(diff <= 1e-3, f"a plain TinyLM loaded from the export computes the reference's logits "
+                               f"(largest difference {diff:.2e})")
+
+
+def launch(args: argparse.Namespace, nproc: int, phase: str) -> int:
+    """Run this script's ``phase`` on ``nproc`` ranks with torchrun; returns its exit code."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(Path(__file__).resolve()), "--phase", phase, "--out", str(args.out), "--device", args.device,
+               "--steps", str(args.steps), "--seed", str(args.seed)]
+    print(f"\n$ torchrun --standalone --nproc-per-node {nproc} scripts/demo.py --phase {phase}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     start = time.perf_counter()
-    gathered = {name: t.gather(dst=0) for name, t in weights.items()}
-    elapsed = time.perf_counter() - start
-    if rank == 0:
-        for name, p in reference.named_parameters():
-            checks.check(torch.equal(gathered[name].cpu(), p.detach()), f"gathered {name} equals the original")
-    log(rank, f"\n[4] gather on rank 0: {elapsed:.3f} s; every weight compared bit for bit with the original")
-
-    failed = all_ranks(len(checks.failed), device)
-    if rank == 0:
-        for what in checks.failed:
-            print(f"FAILED: {what}", flush=True)
-        status = "all checks passed" if sum(failed) == 0 else f"{sum(failed)} checks failed"
-        print(f"\n{status} ({checks.passed} passed on rank 0)", flush=True)
-    return 0 if sum(failed) == 0 else 1
-
-
-# -- the driver ---------------------------------------------------------------------------------
+    code = subprocess.run(command, env=env, cwd=ROOT, check=False).returncode
+    print(f"(torchrun with {nproc} ranks: {time.perf_counter() - start:.1f} s, exit code {code})", flush=True)
+    return code
 
 
 def drive(args: argparse.Namespace) -> int:
-    """Launch the job under torchrun and return its exit code."""
-    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
-        print(f"--device cuda needs {args.nproc} GPUs, found {torch.cuda.device_count()}; "
-              f"pass --nproc {max(torch.cuda.device_count(), 1)} or use --device cpu.", file=sys.stderr)
+    first, second = args.nproc, max(1, args.nproc // 2)
+    if args.device == "cuda" and torch.cuda.device_count() < first:
+        print(f"--device cuda needs {first} GPUs, found {torch.cuda.device_count()}; pass "
+              f"--nproc {max(torch.cuda.device_count(), 1)} or use --device cpu.", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               str(Path(__file__).resolve()), "--out", str(args.out),
-               "--device", args.device, "--seed", str(args.seed)]
-    print(f"$ torchrun --standalone --nproc-per-node {args.nproc} scripts/demo.py --device {args.device}", flush=True)
     start = time.perf_counter()
-    code = subprocess.run(command, env=env, cwd=ROOT, check=False).returncode
-    print(f"torchrun finished in {time.perf_counter() - start:.1f} s with exit code {code}", flush=True)
-    return code
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"shardkit demo: {first} ranks, then {second}, on {args.device}; output in {args.out}", flush=True)
+    run_reference(args)
+    for nproc, phase in ((first, "train"), (second, "resume")):
+        code = launch(args, nproc, phase)
+        if code != 0:
+            print(f"\nthe {phase} run failed (exit code {code}); see its output above.", flush=True)
+            return code
+    report = Report()
+    export(args, report)
+    elapsed = time.perf_counter() - start
+    if report.failed:
+        print(f"\n{len(report.failed)} checks failed:\n" + "\n".join(f"  {f}" for f in report.failed), flush=True)
+        return 1
+    print(f"\nall checks passed; the whole demo took {elapsed:.0f} s", flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return run_rank(args)
-    return drive(args)
+    args.out = args.out.resolve()
+    if args.phase is None:
+        return drive(args)
+    return run_rank(args)
 
 
 if __name__ == "__main__":
