@@ -84,19 +84,19 @@ def _fill_fast(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_s
     u64 = _np.uint64
     starts, length = _runs(offsets, tuple(tensor.shape), global_shape)
     out = tensor.view(-1)
-    x = _np.empty(_CHUNK, dtype=u64)
-    t = _np.empty(_CHUNK, dtype=u64)
-    # Garbage from a previous chunk past the end is harmless, but must be a valid number.
-    x.fill(0)
-    t.fill(0)
-    f1 = torch.zeros(_CHUNK, dtype=torch.float64)
-    f2 = torch.zeros(_CHUNK, dtype=torch.float64)
-    steps = _np.arange(_CHUNK, dtype=u64) * u64(_GOLDEN)
+    # Small tensors use a narrower chunk, still a multiple of 64 so no element takes a
+    # scalar tail path. Garbage past the end of a chunk is harmless but must be a number.
+    width = min(_CHUNK, -(-out.numel() // 64) * 64)
+    x = _np.zeros(width, dtype=u64)
+    t = _np.zeros(width, dtype=u64)
+    f1 = torch.zeros(width, dtype=torch.float64)
+    f2 = torch.zeros(width, dtype=torch.float64)
+    steps = _np.arange(width, dtype=u64) * u64(_GOLDEN)
     shifts = {k: u64(k) for k in (27, 30, 31)}
     mix1, mix2 = u64(_MIX1), u64(_MIX2)
 
     def produce(n: int) -> None:
-        # SplitMix64's finalizer, in place on x[:_CHUNK] (the whole chunk, for vector alignment).
+        # SplitMix64's finalizer, in place on the whole chunk (for vector alignment).
         for shift, mult in ((30, mix1), (27, mix2), (31, None)):
             _np.right_shift(x, shifts[shift], out=t)
             _np.bitwise_xor(x, t, out=x)
@@ -106,15 +106,15 @@ def _fill_fast(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_s
         out[position:position + n].copy_(values[:n])
 
     position = 0
-    if length >= _CHUNK:
+    if length >= width:
         for start in starts:
-            for piece in range(0, length, _CHUNK):
-                n = min(_CHUNK, length - piece)
+            for piece in range(0, length, width):
+                n = min(width, length - piece)
                 _np.add(steps, u64(((start + piece) * _GOLDEN + seed) & _MASK64), out=x)
                 produce(n)
                 position += n
         return
-    per_chunk = _CHUNK // length
+    per_chunk = width // length
     for first in range(0, len(starts), per_chunk):
         group = starts[first:first + per_chunk]
         bases = _np.array([(s * _GOLDEN + seed) & _MASK64 for s in group], dtype=u64)
@@ -124,11 +124,17 @@ def _fill_fast(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_s
         position += n
 
 
-def _uniform_transform(low: float, high: float) -> Transform:
-    scale = 2.0 ** -53 * (high - low)  # a power-of-two rescale: rounds exactly as u * (high - low)
+def _precision(dtype: torch.dtype) -> int:
+    """Random bits kept for a uniform draw in ``dtype``: its significand, as ``_random`` does."""
+    return 1 - round(math.log2(torch.finfo(dtype).eps)) if dtype.is_floating_point else 53
+
+
+def _uniform_transform(low: float, high: float, precision: int = 53) -> Transform:
+    scale = 2.0 ** -precision * (high - low)  # a power-of-two rescale: rounds exactly as u * (high - low)
+    shift = _np.uint64(64 - precision) if _np is not None else None
 
     def transform(x, t, f1, f2):  # type: ignore[no-untyped-def]
-        _np.right_shift(x, _np.uint64(11), out=t)
+        _np.right_shift(x, shift, out=t)
         f = f1.numpy()
         _np.multiply(t.view(_np.int64), scale, out=f, casting="unsafe")
         _np.add(f, low, out=f)
@@ -186,10 +192,10 @@ def fill_uniform_(tensor: torch.Tensor, seed: int, offsets: Sequence[int], globa
                   low: float = 0.0, high: float = 1.0) -> torch.Tensor:
     """Fill the block at ``offsets`` of a ``global_shape`` tensor with U[low, high).
 
-    Bit-identical to ``_random.uniform_``: each element depends only on ``seed`` and its
-    global index.
+    Bit-identical to ``_random.uniform_``: each element depends only on ``seed``, its global
+    index and the dtype (which sets how many random bits a draw keeps).
     """
-    return _fill(tensor, seed, offsets, global_shape, _uniform_transform(low, high),
+    return _fill(tensor, seed, offsets, global_shape, _uniform_transform(low, high, _precision(tensor.dtype)),
                  lambda t: _random.uniform_(t, seed, offsets, global_shape, low, high))
 
 
@@ -206,8 +212,8 @@ def fill_trunc_normal_(tensor: torch.Tensor, seed: int, offsets: Sequence[int], 
     low, high = _trunc_bounds(mean, std, a, b)
 
     def fallback(t: torch.Tensor) -> None:  # pragma: no cover
-        _random.uniform_(t, seed, offsets, global_shape, low, high)
-        t.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
+        u = _random.uniform_(torch.empty(t.shape, dtype=torch.float64), seed, offsets, global_shape, low, high)
+        t.copy_(u.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b))
     return _fill(tensor, seed, offsets, global_shape, _trunc_transform(mean, std, a, b), fallback)
 
 

@@ -1,0 +1,150 @@
+"""Compute layouts and plans for sharded modules: pure functions, no process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sharded_tensor._parallel import EmbeddingPlan, LinearPlan, _rewrite, classify, plan_module
+from sharding import DevicePlacement, mesh, single_split
+
+R4 = [f"rank:{r}/cpu" for r in range(4)]
+
+
+def layout(spec, size, world=4, name="w"):  # type: ignore[no-untyped-def]
+    return classify(name, spec.build_metadata(size, world_size=world), world)
+
+
+@pytest.mark.parametrize(("spec", "size", "kind", "dim", "intervals"), [
+    pytest.param(DevicePlacement("cpu"), (8, 4), "replicated", None, None, id="replicated"),
+    pytest.param(single_split(0, R4), (10, 4), "split", 0, ((0, 3), (3, 3), (6, 3), (9, 1)), id="rows-uneven"),
+    pytest.param(single_split(1, R4[::-1]), (4, 8), "split", 1, ((6, 2), (4, 2), (2, 2), (0, 2)), id="cols-permuted"),
+    pytest.param(single_split(0, R4), (3, 4), "split", 0, ((0, 1), (1, 1), (2, 1), (3, 0)), id="empty-trailing"),
+    pytest.param(single_split(0, R4[:2]), (4, 4), "split", 0, ((0, 2), (2, 2), (0, 0), (0, 0)), id="two-of-four"),
+    pytest.param(DevicePlacement("rank:2/cpu"), (4, 4), "split", None, None, id="one-owner"),
+    pytest.param(mesh([R4[:2], R4[2:]]), (4, 4), "blocks", None, None, id="mesh"),
+    pytest.param(mesh([[R4[0]], [R4[1]], [R4[2]], [R4[3]]]), (8, 4), "split", 0,
+                 ((0, 2), (2, 2), (4, 2), (6, 2)), id="mesh-one-axis"),
+    pytest.param(single_split(0, ["cpu", R4[1]]), (4, 4), "partial", None, None, id="partial"),
+    pytest.param(single_split(0, [R4[0], R4[0], R4[1], R4[1]]), (8, 4), "split", 0,
+                 ((0, 4), (4, 4), (0, 0), (0, 0)), id="adjacent-repeats"),
+])
+def test_classify(spec, size, kind, dim, intervals):
+    got = layout(spec, size)
+    assert (got.kind, got.dim, got.intervals) == (kind, dim, intervals)
+
+
+def test_classify_refuses_shards_that_are_not_one_block():
+    with pytest.raises(ValueError, match=r"parameter 'fc.weight' .* rank 0 would hold shards \[offsets \(0, 0\) "
+                                         r"sizes \(2, 4\), offsets \(4, 0\) sizes \(2, 4\)\], which do not form one block"):
+        layout(single_split(0, R4[:2] * 2), (8, 4), name="fc.weight")
+
+
+def _plan(module, **specs):  # type: ignore[no-untyped-def]
+    layouts = {n: layout(s, tuple(getattr(module, n).shape), name=n) for n, s in specs.items()}
+    return plan_module("layer", module, layouts)
+
+
+@pytest.mark.parametrize(("specs", "expected"), [
+    pytest.param({"weight": single_split(0, R4)},
+                 LinearPlan("out", ((0, 2), (2, 2), (4, 2), (6, 2)), "replicated", None, 0), id="out-bias-whole"),
+    pytest.param({"weight": single_split(0, R4), "bias": single_split(0, R4)},
+                 LinearPlan("out", ((0, 2), (2, 2), (4, 2), (6, 2)), "local", None, 0), id="out-bias-split"),
+    pytest.param({"weight": single_split(1, R4)},
+                 LinearPlan("in", ((0, 3), (3, 3), (6, 3), (9, 3)), "replicated", None, 1), id="in-bias-whole"),
+    pytest.param({"weight": single_split(1, R4), "bias": single_split(0, R4[::-1])},
+                 LinearPlan("in", ((0, 3), (3, 3), (6, 3), (9, 3)), "disjoint", ((6, 2), (4, 2), (2, 2), (0, 2)), 1),
+                 id="in-bias-split-its-own-way"),
+    pytest.param({"bias": single_split(0, R4)},
+                 LinearPlan("bias", (), "disjoint", ((0, 2), (2, 2), (4, 2), (6, 2)), None), id="only-bias-split"),
+    pytest.param({"weight": DevicePlacement("rank:1/cpu"), "bias": DevicePlacement("rank:3/cpu")},
+                 LinearPlan("in", ((0, 0), (0, 12), (0, 0), (0, 0)), "disjoint", ((0, 0), (0, 0), (0, 0), (0, 8)), 1),
+                 id="owned-by-different-ranks"),
+    pytest.param({"weight": DevicePlacement("rank:1/cpu")},
+                 LinearPlan("out", ((0, 0), (0, 8), (0, 0), (0, 0)), "replicated", None, 0), id="owned-by-one"),
+    pytest.param({"weight": DevicePlacement("cpu")}, None, id="replicated"),
+])
+def test_linear_plans(specs, expected):
+    assert _plan(nn.Linear(12, 8), **specs) == expected
+
+
+@pytest.mark.parametrize(("module", "specs", "pattern"), [
+    pytest.param(nn.Linear(12, 8), {"weight": mesh([R4[:2], R4[2:]])}, r"weight is split into blocks", id="mesh"),
+    pytest.param(nn.Linear(12, 8), {"weight": single_split(0, R4), "bias": single_split(0, R4[::-1])},
+                 r"the bias is split as \[\(6, 2\), \(4, 2\), \(2, 2\), \(0, 2\)\] .* output features as "
+                 r"\[\(0, 2\), \(2, 2\), \(4, 2\), \(6, 2\)\]", id="bias-mismatch"),
+    pytest.param(nn.LayerNorm(8), {"weight": single_split(0, R4)},
+                 r"module 'layer' \(LayerNorm\): 'weight' is split .* only in nn.Linear and nn.Embedding", id="layernorm"),
+    pytest.param(nn.Embedding(10, 8, max_norm=2.0), {"weight": single_split(1, R4)}, r"max_norm=2.0", id="max-norm"),
+    pytest.param(nn.Conv1d(4, 8, 3), {"weight": single_split(0, R4)}, r"\(Conv1d\)", id="conv"),
+])
+def test_uncomputable_plans_are_refused(module, specs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _plan(module, **specs)
+
+
+def test_embedding_plans():
+    assert _plan(nn.Embedding(10, 8), weight=single_split(0, R4)) == EmbeddingPlan(
+        "vocab", ((0, 3), (3, 3), (6, 3), (9, 1)), 0)
+    assert _plan(nn.Embedding(10, 8), weight=single_split(1, R4)) == EmbeddingPlan(
+        "dim", ((0, 2), (2, 2), (4, 2), (6, 2)), 1)
+
+
+class _Lin(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # an overridden forward is not ours to shard
+        return super().forward(x) * 2
+
+
+def test_linear_subclass_with_its_own_forward_is_refused():
+    with pytest.raises(ValueError, match=r"\(_Lin\).*\(whose forward is not overridden\)"):
+        _plan(_Lin(12, 8), weight=single_split(0, R4))
+
+
+# -- which activations stay sharded ------------------------------------------------------------------
+
+def _graph(fn, plans):  # type: ignore[no-untyped-def]
+    """Trace ``fn`` over modules a, b, c with the given plans; return the rewritten call sites."""
+    import torch.fx
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return fn(self, x)
+
+    m = M()
+    for name, plan in plans.items():
+        getattr(m, name).__dict__["_shardkit_plan"] = plan
+    gm = torch.fx.symbolic_trace(m)
+    linked = _rewrite(gm.graph, dict(gm.named_modules()))
+    sites = {str(n.target): dict(n.kwargs) for n in gm.graph.nodes if n.op == "call_module"}
+    return linked, sites
+
+
+OUT = LinearPlan("out", ((0, 4), (4, 4)), "local", None, 0)
+IN = LinearPlan("in", ((0, 4), (4, 4)), "replicated", None, 1)
+IN_OTHER = LinearPlan("in", ((0, 6), (6, 2)), "replicated", None, 1)
+
+
+@pytest.mark.parametrize(("fn", "plans", "linked", "a_out", "b_in"), [
+    pytest.param(lambda m, x: m.b(torch.nn.functional.gelu(m.a(x))), {"a": OUT, "b": IN}, 1, True, True,
+                 id="mlp"),
+    pytest.param(lambda m, x: m.b(torch.relu(m.a(x)) * 2.0 + 1), {"a": OUT, "b": IN}, 1, True, True,
+                 id="scalar-ops"),
+    pytest.param(lambda m, x: m.b(torch.nn.functional.silu(m.a(x)) * m.c(x)), {"a": OUT, "b": IN, "c": OUT},
+                 1, True, True, id="swiglu"),
+    pytest.param(lambda m, x: (lambda h: m.b(h) + h.sum())(m.a(x)), {"a": OUT, "b": IN}, 0, False, False,
+                 id="other-use-gathers"),
+    pytest.param(lambda m, x: m.b(m.a(x).softmax(-1)), {"a": OUT, "b": IN}, 0, False, False, id="softmax"),
+    pytest.param(lambda m, x: m.b(m.a(x)), {"a": OUT, "b": IN_OTHER}, 0, False, False, id="different-split"),
+    pytest.param(lambda m, x: m.b(m.a(x) * x.sum(-1, keepdim=True)), {"a": OUT, "b": IN}, 0, False, False,
+                 id="replicated-operand"),
+])
+def test_rewrite_keeps_elementwise_chains_sharded(fn, plans, linked, a_out, b_in):
+    got, sites = _graph(fn, plans)
+    assert got == linked
+    assert (sites["a"].get("_shardkit_output") == "local") is a_out
+    assert (sites["b"].get("_shardkit_input") == "local") is b_in
