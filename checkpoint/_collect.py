@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -9,6 +12,8 @@ import torch
 
 from sharded_tensor import ShardedTensor
 from sharded_tensor import _comm
+from sharded_tensor._plan import Piece, box_slices, plan_reshard
+from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
 __all__ = ["collect_state_dict"]
 
@@ -22,9 +27,12 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
     ``model.state_dict()`` of a sharded model gives. The result keeps the state_dict's own
     structure: nested dicts stay nested, lists and tuples stay lists and tuples.
 
-    - A ``ShardedTensor`` is gathered with ``ShardedTensor.gather(dst)``: each rank sends its
-      pieces straight to ``dst`` (a replicated region once), which writes them into the full
-      tensor; the tensor is then moved to the CPU if its shards live elsewhere.
+    - A ``ShardedTensor`` is gathered like ``ShardedTensor.gather(dst)`` (the same reshard
+      plan): each rank sends its pieces straight to ``dst`` (a replicated region once), which
+      receives them into place in the full tensor. For CPU shards ``dst`` copies its own
+      pieces while the others arrive, into memory advised to use transparent huge pages (far
+      fewer page faults: about twice as fast here); shards on another device go through
+      ``gather`` and the result is moved to the CPU.
     - A plain ``torch.Tensor`` on ``dst`` is detached and moved to the CPU; like
       ``Module.state_dict()``, a tensor that already is on the CPU is returned as is (it
       shares storage with the caller's; ``clone()`` it to keep a snapshot).
@@ -70,12 +78,16 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
     _check_same_everywhere(sharded, rank, world, process_group)
 
     gathered: dict[int, torch.Tensor | None] = {}
-    # One tensor at a time: each gather allocates only its own full tensor (on dst) and
-    # that tensor's pack/receive buffers, which are freed before the next one starts.
+    scratch = _Scratch()
+    # One tensor at a time: each allocates only its own full tensor (on dst), and the
+    # pack/receive buffers are one scratch area reused from tensor to tensor.
     for _, value in sharded:
-        full = value.gather(dst)
-        if full is not None and full.device.type != "cpu":
-            full = full.cpu()
+        if all(s.device.device.type == "cpu" for s in value.sharding_metadata().shards):
+            full = _gather_cpu(value, dst, rank, scratch)
+        else:
+            full = value.gather(dst)
+            if full is not None and full.device.type != "cpu":
+                full = full.cpu()
         gathered[id(value)] = full
     if rank != dst:
         return None
@@ -134,6 +146,132 @@ def _check_group(name: str, value: ShardedTensor, group: _comm.ProcessGroup) -> 
     msg = (f"collect_state_dict: {name!r} lives on process group {own!r}, not on "
            f"process_group={group!r}; pass the group its ShardedTensors were created with.")
     raise ValueError(msg)
+
+
+# Below this size a full tensor is allocated the usual way; above it, with transparent huge pages.
+_HUGE_PAGE_MIN = 8 << 20
+
+
+def _empty_cpu(size: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor; large ones on memory advised to use transparent huge pages.
+
+    Filling freshly allocated memory is dominated by page faults (one per 4 KiB page, each
+    zeroing it): on a busy machine about 1 s/GiB. With 2 MiB pages the kernel takes 512 times
+    fewer faults. The memory is an anonymous private mapping, released when the tensor dies.
+    Falls back to ``torch.empty`` where huge pages cannot be requested.
+    """
+    nbytes = math.prod(size) * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < _HUGE_PAGE_MIN or advice is None:
+        return torch.empty(size, dtype=dtype)
+    try:
+        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buffer.madvise(advice)
+    except (OSError, ValueError):
+        return torch.empty(size, dtype=dtype)
+    # frombuffer keeps ``buffer`` alive as long as the tensor's storage.
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(size)
+
+
+class _Scratch:
+    """Pack and receive buffers reused from one tensor to the next (fresh memory is slow to fill).
+
+    It grows to the largest need of any single tensor: at most one tensor's worth of bytes.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
+
+    def reset(self, nbytes: int) -> None:
+        """Start a new tensor needing ``nbytes`` of buffers in all."""
+        if nbytes > self._buffer.numel():
+            self._buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._buffer = _empty_cpu(torch.Size([nbytes]), torch.uint8)
+        self._used = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat uninitialized tensor of ``numel`` elements from the buffer."""
+        nbytes = numel * dtype.itemsize
+        piece = self._buffer[self._used:self._used + nbytes]
+        self._used += -(-nbytes // 64) * 64  # keep every piece 64-byte aligned
+        return piece.view(dtype)
+
+
+def _gather_cpu(value: ShardedTensor, dst: int, rank: int, scratch: _Scratch) -> torch.Tensor | None:
+    """``value.gather(dst)`` for CPU shards, into a huge-page buffer, copying while receiving.
+
+    Same plan as ``ShardedTensor.gather`` (``plan_reshard`` to one full shard on ``dst``: each
+    region crosses the wire once, straight into its place when it is contiguous there); two
+    differences make it faster on ``dst``: the full tensor comes from ``_empty_cpu``, and
+    ``dst``'s own blocks are copied on a second thread while the peers' blocks arrive.
+    """
+    src = value.sharding_metadata()
+    size, dtype = src.size, src.dtype
+    origin = (0,) * len(size)
+    target = ShardedTensorMetadata([ShardMetadata(origin, tuple(size), RemoteDevice.of(dst, "cpu"))], size, dtype)
+    plan = plan_reshard(src, target, rank)
+    indices = [i for i, _ in src.shards_on(rank)]
+    local = {i: shard.tensor.detach() for i, shard in zip(indices, value.local_shards())}
+    out = _empty_cpu(size, dtype) if rank == dst else None
+
+    def src_view(p: Piece) -> torch.Tensor:
+        return local[p.src_shard][box_slices(p.box, src.shards[p.src_shard].offsets)]
+
+    def dst_view(p: Piece) -> torch.Tensor:
+        assert out is not None
+        return out[box_slices(p.box, origin)]
+
+    with torch.no_grad():
+        send_views = {peer: [src_view(p) for p in pieces] for peer, pieces in plan.sends.items()}
+        recv_views = {peer: [dst_view(p) for p in pieces] for peer, pieces in plan.recvs.items()}
+        packed = [views for views in (*send_views.values(), *recv_views.values()) if not _direct(views)]
+        scratch.reset(sum(-(-sum(v.numel() for v in views) * dtype.itemsize // 64) * 64 for views in packed))
+        sends = {peer: _pack(views, scratch) for peer, views in send_views.items()}
+        recvs: dict[int, torch.Tensor] = {}
+        unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        for peer, views in recv_views.items():
+            if _direct(views):
+                recvs[peer] = views[0]
+            else:
+                recvs[peer] = scratch.take(sum(v.numel() for v in views), dtype)
+                unpack.append((recvs[peer], views))
+
+        def copy_local() -> None:
+            with torch.no_grad():
+                for p in plan.copies:
+                    dst_view(p).copy_(src_view(p))
+
+        copier = threading.Thread(target=copy_local, name="collect-local-copy") if plan.copies else None
+        if copier is not None:
+            copier.start()
+        try:
+            _comm.exchange(sends, recvs, value.process_group)
+        finally:
+            if copier is not None:
+                copier.join()
+        for buffer, views in unpack:
+            start = 0
+            for view in views:
+                view.copy_(buffer[start:start + view.numel()].view(view.shape))
+                start += view.numel()
+    return out
+
+
+def _direct(views: list[torch.Tensor]) -> bool:
+    """Whether a peer's blocks can travel without a buffer (one contiguous block)."""
+    return len(views) == 1 and views[0].is_contiguous()
+
+
+def _pack(views: list[torch.Tensor], scratch: _Scratch) -> torch.Tensor:
+    if _direct(views):
+        return views[0]
+    buffer = scratch.take(sum(v.numel() for v in views), views[0].dtype)
+    start = 0
+    for view in views:
+        buffer[start:start + view.numel()].view(view.shape).copy_(view)
+        start += view.numel()
+    return buffer
 
 
 def _rebuild(value: Any, gathered: dict[int, torch.Tensor | None]) -> Any:
