@@ -48,7 +48,12 @@ except ImportError:  # pragma: no cover - exercised only without numpy
 
 __all__ = ["fill_uniform_", "fill_normal_", "fill_trunc_normal_", "LayoutInvariantInit"]
 
-_CHUNK = 1 << 14  # a multiple of every SIMD width and below torch's parallel grain size
+# Elements per step. Transforms that call torch's transcendental kernels (normal, trunc_normal)
+# use _CHUNK: a multiple of every SIMD width and below torch's parallel grain size, so every
+# element takes the same vectorized code path whatever the layout. The uniform transform is
+# exact integer and IEEE arithmetic, identical on any code path, so it takes longer steps.
+_CHUNK = 1 << 14
+_EXACT_CHUNK = 1 << 15
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -79,14 +84,14 @@ def _runs(offsets: Sequence[int], dims: Sequence[int], global_shape: Sequence[in
 
 
 def _fill_fast(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],
-               transform: Transform) -> None:
+               transform: Transform, chunk: int = _CHUNK) -> None:
     assert _np is not None
     u64 = _np.uint64
     starts, length = _runs(offsets, tuple(tensor.shape), global_shape)
     out = tensor.view(-1)
     # Small tensors use a narrower chunk, still a multiple of 64 so no element takes a
     # scalar tail path. Garbage past the end of a chunk is harmless but must be a number.
-    width = min(_CHUNK, -(-out.numel() // 64) * 64)
+    width = min(chunk, -(-out.numel() // 64) * 64)
     x = _np.zeros(width, dtype=u64)
     t = _np.zeros(width, dtype=u64)
     f1 = torch.zeros(width, dtype=torch.float64)
@@ -131,12 +136,23 @@ def _precision(dtype: torch.dtype) -> int:
 
 def _uniform_transform(low: float, high: float, precision: int = 53) -> Transform:
     scale = 2.0 ** -precision * (high - low)  # a power-of-two rescale: rounds exactly as u * (high - low)
-    shift = _np.uint64(64 - precision) if _np is not None else None
+    if _np is None:  # pragma: no cover
+        return None  # type: ignore[return-value]
+    shift = _np.uint64(64 - precision)
+    # An integer m < 2**52 becomes a double exactly as (2**52 + m) - 2**52, where 2**52 + m is
+    # m's bits under the exponent of 2**52: two cheap vector ops instead of a slow conversion.
+    exponent = _np.uint64(0x4330000000000000)
+    two52 = float(2 ** 52)
 
     def transform(x, t, f1, f2):  # type: ignore[no-untyped-def]
         _np.right_shift(x, shift, out=t)
         f = f1.numpy()
-        _np.multiply(t.view(_np.int64), scale, out=f, casting="unsafe")
+        if precision <= 52:
+            _np.bitwise_or(t, exponent, out=t)
+            _np.subtract(t.view(_np.float64), two52, out=f)
+            _np.multiply(f, scale, out=f)
+        else:
+            _np.multiply(t.view(_np.int64), scale, out=f, casting="unsafe")
         _np.add(f, low, out=f)
         return f1
     return transform
@@ -173,14 +189,14 @@ def _trunc_transform(mean: float, std: float, a: float, b: float) -> Transform:
 
 
 def _fill(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],
-          transform: Transform, fallback: Callable[[torch.Tensor], object]) -> torch.Tensor:
+          transform: Transform, fallback: Callable[[torch.Tensor], object], chunk: int = _CHUNK) -> torch.Tensor:
     if tensor.numel() == 0:
         return tensor
     with torch.no_grad():
         target = tensor if tensor.is_contiguous() and tensor.device.type == "cpu" else None
         work = target if target is not None else torch.empty(tensor.shape, dtype=tensor.dtype)
         if _np is not None:
-            _fill_fast(work, seed & _MASK64, offsets, global_shape, transform)
+            _fill_fast(work, seed & _MASK64, offsets, global_shape, transform, chunk)
         else:  # pragma: no cover
             fallback(work)
         if target is None:
@@ -196,7 +212,7 @@ def fill_uniform_(tensor: torch.Tensor, seed: int, offsets: Sequence[int], globa
     index and the dtype (which sets how many random bits a draw keeps).
     """
     return _fill(tensor, seed, offsets, global_shape, _uniform_transform(low, high, _precision(tensor.dtype)),
-                 lambda t: _random.uniform_(t, seed, offsets, global_shape, low, high))
+                 lambda t: _random.uniform_(t, seed, offsets, global_shape, low, high), _EXACT_CHUNK)
 
 
 def fill_normal_(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],

@@ -1,0 +1,236 @@
+"""Benchmark: shard a ~2 GiB fp32 model over 4 Gloo ranks, three ways. Prints JSON.
+
+Not a test. Each way runs in its own fresh set of processes, so every rank's peak resident
+memory (``VmHWM`` from ``/proc/self/status``, reset with ``/proc/self/clear_refs`` once the
+process is warm) measures that way alone:
+
+* ``shardkit_meta``: build on the meta device, ``st.shard_model(model, spec, seed=0)``;
+  each rank allocates and initializes only its blocks (layout-invariant init);
+* ``materialize_then_shard``: build the model with real weights on every rank (the usual
+  eager construction), then ``st.shard_model(model, spec)`` keeps each rank's block;
+* ``torch_parallelize_module``: PyTorch's own path: build on meta,
+  ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on a 1-D CPU mesh,
+  ``to_empty(device="cpu")``, then every module's ``reset_parameters()``.
+
+The model is a stack of Megatron-style MLP blocks (``Linear(d, 4d)`` split on outputs,
+``Linear(4d, d)`` split on inputs), the same layout in all three ways. Times are wall
+seconds from the start of model construction to sharded parameters ready (the slowest
+rank), after a barrier; growth is ``VmHWM`` minus the resident size before construction.
+``distinct_random_blocks`` checks that the ranks' blocks of one weight hold different values
+(independent draws, not one stream repeated on every rank).
+
+Usage::
+
+    python scripts/bench/shard_model.py                  # ~2 GiB, 4 ranks
+    python scripts/bench/shard_model.py --dim 1024 --blocks 2   # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MiB = 1 << 20
+METHODS = ("shardkit_meta", "materialize_then_shard", "torch_parallelize_module")
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` memory field in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    """Reset VmHWM to the current resident size (Linux >= 4.0) and return that size."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def build(dim: int, blocks: int) -> Any:
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(dim, 4 * dim)
+            self.fc2 = nn.Linear(4 * dim, dim)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.fc2(F.gelu(self.fc1(x)))
+
+    return nn.Sequential(*(Block() for _ in range(blocks)))
+
+
+def _spec(world: int, blocks: int) -> Any:
+    from sharding import composite, single_split
+
+    ranks = [f"rank:{r}/cpu" for r in range(world)]
+    block = composite(fc1=single_split(0, ranks), fc2=composite(weight=single_split(1, ranks)))
+    return composite(**{str(i): block for i in range(blocks)})
+
+
+def _shardkit(world: int, dim: int, blocks: int, meta: bool) -> Any:
+    import torch
+
+    import sharded_tensor as st
+
+    if meta:
+        with torch.device("meta"):
+            model = build(dim, blocks)
+        return st.shard_model(model, _spec(world, blocks), seed=0)
+    model = build(dim, blocks)
+    return st.shard_model(model, _spec(world, blocks))
+
+
+def _torch_path(world: int, dim: int, blocks: int) -> Any:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = build(dim, blocks)
+    plan = {}
+    for i in range(blocks):
+        plan[f"{i}.fc1"] = ColwiseParallel()
+        plan[f"{i}.fc2"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model
+
+
+def _local_bytes(model: Any) -> int:
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int, out: Any) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=30))
+    try:
+        # Warm up on a tiny model: imports and one-time set-up are not what is measured.
+        run = {"shardkit_meta": lambda d, b: _shardkit(world, d, b, True),
+               "materialize_then_shard": lambda d, b: _shardkit(world, d, b, False),
+               "torch_parallelize_module": lambda d, b: _torch_path(world, d, b)}[method]
+        warm = run(64, 1)
+        warm(torch.randn(2, 64))
+        del warm
+        dist.barrier()
+        before = _reset_peak()
+        start = time.perf_counter()
+        model = run(dim, blocks)
+        elapsed = time.perf_counter() - start
+        peak = _status("VmHWM")
+        dist.barrier()
+        with torch.no_grad():
+            y = model(torch.randn(2, dim))
+            # Does each rank hold different values in its block of fc1.weight (rows r*k..)?
+            weight = model[0].fc1.weight
+            block = weight.to_local() if hasattr(weight, "to_local") else weight
+            mine = block[0, :64].double().contiguous()
+            everyone = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(everyone, mine)
+            distinct = len({tuple(t.tolist()) for t in everyone}) == world
+        out.put((rank, {"seconds": elapsed, "peak_growth": peak - before, "shard_bytes": _local_bytes(model),
+                        "output_finite": bool(torch.isfinite(y if not hasattr(y, "full_tensor") else y.full_tensor()).all()),
+                        "distinct_blocks": distinct}))
+    except BaseException as exc:
+        import traceback
+
+        out.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(method: str, world: int, dim: int, blocks: int) -> dict[str, Any]:
+    """Run one way in ``world`` fresh processes; per-rank figures."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank, args=(r, world, str(Path(tmp) / "store"), method, dim, blocks, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, dict[str, Any]] = {}
+        while len(results) < world:
+            rank, result = out.get(timeout=3600)
+            results[rank] = result
+            if "error" in result:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{method} failed on rank {rank}:\n{result['error']}")
+        for p in procs:
+            p.join()
+    ranks = [results[r] for r in range(world)]
+    return {
+        "seconds": round(max(r["seconds"] for r in ranks), 2),
+        "peak_growth_mib": [round(r["peak_growth"] / MiB) for r in ranks],
+        "shard_mib": [round(r["shard_bytes"] / MiB) for r in ranks],
+        "goal_mib": [round((1.2 * r["shard_bytes"] + 200 * MiB) / MiB) for r in ranks],
+        "memory_goal_met": all(r["peak_growth"] <= 1.2 * r["shard_bytes"] + 200 * MiB for r in ranks),
+        "output_finite": all(r["output_finite"] for r in ranks),
+        # False would mean every rank drew its block from the same random stream.
+        "distinct_random_blocks": all(r["distinct_blocks"] for r in ranks),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=4096, help="model width d (blocks are d -> 4d -> d)")
+    parser.add_argument("--blocks", type=int, default=4, help="number of MLP blocks")
+    parser.add_argument("--world", type=int, default=4, help="Gloo ranks")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    args = parser.parse_args()
+    params = args.blocks * (8 * args.dim * args.dim + 5 * args.dim)
+    report: dict[str, Any] = {
+        "benchmark": "shard_model",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                 "torch": __import__("torch").__version__, "machine": platform.machine()},
+        "model": {"dim": args.dim, "blocks": args.blocks, "params": params,
+                  "fp32_gib": round(params * 4 / (1 << 30), 3)},
+        "world": args.world,
+        "results": {},
+    }
+    for method in args.methods:
+        report["results"][method] = measure(method, args.world, args.dim, args.blocks)
+    results = report["results"]
+    if "shardkit_meta" in results and "torch_parallelize_module" in results:
+        report["time_goal_met"] = results["shardkit_meta"]["seconds"] <= results["torch_parallelize_module"]["seconds"]
+    text = json.dumps(report, indent=2)
+    # One line per per-rank list keeps the report readable.
+    print(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text))
+
+
+if __name__ == "__main__":
+    main()
