@@ -2,9 +2,9 @@
 
 - ``mkdocs build --strict`` into a temporary folder: broken links, missing pages and
   docstring problems in the API reference fail the test.
-- Every fenced block tagged ``python`` in ``README.md`` and ``docs/*.md`` is executed.
-  Blocks of one file run in order in one namespace, in one process, from a temporary
-  working directory.
+- Every fenced block tagged ``python`` in ``README.md`` and ``docs/*.md`` is executed. The
+  blocks of one file run in order, from one temporary working directory; single-process
+  blocks share one namespace, in the test's process.
 - A ``python`` block whose first line names a launch command, e.g.
   ``# run with: torchrun --nproc-per-node 4 example.py``, is a complete script: it runs on
   that many Gloo ranks (``tests/distributed/_launch.py``), each rank executing it as
@@ -13,7 +13,7 @@
   ``destroy_process_group()`` calls are accepted as they are.
 - A ``text`` block that directly follows a ``python`` block (nothing but blank lines in
   between) is that block's expected output: what it prints (on rank 0 for a multi-rank
-  script) must match it line by line, trailing spaces aside.
+  script) must match it line by line, trailing spaces aside; ``...`` matches any text.
 - Blocks tagged anything else (``bash``, ``text``, ...) are not run.
 """
 
@@ -94,17 +94,22 @@ def code_blocks(path: Path) -> list[Block]:
     return blocks
 
 
-def _python_blocks() -> list[Block]:
-    return [b for path in DOC_FILES if path.exists() for b in code_blocks(path) if b.language in _PYTHON]
+def _python_blocks(path: Path) -> list[Block]:
+    return [b for b in code_blocks(path) if b.language in _PYTHON]
 
 
-SINGLE = [b for b in _python_blocks() if b.ranks is None]
-MULTI = [b for b in _python_blocks() if b.ranks is not None]
-SINGLE_FILES = sorted({b.path for b in SINGLE})
+FILES = [p for p in DOC_FILES if p.exists() and _python_blocks(p)]
+
+
+def _file_param(path: Path) -> Any:
+    multi = any(b.ranks is not None for b in _python_blocks(path))
+    return pytest.param(path, id=str(path.relative_to(ROOT)), marks=[pytest.mark.distributed] if multi else [])
 
 
 def test_docs_have_examples() -> None:
-    assert SINGLE and MULTI, "no Python examples found in README.md and docs/*.md"
+    blocks = [b for p in FILES for b in _python_blocks(p)]
+    assert any(b.ranks is None for b in blocks) and any(b.ranks is not None for b in blocks), \
+        "README.md and docs/*.md should hold both single-process and multi-rank Python examples"
 
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
@@ -117,35 +122,33 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "index.html").exists()
 
 
-@pytest.mark.parametrize("path", SINGLE_FILES, ids=[str(p.relative_to(ROOT)) for p in SINGLE_FILES])
-def test_single_process_examples(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", [_file_param(p) for p in FILES])
+def test_examples(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a file's examples top to bottom in one working directory."""
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {"__name__": "__docs__"}
-    for block in (b for b in SINGLE if b.path == path):
+    for block in _python_blocks(path):
         # Offset the line numbers so tracebacks point into the Markdown file.
         source = "\n" * block.line + block.code
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            exec(compile(source, str(block.path), "exec"), namespace)  # noqa: S102 - the docs are ours
-        _check_output(block, printed.getvalue())
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("block", MULTI, ids=[b.name for b in MULTI])
-def test_multi_rank_examples(block: Block, tmp_path: Path) -> None:
-    assert block.ranks is not None
-    printed = run_distributed(_run_script, block.ranks, "\n" * block.line + block.code, str(block.path),
-                              str(tmp_path), timeout=60)
-    _check_output(block, printed[0])
+        if block.ranks is None:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(source, str(block.path), "exec"), namespace)  # noqa: S102 - the docs are ours
+            _check_output(block, printed.getvalue())
+        else:
+            outputs = run_distributed(_run_script, block.ranks, source, str(block.path), str(tmp_path), timeout=60)
+            _check_output(block, outputs[0])
 
 
 def _check_output(block: Block, printed: str) -> None:
+    """Compare line by line; ``...`` in an expected line stands for any text (like doctest's ELLIPSIS)."""
     if block.output is None:
         return
     got = [line.rstrip() for line in printed.rstrip("\n").split("\n")]
     want = [line.rstrip() for line in block.output.rstrip("\n").split("\n")]
-    assert got == want, (f"{block.name}: the example printed\n{printed}\nbut the text block after it "
-                         f"says\n{block.output}")
+    same = len(got) == len(want) and all(
+        re.fullmatch(".*".join(re.escape(part) for part in w.split("...")), g) for g, w in zip(got, want))
+    assert same, f"{block.name}: the example printed\n{printed}\nbut the text block after it says\n{block.output}"
 
 
 def _run_script(rank: int, world_size: int, source: str, filename: str, workdir: str) -> str:
