@@ -316,7 +316,7 @@ class _Source:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """Writable raw bytes of a contiguous CPU tensor (any dtype, bool and bfloat16 included)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 # -- writing -----------------------------------------------------------------------------------
