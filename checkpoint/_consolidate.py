@@ -321,8 +321,24 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 # -- writing -----------------------------------------------------------------------------------
 
+class _Buffers:
+    """Reusable uninitialized CPU buffers: filling fresh memory costs page faults every time."""
+
+    def __init__(self) -> None:
+        self._store: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, size: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``size`` and ``dtype`` over the buffer ``key``, grown when too small."""
+        nbytes = math.prod(size) * dtype.itemsize
+        buffer = self._store.get(key)
+        if buffer is None or buffer.numel() < nbytes:
+            self._store.pop(key, None)  # free the old one before allocating the larger
+            buffer = self._store[key] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer[:nbytes].view(dtype).view(size)
+
+
 def _tensor_pieces(name: str, entry: TensorEntry, source: _Source, scratch: memoryview,
-                   bar: Any) -> Iterator[memoryview]:
+                   buffers: _Buffers, bar: Any) -> Iterator[memoryview]:
     """The full tensor's bytes in row-major order, in pieces, assembled from its saved regions."""
     regions = [s for s in entry.shards if s.numel > 0]
     starts = [_contiguous_start(entry, s) for s in regions]
@@ -333,13 +349,13 @@ def _tensor_pieces(name: str, entry: TensorEntry, source: _Source, scratch: memo
                 yield piece
                 bar.update(len(piece))
         return
-    full = torch.empty(entry.size, dtype=entry.dtype)
+    # One full-size buffer and one region-size buffer, both reused from tensor to tensor.
+    full = buffers.get("full", entry.size, entry.dtype)
     for shard in regions:
-        block = torch.empty(shard.dims, dtype=entry.dtype)
+        block = buffers.get("region", torch.Size(shard.dims), entry.dtype)
         source.read(name, shard, _bytes_of(block))
         index = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.dims))
         full[index].copy_(block)
-        del block
         bar.update(shard.nbytes)
     data = _bytes_of(full)
     for start in range(0, len(data), _CHUNK):
@@ -351,11 +367,12 @@ def _write_file(fs: fsspec.AbstractFileSystem, file: _OutputFile, metadata: Chec
     entries = [(name, metadata.tensors[name].dtype, tuple(metadata.tensors[name].size)) for name in file.tensors]
     prefix, _ = build_safetensors_header(entries, header_metadata)
     scratch = memoryview(bytearray(_CHUNK))
+    buffers = _Buffers()
 
     def body() -> Iterator[bytes | memoryview]:
         yield prefix
         for name in file.tensors:
-            yield from _tensor_pieces(name, metadata.tensors[name], source, scratch, bar)
+            yield from _tensor_pieces(name, metadata.tensors[name], source, scratch, buffers, bar)
 
     _publish(fs, file.path, body())
 

@@ -134,25 +134,25 @@ def test_memory_filesystem_in_and_out() -> None:
         fs.rm("/consolidate-test", recursive=True)
 
 
-def test_streams_row_blocks_and_assembles_only_one_tensor(saved: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Row blocks never allocate a tensor; other layouts allocate one full tensor at a time."""
-    allocated: list[tuple[int, ...]] = []
+def test_memory_is_about_one_output_tensor(saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row blocks stream through a fixed chunk; other layouts reuse one full-size buffer."""
+    allocated: list[int] = []
     real_empty = torch.empty
-    full = _full()
 
     def empty(*size: object, **kwargs: object) -> torch.Tensor:
         tensor = real_empty(*size, **kwargs)  # type: ignore[call-overload]
-        allocated.append(tuple(tensor.shape))
+        allocated.append(tensor.numel() * tensor.element_size())
         return tensor
 
     monkeypatch.setattr(_consolidate.torch, "empty", empty)
     checkpoint.consolidate(str(saved), str(tmp_path / "m.safetensors"))
     monkeypatch.undo()
-    # Full-size buffers only for the layouts that are not row blocks.
-    assembled = {shape for shape in allocated if shape in {tuple(full[n].shape) for n in full}}
-    assert assembled == {tuple(full[n].shape) for n in ("fc.weight", "grid", "cube")}
-    assert (10, 6) not in allocated and (7, 3) not in allocated
+    full = _full()
+    assembled = [full[n].numel() * full[n].element_size() for n in ("fc.weight", "grid", "cube")]
+    # The largest buffer is the largest assembled tensor (4x3x6 float64); buffers only grow,
+    # so all allocations together stay under twice (full buffer + region buffer) of it.
+    assert max(allocated) == max(assembled)
+    assert sum(allocated) <= 4 * max(assembled)
 
 
 @pytest.mark.parametrize(("text", "expected"), [
