@@ -69,8 +69,16 @@ _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 class CheckpointError(RuntimeError):
     """A problem with a checkpoint's content: incomplete, corrupt, unsafe, or not matching the target.
 
-    The message names the file and, where one is involved, the tensor.
+    The message names the file and, where one is involved, the tensor. When the checkpoint's
+    names do not match the state_dict under ``strict=True``, ``missing`` (in the state_dict,
+    not in the checkpoint) and ``unexpected`` (the other way round) list them; otherwise
+    both are empty.
     """
+
+    def __init__(self, message: str, *, missing: Sequence[str] = (), unexpected: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
 
 
 # -- dtypes ------------------------------------------------------------------------------------
@@ -530,6 +538,7 @@ def _read_metadata(fs: fsspec.AbstractFileSystem, root: str) -> CheckpointMetada
 
 def _list_names(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     """Plain names of the entries of folder ``root`` (empty if it does not exist)."""
+    fs.invalidate_cache(root)  # other processes write here: a cached listing (s3fs) may be stale
     try:
         entries = fs.ls(root, detail=False)
     except (FileNotFoundError, NotADirectoryError):

@@ -5,12 +5,14 @@ the saved regions that overlap it come from ``sharded_tensor._plan.RegionIndex``
 overlap search the reshard planner uses). Each overlap is then read in one of three ways,
 chosen from where its bytes sit inside the saved region (row-major):
 
-- one range: the overlap is contiguous in the file (e.g. whole saved regions, or row blocks);
-  it is read straight into the target's memory when that is contiguous too (no copy);
-- runs: one range per contiguous run (e.g. per row of a column block) when runs are at least
-  ``_MIN_RUN`` bytes, again straight into the target when possible;
-- slabs: for tiny runs, the covering rows of the saved region, in batches of at most
-  ``_SLAB_BYTES``, then one strided copy into the target.
+- one range: the overlap is contiguous in the file (e.g. whole saved regions, or row blocks)
+  and in the target: it is read straight into the target's memory (``os.preadv`` for local
+  files, no intermediate buffer);
+- local files, anything else: the file is memory mapped and one strided ``copy_`` moves the
+  overlap into the target; the kernel reads only the pages the copy touches;
+- other file systems: one range per contiguous run (e.g. per row of a column block, fetched
+  concurrently with ``cat_ranges``) when runs are at least ``_MIN_RUN`` bytes, else the
+  covering rows of the saved region in batches of at most ``_SLAB_BYTES``, then a copy.
 
 A checksum covers a whole saved region, so it is verified whenever a region is read whole
 (always the case when loading into the layout that saved it, or a coarser one). Partial reads
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import mmap
 import os
 import posixpath
 import warnings
@@ -85,99 +88,134 @@ def _raw(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
 
 
 class _Reader:
-    """Range reads from one file system: os-level ``readinto`` for local files, fsspec otherwise."""
+    """Range reads from one file system.
+
+    Local files: ``os.preadv`` straight into the target, or a read-only memory map of the file
+    that a strided copy reads from (only the pages it touches are read). Other file systems:
+    fsspec range reads (``cat_file``, ``cat_ranges``).
+    """
 
     def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
         self._fs = fs
-        self._local = is_local(fs)
-        self._handles: dict[str, Any] = {}
+        self.local = is_local(fs)
+        self._files: dict[str, tuple[int, int]] = {}  # path -> (fd, size)
 
     def close(self) -> None:
-        for handle in self._handles.values():
-            handle.close()
-        self._handles.clear()
+        for fd, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
-    def _missing(self, path: str, task: _Task, exc: BaseException) -> CheckpointError:
-        return CheckpointError(f"data file {path!r} of tensor {task.name!r} is missing; the checkpoint is "
+    @staticmethod
+    def _missing(task: _Task, exc: BaseException) -> CheckpointError:
+        return CheckpointError(f"data file {task.path!r} of tensor {task.name!r} is missing; the checkpoint is "
                                f"incomplete or was modified after it was saved ({exc}).")
 
-    def _short(self, path: str, task: _Task, start: int, wanted: int, got: int) -> CheckpointError:
-        return CheckpointError(f"data file {path!r} of tensor {task.name!r} is truncated: needed bytes "
-                               f"[{start}, {start + wanted}) but only {got} of {wanted} could be read.")
+    @staticmethod
+    def _short(task: _Task, start: int, wanted: int, got: int) -> CheckpointError:
+        return CheckpointError(f"data file {task.path!r} of tensor {task.name!r} is truncated: needed bytes "
+                               f"[{start}, {start + wanted}) but only {max(got, 0)} of {wanted} could be read.")
+
+    def _open(self, task: _Task, start: int, end: int) -> int:
+        """The local file's descriptor, after checking that it holds bytes ``[start, end)``."""
+        entry = self._files.get(task.path)
+        if entry is None:
+            try:
+                fd = os.open(task.path, os.O_RDONLY)
+            except FileNotFoundError as exc:
+                raise self._missing(task, exc) from exc
+            entry = self._files[task.path] = (fd, os.fstat(fd).st_size)
+        fd, size = entry
+        if size < end:
+            raise self._short(task, start, end - start, size - start)
+        return fd
 
     def readinto(self, task: _Task, start: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the file's bytes from ``start``."""
-        path = task.path
-        if not self._local:
-            data = self.read(task, start, start + len(buffer))
-            buffer[:] = data
+        if not self.local:
+            buffer[:] = self.read(task, start, start + len(buffer))
             return
-        handle = self._handles.get(path)
-        if handle is None:
-            try:
-                handle = self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115
-            except FileNotFoundError as exc:
-                raise self._missing(path, task, exc) from exc
+        fd = self._open(task, start, start + len(buffer))
         done = 0
         while done < len(buffer):
-            n = os.preadv(handle.fileno(), [buffer[done:]], start + done)
+            n = os.preadv(fd, [buffer[done:]], start + done)
             if n <= 0:
-                raise self._short(path, task, start, len(buffer), done)
+                raise self._short(task, start, len(buffer), done)
             done += n
+
+    def copy_mapped(self, task: _Task, inner: tuple[slice, ...]) -> None:
+        """Local only: copy block ``inner`` of the task's saved region into ``task.dest`` via a memory map.
+
+        Only the region's pages are mapped, and only while copying, so the pages the copy
+        touches are read from the page cache and resident memory grows by at most one region.
+        """
+        start, end = task.shard.byte_range
+        fd = self._open(task, start, end)
+        first = start - start % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, end - first, access=mmap.ACCESS_READ, offset=first)
+        try:
+            region = memoryview(mapping)[start - first:]
+            if task.whole:
+                verify_checksum(region, task.shard.checksum, file=task.path, tensor=task.name)
+            source = _view(region, task.entry.dtype).reshape(task.shard.dims)
+            _copy(task.dest, source[inner])
+            del source  # drop every export of the mapping before unmapping it
+            region.release()
+        finally:
+            mapping.close()
 
     def read(self, task: _Task, start: int, end: int) -> bytes | bytearray:
         """The file's bytes ``[start, end)``."""
-        if self._local:
+        if self.local:
             buffer = bytearray(end - start)
             self.readinto(task, start, memoryview(buffer))
             return buffer
         try:
             data = self._fs.cat_file(task.path, start=start, end=end)
         except FileNotFoundError as exc:
-            raise self._missing(task.path, task, exc) from exc
+            raise self._missing(task, exc) from exc
         if len(data) != end - start:
-            raise self._short(task.path, task, start, end - start, len(data))
+            raise self._short(task, start, end - start, len(data))
         return data  # type: ignore[no-any-return]
 
     def read_many(self, task: _Task, ranges: list[tuple[int, int]]) -> list[bytes | bytearray]:
-        """Several ranges of one file; concurrent on remote file systems (``cat_ranges``)."""
-        if self._local or len(ranges) == 1:
+        """Several ranges of one file; concurrent on asynchronous file systems (``cat_ranges``)."""
+        if self.local or len(ranges) == 1:
             return [self.read(task, a, b) for a, b in ranges]
         try:
             out = self._fs.cat_ranges([task.path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges],
                                       on_error="raise")
         except FileNotFoundError as exc:
-            raise self._missing(task.path, task, exc) from exc
+            raise self._missing(task, exc) from exc
         for (a, b), data in zip(ranges, out):
             if isinstance(data, BaseException):
                 raise data
             if len(data) != b - a:
-                raise self._short(task.path, task, a, b - a, len(data))
+                raise self._short(task, a, b - a, len(data))
         return out  # type: ignore[no-any-return]
 
 
-def _run_structure(task: _Task) -> tuple[int, int]:
-    """``(k, run elements)``: dims after ``k`` are whole in the overlap, so runs index dims ``< k``."""
+def _run_structure(task: _Task) -> int:
+    """``k``: the overlap spans whole dims after ``k`` of its saved region, so it is ``prod(dims[:k])`` runs."""
     dims, full = task.common[1], task.shard.dims
-    k = 0
     for d in range(len(dims) - 1, -1, -1):
         if dims[d] != full[d]:
-            k = d
-            break
-    return k, math.prod(dims[k:])
+            return d
+    return 0
 
 
 def _execute(task: _Task, reader: _Reader) -> None:
+    """Copy the overlap ``task.common`` of a saved region into ``task.dest``."""
     shard, dtype, item = task.shard, task.entry.dtype, task.entry.dtype.itemsize
     rel = tuple(c - o for c, o in zip(task.common[0], shard.offsets))
     strides = [math.prod(shard.dims[d + 1:]) for d in range(len(shard.dims))]
     base = shard.byte_range[0]
     dims = task.common[1]
-    k, run = _run_structure(task)
+    k = _run_structure(task)
     runs = math.prod(dims[:k])
-    if runs == 1:
+    direct = _raw(task.dest, dtype) if runs == 1 else None
+    if direct is not None or (runs == 1 and not reader.local):
+        # One contiguous range, straight into the target when its memory is contiguous too.
         start = base + sum(r * s for r, s in zip(rel, strides)) * item
-        direct = _raw(task.dest, dtype)
         buffer = direct if direct is not None else memoryview(bytearray(task.nbytes))
         reader.readinto(task, start, buffer)
         if task.whole:
@@ -185,39 +223,34 @@ def _execute(task: _Task, reader: _Reader) -> None:
         if direct is None:
             _copy(task.dest, _view(buffer, dtype).reshape(dims))
         return
-    if run * item >= _MIN_RUN:
-        starts = [base + (sum((r + i) * s for r, i, s in zip(rel, index, strides)) + rel[k] * strides[k]) * item
-                  for index in itertools.product(*(range(n) for n in dims[:k]))]
-        if reader._local:
-            direct_ok = _raw(task.dest[(0,) * k], dtype) is not None if all(n > 0 for n in dims) else False
-            scratch = None if direct_ok else memoryview(bytearray(run * item))
-            for index, start in zip(itertools.product(*(range(n) for n in dims[:k])), starts):
-                target = task.dest[index]
-                into = _raw(target, dtype) if direct_ok else scratch
-                assert into is not None
-                reader.readinto(task, start, into)
-                if not direct_ok:
-                    _copy(target, _view(into, dtype).reshape(dims[k:]))
-        else:
-            pieces = reader.read_many(task, [(s, s + run * item) for s in starts])
-            for index, data in zip(itertools.product(*(range(n) for n in dims[:k])), pieces):
-                _copy(task.dest[index], _view(data, dtype).reshape(dims[k:]))
+    inner = tuple(slice(r, r + n) for r, n in zip(rel, dims))
+    if reader.local:
+        # Strided: one copy out of the memory-mapped region touches only the pages it needs.
+        reader.copy_mapped(task, inner)
         return
-    # Tiny runs: read covering slabs along dim 0 (whole rows of the saved region) in batches.
+    run = math.prod(dims[k:]) * item
+    if run >= _MIN_RUN:
+        # Long runs (e.g. rows of a column block): one range each, fetched concurrently.
+        indices = list(itertools.product(*(range(n) for n in dims[:k])))
+        starts = [base + (sum((r + i) * s for r, i, s in zip(rel, index, strides)) + rel[k] * strides[k]) * item
+                  for index in indices]
+        pieces = reader.read_many(task, [(s, s + run) for s in starts])
+        for index, data in zip(indices, pieces):
+            _copy(task.dest[index], _view(data, dtype).reshape(dims[k:]))
+        return
+    # Tiny runs: the covering rows of the saved region (along dim 0), in bounded batches.
     slab = strides[0] * item
     per_batch = max(1, _SLAB_BYTES // max(slab, 1))
-    inner = tuple(slice(r, r + n) for r, n in zip(rel[1:], dims[1:]))
     for first in range(0, dims[0], per_batch):
         count = min(per_batch, dims[0] - first)
         start = base + (rel[0] + first) * slab
-        data = reader.read(task, start, start + count * slab)
-        rows = _view(data, dtype).reshape(count, *shard.dims[1:])
-        _copy(task.dest[first:first + count], rows[(slice(None), *inner)])
+        rows = _view(reader.read(task, start, start + count * slab), dtype).reshape(count, *shard.dims[1:])
+        _copy(task.dest[first:first + count], rows[(slice(None), *inner[1:])])
 
 
 def _view(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
-    """A flat tensor over ``data`` without copying; read-only ``bytes`` are only ever read from."""
-    if isinstance(data, bytes):
+    """A flat tensor over ``data`` without copying; read-only buffers are only ever read from."""
+    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             return torch.frombuffer(data, dtype=dtype)
@@ -304,7 +337,7 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
             msg = (f"checkpoint {source!r} does not match the state_dict: missing={missing} (in the "
                    f"state_dict, not in the checkpoint), unexpected={unexpected} (in the checkpoint, not in "
                    f"the state_dict); pass strict=False to load only what matches.")
-            raise CheckpointError(msg)
+            raise CheckpointError(msg, missing=missing, unexpected=unexpected)
     tasks: list[_Task] = []
     for name, parent, key, value in leaves:
         if name in metadata.values:

@@ -284,16 +284,16 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_save_then_crash, 4, str(tmp_path), "kill", 10.0, timeout=60)
-    assert time.monotonic() - start < 30
-    assert "rank 3 exited with code -9" in info.value.failures[3]
+    assert time.monotonic() - start < 30, info.value
+    assert "rank 3 exited with code -9" in info.value.failures[3], info.value
     survivors = _survivor_errors(info)
-    assert sorted(survivors) == [0, 1, 2]
+    assert sorted(survivors) == [0, 1, 2], info.value
     for text in survivors.values():
-        assert "CheckpointError: checkpoint.save to" in text
-        assert "not every one of the 4 ranks finished writing" in text
-        assert "Nothing was committed" in text
+        assert "CheckpointError: checkpoint.save to" in text, text
+        assert "not every one of the 4 ranks finished writing" in text, text
+        assert "Nothing was committed" in text, text
         seconds = float(text.split("[after ")[1].split(" s]")[0])
-        assert seconds < 10.0  # a dead peer is noticed at once, well before the timeout
+        assert seconds < 10.0, text  # a dead peer is noticed at once, well before the timeout
 
     # The previous checkpoint is still the committed one, with identical data.
     ck = tmp_path / "ck"
@@ -323,12 +323,14 @@ def test_hung_rank_mid_save_times_out(tmp_path):
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_save_then_crash, 4, str(tmp_path), "hang", 3.0, timeout=60)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 30, info.value
     survivors = _survivor_errors(info)
-    assert sorted(survivors) == [0, 1, 2]
+    assert sorted(survivors) == [0, 1, 2], info.value
+    waited = []
     for text in survivors.values():
-        assert "not every one of the 4 ranks finished writing" in text and "within timeout=3 s" in text
-        seconds = float(text.split("[after ")[1].split(" s]")[0])
-        assert 2.5 < seconds < 8.0
+        assert "not every one of the 4 ranks finished writing" in text and "within timeout=3 s" in text, text
+        waited.append(float(text.split("[after ")[1].split(" s]")[0]))
+    # The first survivor to give up waited the timeout; the others may then see its exit first.
+    assert 2.5 < max(waited) < 10.0, waited
     with pytest.raises(CheckpointError, match="is incomplete"):
         checkpoint.read_metadata(tmp_path / "ck")
