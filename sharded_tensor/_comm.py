@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "all_gather_json",
+__all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "broadcast_int", "all_reduce", "barrier", "ProcessGroup"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
@@ -96,16 +96,40 @@ def exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor
     Collective over the peers named: the two sides of each transfer must name each other with
     tensors of equal byte size. Tensors must be contiguous.
     """
+    start_exchange(sends, recvs, group).wait()
+
+
+class PendingExchange:
+    """Transfers posted by ``start_exchange``; ``wait()`` returns once all are complete."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+
+def start_exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
+                   group: ProcessGroup = None) -> PendingExchange:
+    """Post the transfers of ``exchange`` and return at once; call ``wait()`` before using them.
+
+    Collective like ``exchange``. Every send and receive goes in one ``batch_isend_irecv``
+    (one NCCL group on CUDA), so no pair of ranks can block on the order of posting. The
+    tensors must stay alive and untouched until ``wait()`` returns.
+    """
     if not sends and not recvs:
-        return
+        return PendingExchange([])
     ops = []
     for peer, tensor in recvs.items():
         ops.append(dist.P2POp(dist.irecv, _wire(tensor), _global(group, peer), group))
     for peer, tensor in sends.items():
         ops.append(dist.P2POp(dist.isend, _wire(tensor), _global(group, peer), group))
         _record("send/recv", tensor.numel() * tensor.element_size())
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    return PendingExchange(list(dist.batch_isend_irecv(ops)))
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:

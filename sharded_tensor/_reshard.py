@@ -1,7 +1,24 @@
-"""Execute a reshard plan: local copies, one packed message per peer, unpack."""
+"""Execute a reshard plan: one message per peer, posted before the local copies, then unpack.
+
+Copies are the cost to beat (on loopback Gloo a memory copy is about as fast as the wire), so
+every block moves with as few of them as the layouts allow:
+
+- the blocks for one peer that already lie back to back in memory (one contiguous block,
+  or consecutive rows of one shard) travel straight from the shard, without packing;
+- the blocks one peer sends that land back to back in a destination shard are received
+  straight into it, without unpacking;
+- only the rest goes through one staging buffer per device, packed and unpacked with one
+  ``copy_`` per block (never a Python loop over elements).
+
+All sends and receives are posted at once (``batch_isend_irecv``, so NCCL gets them as one
+group); the local copies then run while the data is on the wire.
+
+Measured alternatives (docs/benchmarks.md): one ``all_to_all_single`` over packed buffers
+needs a copy on both sides for every block, and Gloo's ring ``all_gather_into_tensor`` moves
+the same bytes in w-1 dependent steps; both were slower than direct point-to-point here.
+"""
 
 from __future__ import annotations
-
 
 import torch
 
@@ -25,10 +42,11 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
         group: the process group whose ranks the layouts name.
 
     Returns:
-        This rank's destination shards, keyed by their index in ``dst.shards``.
+        This rank's destination shards, keyed by their index in ``dst.shards``. They never
+        share memory with ``local``.
 
-    Peak extra memory is this rank's packing buffers, never the whole tensor: a block that is
-    contiguous on both sides travels without any buffer.
+    Peak extra memory is this rank's staging buffers (only for blocks that are not contiguous
+    on their side), never the whole tensor.
     """
     plan = plan_reshard(src, dst, rank)
     out = {i: torch.empty(shard.dims, dtype=dst.dtype, device=shard.device.device)
@@ -41,43 +59,83 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
         return out[p.dst_shard][box_slices(p.box, dst.shards[p.dst_shard].offsets)]
 
     with torch.no_grad():
-        sends = {peer: _pack([src_view(p) for p in pieces]) for peer, pieces in plan.sends.items()}
+        staging = _Staging()
+        sends: dict[int, torch.Tensor] = {}
+        packs: list[tuple[int, list[torch.Tensor]]] = []
+        for peer, pieces in plan.sends.items():
+            views = [src_view(p) for p in pieces]
+            span = _span(views)
+            if span is None:
+                packs.append((peer, views))
+            else:
+                sends[peer] = span
         recvs: dict[int, torch.Tensor] = {}
-        unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        unpacks: list[tuple[int, list[torch.Tensor]]] = []
         for peer, pieces in plan.recvs.items():
             views = [dst_view(p) for p in pieces]
-            if len(views) == 1 and views[0].is_contiguous():
-                recvs[peer] = views[0]
+            span = _span(views)
+            if span is None:
+                unpacks.append((peer, views))
             else:
-                recvs[peer] = torch.empty(sum(v.numel() for v in views), dtype=dst.dtype, device=views[0].device)
-                unpack.append((recvs[peer], views))
-        # Local copies overlap with the transfers in flight on the wire.
+                recvs[peer] = span
+        for peer, views in packs:
+            sends[peer] = staging.pack(views)
+        for peer, views in unpacks:
+            recvs[peer] = staging.take(views)
+        pending = _comm.start_exchange(sends, recvs, group)
+        # Blocks already on this rank are copied while the others are on the wire.
         for p in plan.copies:
             dst_view(p).copy_(src_view(p))
-        _comm.exchange(sends, recvs, group)
-        for buffer, views in unpack:
-            start = 0
-            for view in views:
-                view.copy_(buffer[start:start + view.numel()].view(view.shape))
-                start += view.numel()
+        pending.wait()
+        for peer, views in unpacks:
+            _unpack(recvs[peer], views)
         for first, other in plan.duplicates:
             out[other].copy_(out[first])
     return out
 
 
-def _pack(views: list[torch.Tensor]) -> torch.Tensor:
-    if len(views) == 1 and views[0].is_contiguous():
-        return views[0]
-    buffer = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
+def _span(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat tensor over ``views`` if they lie back to back in one storage, in order; else None."""
+    first = views[0]
+    if not first.is_contiguous():
+        return None
+    if len(views) == 1:
+        return first.reshape(-1)
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr() + first.numel() * first.element_size()
+    total = first.numel()
+    for view in views[1:]:
+        if (not view.is_contiguous() or view.device != first.device
+                or view.untyped_storage().data_ptr() != storage or view.data_ptr() != end):
+            return None
+        end += view.numel() * view.element_size()
+        total += view.numel()
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
+class _Staging:
+    """Flat buffers for the blocks that are not contiguous on their side; one per message."""
+
+    def take(self, views: list[torch.Tensor]) -> torch.Tensor:
+        first = views[0]
+        return torch.empty(sum(v.numel() for v in views), dtype=first.dtype, device=first.device)
+
+    def pack(self, views: list[torch.Tensor]) -> torch.Tensor:
+        buffer = self.take(views)
+        start = 0
+        for view in views:
+            buffer[start:start + view.numel()].view(view.shape).copy_(view)
+            start += view.numel()
+        return buffer
+
+
+def _unpack(buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
     start = 0
     for view in views:
-        buffer[start:start + view.numel()].view(view.shape).copy_(view)
+        view.copy_(buffer[start:start + view.numel()].view(view.shape))
         start += view.numel()
-    return buffer
 
 
 def plan_bytes(plan: ReshardPlan, dtype: torch.dtype) -> int:
     """Bytes ``plan`` puts on the wire from its rank."""
     return plan.elements_sent() * torch.empty((), dtype=dtype).element_size()
-
-
