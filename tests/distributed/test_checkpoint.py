@@ -202,7 +202,24 @@ def _load_b2_save_b2(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def _load_c4(rank: int, world_size: int, root: str) -> list[str]:
     sd = _state_dict("C4", filled=False)
     checkpoint.load(sd, f"{root}/ck2")
-    return _mismatches(sd)
+    bad = _mismatches(sd)
+    # A process group of global ranks 1 and 3: layouts name group ranks 0 and 1.
+    sub = dist.new_group([1, 3])
+    if rank in (1, 3):
+        full = torch.arange(24.0).reshape(6, 4)
+        group_cpus = ["rank:0/cpu", "rank:1/cpu"]
+        t = st.zeros(6, 4, sharding_spec=single_split(0, group_cpus), process_group=sub)
+        t.local_shard().copy_(full[3 * dist.get_rank(sub):3 * dist.get_rank(sub) + 3])
+        checkpoint.save({"t": t, "v": rank}, f"{root}/sub", process_group=sub)
+        out = {"t": st.zeros(6, 4, sharding_spec=single_split(1, group_cpus), process_group=sub), "v": None}
+        checkpoint.load(out, f"{root}/sub", process_group=sub)
+        mine = out["t"].local_shards()[0]
+        if not torch.equal(mine.tensor, full[:, mine.metadata.offsets[1]:mine.metadata.offsets[1] + 2]):
+            bad.append("subgroup")
+        if out["v"] != 1 or checkpoint.read_metadata(f"{root}/sub").world_size != 2:
+            bad.append("subgroup values")
+    dist.barrier()
+    return bad
 
 
 def test_save_4_load_2_save_2_load_4(tmp_path):
