@@ -376,7 +376,12 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
         problem, generation = exc, ""
     digest = hashlib.sha256(json.dumps(plan.signature).encode()).hexdigest()
     hello = {"digest": digest, "generation": generation, "error": None if problem is None else _error_text(problem)}
-    everyone = _comm.all_gather_json(hello, process_group, timeout=timeout, what="checkpoint.save (prepare)")
+    try:
+        everyone = _comm.all_gather_json(hello, process_group, timeout=timeout, what="checkpoint.save (prepare)")
+    except _comm.CollectiveError as exc:
+        msg = (f"checkpoint.save to {root!r} failed before writing anything: not every one of the {world} "
+               f"ranks joined ({exc}); a rank crashed, is stuck, or is not calling save.")
+        raise CheckpointError(msg) from (problem or exc)
     if problem is not None:
         raise problem
     failed = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
