@@ -286,6 +286,13 @@ class LayoutInvariantInit:
     Use as a context manager around the modules' ``reset_parameters()``; register every
     local block first. Not thread-safe (it patches ``torch.nn.init`` while active).
 
+    With ``invariant=True`` (the default) values come from the counter-based generator: a
+    block holds exactly the values of the global tensor there, whatever the layout. With
+    ``invariant=False`` each block is drawn with torch's own generator seeded from ``(seed,
+    parameter name, block offsets)``: as fast as ``Tensor.uniform_``, identical on every
+    replica of a block, with the same distributions (fans still from the global shape), but
+    the values change with the layout.
+
     Example:
         >>> ctx = LayoutInvariantInit(seed=0)
         >>> w = torch.empty(2, 8)            # rows 2..3 of a (4, 8) weight
@@ -294,8 +301,9 @@ class LayoutInvariantInit:
         ...     _ = torch.nn.init.kaiming_uniform_(w, a=5 ** 0.5)   # bound from fan_in = 8
     """
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, *, invariant: bool = True) -> None:
         self.seed = int(seed)
+        self.invariant = invariant
         self._by_id: dict[int, tuple[torch.Tensor, _Region]] = {}
         self._by_ptr: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], _Region] = {}
         self._storages: dict[int, _Region] = {}
@@ -346,11 +354,33 @@ class LayoutInvariantInit:
 
     # -- fills -------------------------------------------------------------------------------
 
+    def _generator(self, tensor: torch.Tensor, region: _Region) -> torch.Generator:
+        seed = _random.derive_seed(self._seed(region), *region.offsets)
+        return torch.Generator(device=tensor.device).manual_seed(seed)
+
     def _uniform(self, tensor: torch.Tensor, region: _Region, low: object, high: object) -> torch.Tensor:
-        return fill_uniform_(tensor, self._seed(region), region.offsets, region.global_shape, float(low), float(high))  # type: ignore[arg-type]
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            if not self.invariant:
+                return tensor.uniform_(float(low), float(high), generator=self._generator(tensor, region))  # type: ignore[arg-type]
+            return fill_uniform_(tensor, self._seed(region), region.offsets, region.global_shape, float(low), float(high))  # type: ignore[arg-type]
 
     def _normal(self, tensor: torch.Tensor, region: _Region, mean: object, std: object) -> torch.Tensor:
-        return fill_normal_(tensor, self._seed(region), region.offsets, region.global_shape, float(mean), float(std))  # type: ignore[arg-type]
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            if not self.invariant:
+                return tensor.normal_(float(mean), float(std), generator=self._generator(tensor, region))  # type: ignore[arg-type]
+            return fill_normal_(tensor, self._seed(region), region.offsets, region.global_shape, float(mean), float(std))  # type: ignore[arg-type]
+
+    def _trunc_normal(self, tensor: torch.Tensor, region: _Region, mean: float, std: float, a: float,
+                      b: float) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():
+            if not self.invariant:
+                # Inverse CDF in place, so no block-sized temporary.
+                low, high = _trunc_bounds(mean, std, a, b)
+                with torch.no_grad():
+                    tensor.uniform_(low, high, generator=self._generator(tensor, region))
+                    return tensor.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
+            return fill_trunc_normal_(tensor, self._seed(region), region.offsets, region.global_shape,
+                                      mean, std, a, b)
 
     def _fans(self, region: _Region) -> tuple[int, int]:
         shape = region.global_shape
@@ -388,8 +418,7 @@ class LayoutInvariantInit:
             if region is None:
                 self._refuse_partial(tensor, "trunc_normal_")
                 return original(tensor, mean, std, a, b, generator=generator)
-            return fill_trunc_normal_(tensor, self._seed(region), region.offsets, region.global_shape,
-                                      float(mean), float(std), float(a), float(b))
+            return self._trunc_normal(tensor, region, float(mean), float(std), float(a), float(b))
         return trunc_normal_
 
     def _patched_whole(self, rule: str, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

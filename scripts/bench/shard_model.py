@@ -4,8 +4,10 @@ Not a test. Each way runs in its own fresh set of processes, so every rank's pea
 memory (``VmHWM`` from ``/proc/self/status``, reset with ``/proc/self/clear_refs`` once the
 process is warm) measures that way alone:
 
-* ``shardkit_meta``: build on the meta device, ``st.shard_model(model, spec, seed=0)``;
-  each rank allocates and initializes only its blocks (layout-invariant init);
+* ``shardkit_meta``: build on the meta device, ``st.shard_model(model, spec)``; each rank
+  allocates and initializes only its blocks (torch's generator, seeded per block);
+* ``shardkit_meta_seeded``: the same with ``seed=0``: layout-invariant values from the
+  counter-based generator (identical for any world size or split);
 * ``materialize_then_shard``: build the model with real weights on every rank (the usual
   eager construction), then ``st.shard_model(model, spec)`` keeps each rank's block;
 * ``torch_parallelize_module``: PyTorch's own path: build on meta,
@@ -15,7 +17,7 @@ process is warm) measures that way alone:
 The model is a stack of Megatron-style MLP blocks (``Linear(d, 4d)`` split on outputs,
 ``Linear(4d, d)`` split on inputs), the same layout in all three ways. Times are wall
 seconds from the start of model construction to sharded parameters ready (the slowest
-rank), after a barrier; growth is ``VmHWM`` minus the resident size before construction.
+rank, after a barrier) and each rank's CPU seconds over the same span; growth is ``VmHWM`` minus the resident size before construction.
 ``distinct_random_blocks`` checks that the ranks' blocks of one weight hold different values
 (independent draws, not one stream repeated on every rank).
 
@@ -34,6 +36,7 @@ import multiprocessing
 import os
 import platform
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MiB = 1 << 20
-METHODS = ("shardkit_meta", "materialize_then_shard", "torch_parallelize_module")
+METHODS = ("shardkit_meta", "shardkit_meta_seeded", "materialize_then_shard", "torch_parallelize_module")
 
 
 def _status(field: str) -> int:
@@ -86,7 +89,7 @@ def _spec(world: int, blocks: int) -> Any:
     return composite(**{str(i): block for i in range(blocks)})
 
 
-def _shardkit(world: int, dim: int, blocks: int, meta: bool) -> Any:
+def _shardkit(world: int, dim: int, blocks: int, meta: bool, seed: int | None = None) -> Any:
     import torch
 
     import sharded_tensor as st
@@ -94,7 +97,7 @@ def _shardkit(world: int, dim: int, blocks: int, meta: bool) -> Any:
     if meta:
         with torch.device("meta"):
             model = build(dim, blocks)
-        return st.shard_model(model, _spec(world, blocks), seed=0)
+        return st.shard_model(model, _spec(world, blocks), seed=seed)
     model = build(dim, blocks)
     return st.shard_model(model, _spec(world, blocks))
 
@@ -139,6 +142,7 @@ def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int,
     try:
         # Warm up on a tiny model: imports and one-time set-up are not what is measured.
         run = {"shardkit_meta": lambda d, b: _shardkit(world, d, b, True),
+               "shardkit_meta_seeded": lambda d, b: _shardkit(world, d, b, True, seed=0),
                "materialize_then_shard": lambda d, b: _shardkit(world, d, b, False),
                "torch_parallelize_module": lambda d, b: _torch_path(world, d, b)}[method]
         warm = run(64, 1)
@@ -146,9 +150,9 @@ def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int,
         del warm
         dist.barrier()
         before = _reset_peak()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         model = run(dim, blocks)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         peak = _status("VmHWM")
         dist.barrier()
         with torch.no_grad():
@@ -160,7 +164,7 @@ def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int,
             everyone = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(everyone, mine)
             distinct = len({tuple(t.tolist()) for t in everyone}) == world
-        out.put((rank, {"seconds": elapsed, "peak_growth": peak - before, "shard_bytes": _local_bytes(model),
+        out.put((rank, {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before, "shard_bytes": _local_bytes(model),
                         "output_finite": bool(torch.isfinite(y if not hasattr(y, "full_tensor") else y.full_tensor()).all()),
                         "distinct_blocks": distinct}))
     except BaseException as exc:
@@ -172,7 +176,7 @@ def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int,
         dist.destroy_process_group()
 
 
-def measure(method: str, world: int, dim: int, blocks: int) -> dict[str, Any]:
+def measure_once(method: str, world: int, dim: int, blocks: int) -> dict[str, Any]:
     """Run one way in ``world`` fresh processes; per-rank figures."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -191,16 +195,27 @@ def measure(method: str, world: int, dim: int, blocks: int) -> dict[str, Any]:
                 raise RuntimeError(f"{method} failed on rank {rank}:\n{result['error']}")
         for p in procs:
             p.join()
-    ranks = [results[r] for r in range(world)]
+    return {"ranks": [results[r] for r in range(world)]}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over repeats of the slowest rank's wall time and of each rank's CPU time."""
+    ranks = runs[0]["ranks"]
+    walls = sorted(max(r["seconds"] for r in run["ranks"]) for run in runs)
+    cpus = [statistics.median(run["ranks"][i]["cpu_seconds"] for run in runs) for i in range(len(ranks))]
+    peaks = [max(run["ranks"][i]["peak_growth"] for run in runs) for i in range(len(ranks))]
     return {
-        "seconds": round(max(r["seconds"] for r in ranks), 2),
-        "peak_growth_mib": [round(r["peak_growth"] / MiB) for r in ranks],
+        "seconds": round(statistics.median(walls), 2),
+        "seconds_all_runs": [round(w, 2) for w in walls],
+        # CPU time of each rank: less sensitive than wall time to other load on the machine.
+        "cpu_seconds": [round(c, 2) for c in cpus],
+        "peak_growth_mib": [round(p / MiB) for p in peaks],
         "shard_mib": [round(r["shard_bytes"] / MiB) for r in ranks],
         "goal_mib": [round((1.2 * r["shard_bytes"] + 200 * MiB) / MiB) for r in ranks],
-        "memory_goal_met": all(r["peak_growth"] <= 1.2 * r["shard_bytes"] + 200 * MiB for r in ranks),
-        "output_finite": all(r["output_finite"] for r in ranks),
+        "memory_goal_met": all(p <= 1.2 * r["shard_bytes"] + 200 * MiB for p, r in zip(peaks, ranks)),
+        "output_finite": all(r["output_finite"] for run in runs for r in run["ranks"]),
         # False would mean every rank drew its block from the same random stream.
-        "distinct_random_blocks": all(r["distinct_blocks"] for r in ranks),
+        "distinct_random_blocks": all(r["distinct_blocks"] for run in runs for r in run["ranks"]),
     }
 
 
@@ -210,6 +225,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4, help="number of MLP blocks")
     parser.add_argument("--world", type=int, default=4, help="Gloo ranks")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--repeat", type=int, default=3, help="fresh runs per way (medians are reported)")
     args = parser.parse_args()
     params = args.blocks * (8 * args.dim * args.dim + 5 * args.dim)
     report: dict[str, Any] = {
@@ -220,13 +236,25 @@ def main() -> None:
         "model": {"dim": args.dim, "blocks": args.blocks, "params": params,
                   "fp32_gib": round(params * 4 / (1 << 30), 3)},
         "world": args.world,
+        "load_average_before": os.getloadavg(),
         "results": {},
     }
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+    for i in range(args.repeat):
+        # Rotate the order so that changing load on a shared machine hits every way alike.
+        order = args.methods[i % len(args.methods):] + args.methods[:i % len(args.methods)]
+        for method in order:
+            runs[method].append(measure_once(method, args.world, args.dim, args.blocks))
     for method in args.methods:
-        report["results"][method] = measure(method, args.world, args.dim, args.blocks)
+        report["results"][method] = summarize(runs[method])
+    report["load_average_after"] = os.getloadavg()
     results = report["results"]
-    if "shardkit_meta" in results and "torch_parallelize_module" in results:
-        report["time_goal_met"] = results["shardkit_meta"]["seconds"] <= results["torch_parallelize_module"]["seconds"]
+    if "torch_parallelize_module" in results:
+        torch_seconds = results["torch_parallelize_module"]["seconds"]
+        torch_cpu = statistics.mean(results["torch_parallelize_module"]["cpu_seconds"])
+        report["vs_torch"] = {m: {"wall": round(r["seconds"] / torch_seconds, 2),
+                                  "cpu": round(statistics.mean(r["cpu_seconds"]) / torch_cpu, 2)}
+                              for m, r in results.items()}
     text = json.dumps(report, indent=2)
     # One line per per-rank list keeps the report readable.
     print(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text))

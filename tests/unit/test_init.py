@@ -120,6 +120,26 @@ def test_fans_come_from_the_global_shape():
     assert nn.init._calculate_fan_in_and_fan_out(block) == (8, 64)  # patches are gone
 
 
+@pytest.mark.parametrize("rule", [
+    pytest.param(lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)), id="kaiming_uniform"),
+    pytest.param(lambda t: nn.init.trunc_normal_(t, std=0.02, a=-0.04, b=0.04), id="trunc_normal"),
+    pytest.param(lambda t: nn.init.normal_(t, 0.0, 0.01), id="normal"),
+])
+def test_unseeded_mode_draws_blocks_with_torch_rng_and_global_fans(rule):
+    def draw(offsets):  # type: ignore[no-untyped-def]
+        block = nn.Parameter(torch.empty(64, 8))
+        ctx = _init.LayoutInvariantInit(seed=11, invariant=False)
+        ctx.register(block, "fc.weight", (64, 512), offsets)
+        with ctx:
+            rule(block)
+        return block
+
+    first, again, other = draw((0, 0)), draw((0, 0)), draw((0, 8))
+    assert torch.equal(first, again) and not torch.equal(first, other)  # replicas agree, blocks differ
+    assert not first.requires_grad or first.grad_fn is None
+    assert first.abs().max() <= max(1 / math.sqrt(512), 0.04)
+
+
 def test_linear_bias_bound_uses_the_global_fan_in():
     layer = nn.Linear(8, 4)
     weight = nn.Parameter(torch.empty(4, 2))  # columns 6..7 of an (4, 8) weight
