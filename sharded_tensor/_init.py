@@ -44,7 +44,7 @@ from . import _random
 try:  # numpy is optional: it only makes the generator faster, never changes its values.
     import numpy as _np
 except ImportError:  # pragma: no cover - exercised only without numpy
-    _np = None
+    _np = None  # type: ignore[assignment]
 
 __all__ = ["fill_uniform_", "fill_normal_", "fill_trunc_normal_", "LayoutInvariantInit"]
 

@@ -90,7 +90,10 @@ class ShardedParameter:
                 tensors[i] = local
             else:
                 tensors[i] = local[box_slices(shard.region, offsets)]
-        return ShardedTensor._make(tensors, self.metadata, self.spec, rank=rank, group=self.group)
+        metadata = self.metadata
+        if local.dtype != metadata.dtype:  # e.g. model.double() after sharding
+            metadata = ShardedTensorMetadata(metadata.shards, metadata.size, local.dtype)
+        return ShardedTensor._make(tensors, metadata, self.spec, rank=rank, group=self.group)
 
     def local_from(self, value: object, key: str, rank: int) -> torch.Tensor:
         """This rank's block of ``value`` (a ShardedTensor in any layout, or the full tensor)."""
@@ -415,12 +418,12 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
                        f"values from one rank.")
                 raise ValueError(msg)
     else:
-        src_meta = [e.name for e, m in zip(entries, everyone[src_rank]["meta"]) if m]  # type: ignore[call-overload]
+        src_meta = [e.name for e, m in zip(entries, everyone[src_rank]["meta"]) if m]  # type: ignore[arg-type]
         if src_meta:
             msg = (f"src_rank={src_rank} has parameters on the meta device ({src_meta[:5]}); the source rank "
                    f"must hold real values, or pass src_rank=None to initialize meta parameters.")
             raise ValueError(msg)
-    seed_value = int(everyone[0]["seed"])  # type: ignore[call-overload]
+    seed_value = int(everyone[0]["seed"])  # type: ignore[arg-type]
 
     for entry, meta in zip(entries, is_meta):
         if src_rank is not None:
@@ -581,7 +584,7 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
             _reset_method(module)()
     finally:
         if padding is not None:
-            module.padding_idx = padding
+            module.padding_idx = padding  # type: ignore[assignment]
         module._parameters.update(swapped)
     if padding is not None:
         for attr, entry in to_init:
