@@ -1,0 +1,138 @@
+"""Shared plumbing for the distributed benchmarks: spawn Gloo ranks, time, count bytes.
+
+Not a test helper: benchmarks print JSON and never assert timings. Each benchmark spawns
+its ranks once per world size (``torch.multiprocessing`` spawn, Gloo on 127.0.0.1, a free
+port) and runs every case inside, so the ratios it reports come from the same processes
+on the same (shared, noisy) machine a few seconds apart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, queue: Any, args: tuple[Any, ...]) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Two cores are shared by all ranks: one intra-op thread per rank unless there is room.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=10))
+    try:
+        result = fn(rank, world, *args)
+        queue.put((rank, result, None))
+    except BaseException as exc:  # report, then re-raise so the spawn fails loudly
+        import traceback
+        queue.put((rank, None, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned Gloo ranks; results in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = mp.spawn(_entry, args=(fn, world, free_port(), queue, args), nprocs=world, join=False)
+    results: list[Any] = [None] * world
+    errors = []
+    for _ in range(world):
+        rank, result, error = queue.get()
+        results[rank] = result
+        if error:
+            errors.append(f"rank {rank}:\n{error}")
+            break
+    if errors:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+        raise RuntimeError("benchmark rank failed\n" + "\n".join(errors))
+    while not procs.join():
+        pass
+    return results
+
+
+def timed(fn: Callable[[], Any], cpu: list[float] | None = None) -> tuple[float, int]:
+    """``(seconds, wire bytes)`` of ``fn`` on this rank.
+
+    Seconds run from a barrier before ``fn`` to a barrier after it, so they cover the slowest
+    rank. Wire bytes (``wire_bytes``) are read inside the barriers: ``fn``'s own traffic only.
+    With ``cpu``, the CPU seconds this process spent in ``fn`` (all its threads, Gloo's
+    included) are appended to it: on a shared machine they say what the call costs, whatever
+    else competes for the cores.
+    """
+    dist.barrier()
+    start = time.perf_counter()
+    sent = wire_bytes()
+    cpu_start = time.process_time()
+    fn()
+    cpu_spent = time.process_time() - cpu_start
+    sent = wire_bytes() - sent
+    dist.barrier()
+    if cpu is not None:
+        cpu.append(cpu_spent)
+    return time.perf_counter() - start, sent
+
+
+def wire_bytes() -> int:
+    """Bytes this process has handed to write-like syscalls (``wchar`` of /proc/self/io).
+
+    Gloo's TCP transport writes its payload to sockets with ``write``/``writev``, so the
+    change of this counter over a quiet interval is what the process put on the wire (plus a
+    few dozen bytes of Gloo headers per message). Linux only; -1 elsewhere.
+    """
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else round(a / b, 3)
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except OSError:
+        mem = 0
+    return {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
+            "memory_gib": round(mem / GiB, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "backend": "gloo (TCP on 127.0.0.1)",
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
