@@ -447,7 +447,10 @@ def _rewrite(graph: torch.fx.Graph, modules: Mapping[str, nn.Module]) -> int:
         changed = False
         for node in list(sharded):
             intervals = sharded[node]
-            ok = all(user in sharded or consumes(user, node, intervals) for user in node.users)
+            # A user may take the sharded value only if it stays sharded itself (an element-wise
+            # op) or is the matching input-split Linear; a producer needs a replicated input.
+            ok = all((user in sharded and user not in produces) or consumes(user, node, intervals)
+                     for user in node.users)
             if ok and node not in produces:
                 ok = all(a in sharded for a in _node_args(node))
             if not ok:

@@ -259,6 +259,19 @@ def check_mlp_collectives(world: int) -> dict[str, object]:
             "graph": type(mlp.forward).__name__}
 
 
+def check_embedding_chain(world: int) -> dict[str, torch.Tensor]:
+    """Embedding split on dim 1 feeding an out-split Linear, GELU, in-split Linear."""
+    torch.manual_seed(5)
+    reference = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 10))
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 10))
+    model.load_state_dict(reference.state_dict())
+    r = ranks(world)
+    st.shard_model(model, composite(**{"0": single_split(1, r), "1": single_split(0, r),
+                                       "3.weight": single_split(1, r)}))
+    tokens = torch.tensor([[1, 4, 9], [0, 2, 7]])
+    return {"out": model(tokens).detach(), "expected": reference(tokens).detach()}
+
+
 def check_refusals(world: int) -> dict[str, str]:
     r = ranks(world)
     messages: dict[str, str] = {}
@@ -405,7 +418,7 @@ def _world4(rank: int, world: int, path: str) -> dict[str, object]:
 def _world2(rank: int, world: int, path: str) -> dict[str, object]:
     return {"init": check_init_invariance(world), "resume": check_load_and_resume(world, path),
             "sgd": check_sgd_training(world), "moves": check_state_moves(world),
-            "mlp": check_mlp_collectives(world)}
+            "mlp": check_mlp_collectives(world), "chain": check_embedding_chain(world)}
 
 
 # -- the tests -------------------------------------------------------------------------------------------
@@ -564,3 +577,9 @@ def test_state_dicts_move_between_layouts(runs):
         for key, value in moves["source"].items():
             torch.testing.assert_close(moves["target"][key], value, msg=key)
             assert torch.equal(moves["from_full"][key], moves["source_after"][key]), key
+
+
+def test_embedding_split_on_dim_feeds_a_sharded_mlp(runs):
+    for result in runs[2]:
+        chain = result["chain"]
+        torch.testing.assert_close(chain["out"], chain["expected"])
