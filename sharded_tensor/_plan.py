@@ -56,11 +56,14 @@ class RegionIndex:
         self.boxes = list(boxes)
         ndim = len(size)
         live = [i for i, (_, dims) in enumerate(self.boxes) if 0 not in dims]
+        self._lo: torch.Tensor | None = None
+        self._hi: torch.Tensor | None = None
         if not live or ndim == 0:
             self._cuts: list[list[int]] = [[0, int(n)] for n in size]
             self._grid = torch.full((1,) * ndim, live[-1] if live else -1, dtype=torch.int64)
-            self._lo: torch.Tensor | None = None
-            self._hi: torch.Tensor | None = None
+            return
+        if len(live) <= _SMALL:
+            self._build_small(live, size)
             return
         # Corners of every box (empty ones too, so rows are indexed by box id).
         self._lo = torch.tensor([offsets for offsets, _ in self.boxes], dtype=torch.int64).reshape(-1, ndim)
@@ -82,6 +85,18 @@ class RegionIndex:
         for k in (~single).nonzero().flatten().tolist():
             cells = tuple(slice(a, b) for a, b in zip(cell_lo[k].tolist(), cell_hi[k].tolist()))
             self._grid[cells].clamp_(min=int(ids[k]))
+
+    def _build_small(self, live: list[int], size: Sequence[int]) -> None:
+        # A few boxes: plain Python beats the fixed cost of a dozen tensor operations.
+        boxes = self.boxes
+        self._cuts = [sorted({0, int(size[d]), *(boxes[i][0][d] for i in live),
+                              *(boxes[i][0][d] + boxes[i][1][d] for i in live)}) for d in range(len(size))]
+        position = [{c: k for k, c in enumerate(cut)} for cut in self._cuts]
+        self._grid = torch.full(tuple(len(c) - 1 for c in self._cuts), -1, dtype=torch.int64)
+        for i in live:  # in order, so the last of identical boxes wins
+            offsets, dims = boxes[i]
+            self._grid[tuple(slice(position[d][o], position[d][o + n])
+                             for d, (o, n) in enumerate(zip(offsets, dims)))] = i
 
     def overlapping(self, query: Box) -> list[tuple[int, Box]]:
         """``(box id, common block)`` for every box sharing an element with ``query``, by id."""
@@ -114,6 +129,10 @@ class RegionIndex:
             if common is not None:
                 result.append((box_id, common))
         return result
+
+
+# Up to this many boxes an index is built in plain Python; beyond, vectorized.
+_SMALL = 64
 
 
 class _Regions:
