@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import mmap
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -12,6 +10,7 @@ import torch
 
 from sharded_tensor import ShardedTensor
 from sharded_tensor import _comm
+from sharded_tensor._memory import empty_for_fill
 from sharded_tensor._plan import Piece, box_slices, plan_reshard
 from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
@@ -148,31 +147,6 @@ def _check_group(name: str, value: ShardedTensor, group: _comm.ProcessGroup) -> 
     raise ValueError(msg)
 
 
-# Below this size a full tensor is allocated the usual way; above it, with transparent huge pages.
-_HUGE_PAGE_MIN = 8 << 20
-
-
-def _empty_cpu(size: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor; large ones on memory advised to use transparent huge pages.
-
-    Filling freshly allocated memory is dominated by page faults (one per 4 KiB page, each
-    zeroing it): on a busy machine about 1 s/GiB. With 2 MiB pages the kernel takes 512 times
-    fewer faults. The memory is an anonymous private mapping, released when the tensor dies.
-    Falls back to ``torch.empty`` where huge pages cannot be requested.
-    """
-    nbytes = math.prod(size) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < _HUGE_PAGE_MIN or advice is None:
-        return torch.empty(size, dtype=dtype)
-    try:
-        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buffer.madvise(advice)
-    except (OSError, ValueError):
-        return torch.empty(size, dtype=dtype)
-    # frombuffer keeps ``buffer`` alive as long as the tensor's storage.
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(size)
-
-
 class _Scratch:
     """Pack and receive buffers reused from one tensor to the next (fresh memory is slow to fill).
 
@@ -187,7 +161,7 @@ class _Scratch:
         """Start a new tensor needing ``nbytes`` of buffers in all."""
         if nbytes > self._buffer.numel():
             self._buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self._buffer = _empty_cpu(torch.Size([nbytes]), torch.uint8)
+            self._buffer = empty_for_fill((nbytes,), torch.uint8)
         self._used = 0
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -203,7 +177,7 @@ def _gather_cpu(value: ShardedTensor, dst: int, rank: int, scratch: _Scratch) ->
 
     Same plan as ``ShardedTensor.gather`` (``plan_reshard`` to one full shard on ``dst``: each
     region crosses the wire once, straight into its place when it is contiguous there); two
-    differences make it faster on ``dst``: the full tensor comes from ``_empty_cpu``, and
+    differences make it faster on ``dst``: the full tensor comes from ``empty_for_fill``, and
     ``dst``'s own blocks are copied on a second thread while the peers' blocks arrive.
     """
     src = value.sharding_metadata()
@@ -213,7 +187,7 @@ def _gather_cpu(value: ShardedTensor, dst: int, rank: int, scratch: _Scratch) ->
     plan = plan_reshard(src, target, rank)
     indices = [i for i, _ in src.shards_on(rank)]
     local = {i: shard.tensor.detach() for i, shard in zip(indices, value.local_shards())}
-    out = _empty_cpu(size, dtype) if rank == dst else None
+    out = empty_for_fill(size, dtype) if rank == dst else None
 
     def src_view(p: Piece) -> torch.Tensor:
         return local[p.src_shard][box_slices(p.box, src.shards[p.src_shard].offsets)]

@@ -20,14 +20,13 @@ the same bytes in w-1 dependent steps; both were slower than direct point-to-poi
 
 from __future__ import annotations
 
-import math
-import mmap
 
 import torch
 
 from sharding import ShardedTensorMetadata
 
 from . import _comm
+from ._memory import empty_for_fill
 from ._plan import Piece, ReshardPlan, box_slices, plan_reshard
 
 __all__ = ["redistribute"]
@@ -52,7 +51,7 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
     on their side), never the whole tensor.
     """
     plan = plan_reshard(src, dst, rank)
-    out = {i: _empty(shard.dims, dst.dtype, shard.device.device) for i, shard in dst.shards_on(rank)}
+    out = {i: empty_for_fill(shard.dims, dst.dtype, shard.device.device) for i, shard in dst.shards_on(rank)}
 
     def src_view(p: Piece) -> torch.Tensor:
         return local[p.src_shard][box_slices(p.box, src.shards[p.src_shard].offsets)]
@@ -94,33 +93,6 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
         for first, other in plan.duplicates:
             out[other].copy_(out[first])
     return out
-
-
-# Below this size a new shard is allocated the usual way; above it, on transparent huge pages.
-_HUGE_PAGE_MIN = 8 << 20
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new, uninitialized shard; large CPU ones on memory advised to use transparent huge pages.
-
-    After the copies themselves, the largest cost of a CPU reshard is the first write to the
-    new shards: one page fault per 4 KiB page, each zeroing it (measured here: about 0.5 s/GiB,
-    as much as the wire). With 2 MiB pages the kernel takes 512 times fewer faults; first
-    writes got 2.5x faster. The memory is an anonymous private mapping, released with the
-    tensor's storage (the same scheme as ``_sharder`` and ``checkpoint._collect``); where huge
-    pages cannot be requested this is ``torch.empty``.
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if device.type != "cpu" or nbytes < _HUGE_PAGE_MIN or advice is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    try:
-        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buffer.madvise(advice)
-    except (OSError, ValueError):
-        return torch.empty(shape, dtype=dtype, device=device)
-    # frombuffer keeps ``buffer`` alive as long as the tensor's storage.
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def _span(views: list[torch.Tensor]) -> torch.Tensor | None:

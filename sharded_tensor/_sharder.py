@@ -25,8 +25,6 @@ the full model never exists anywhere and the values do not depend on the layout.
 from __future__ import annotations
 
 import json
-import math
-import mmap
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ from sharding import (
 
 from . import _comm, _parallel
 from ._init import LayoutInvariantInit
+from ._memory import empty_for_fill
 from ._parallel import ParamLayout, Plan
 from ._plan import box_slices
 from ._reshard import redistribute
@@ -270,30 +269,6 @@ def _from_src(tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.
     source = _full_metadata(shape, dtype, [src])
     local = {0: tensor.detach()} if rank == src and tensor is not None else {}
     return redistribute(local, source, ShardedTensorMetadata(target.shards, shape, dtype), rank=rank, group=group)
-
-
-# Below this size a local block is allocated the usual way; above it, with transparent huge pages.
-_HUGE_PAGE_MIN = 8 << 20
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialized local block; large CPU ones on memory advised to use transparent huge pages.
-
-    Materializing a model is dominated by page faults when its blocks are first written (one
-    per 4 KiB page, each zeroing it). Advising 2 MiB pages takes 512 times fewer faults. The
-    memory is an anonymous private mapping, released with the tensor's storage; where huge
-    pages cannot be requested this is ``torch.empty``.
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if device.type != "cpu" or nbytes < _HUGE_PAGE_MIN or advice is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    try:
-        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buffer.madvise(advice)
-    except (OSError, ValueError):
-        return torch.empty(shape, dtype=dtype, device=device)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def _device_for(layout: ParamLayout | None, rank: int, default: torch.device) -> torch.device:
@@ -546,10 +521,10 @@ def _new_param(entry: _Entry, rank: int, group: _comm.ProcessGroup, src_rank: in
     else:
         device = param.device if not param.is_meta else default_device
     if entry.source == "init":
-        local = _empty(sizes, dtype, device)
+        local = empty_for_fill(sizes, dtype, device)
     elif entry.source == "local":
         with torch.no_grad():
-            local = _empty(sizes, dtype, device)
+            local = empty_for_fill(sizes, dtype, device)
             local.copy_(param.detach()[box_slices((offsets, sizes), (0,) * len(shape))])
     else:  # "src"
         target = layout.metadata if layout is not None else _full_metadata(shape, dtype, range(world))
