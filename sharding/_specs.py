@@ -5,6 +5,7 @@ A spec answers ``build_metadata(size)`` identically on every rank, with no commu
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -210,7 +211,7 @@ class SingleSplitShardingSpec(PlacementSpec):
                 msg = (f"shard_sizes={list(self.shard_sizes)!r} sum to {sum(self.shard_sizes)} but dimension "
                        f"{dim} of size={size!r} has {n} elements; make them sum to {n}.")
                 raise ValueError(msg)
-            starts = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
+            starts = [0, *itertools.accumulate(self.shard_sizes)][:-1]
             bounds = list(zip(starts, self.shard_sizes))
         _rank_limit(self.shard_placement, world_size, "SingleSplitShardingSpec")
         shards: list[ShardMetadata] = []
