@@ -229,6 +229,9 @@ def run_rank(args: argparse.Namespace) -> int:
             resume_phase(args, report, ranks, device, reference)
         failures = [0] * world
         dist.all_gather_object(failures, len(report.failed))
+        # Every rank is past its last collective before any rank tears its group down, so no
+        # rank's transport sees a peer vanish mid-exchange.
+        dist.barrier()
         return 0 if sum(failures) == 0 else 1
     finally:
         dist.destroy_process_group()
