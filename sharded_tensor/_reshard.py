@@ -61,24 +61,10 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
 
     with torch.no_grad():
         staging = _Staging()
-        sends: dict[int, torch.Tensor] = {}
-        packs: list[tuple[int, list[torch.Tensor]]] = []
-        for peer, pieces in plan.sends.items():
-            views = [src_view(p) for p in pieces]
-            span = _span(views)
-            if span is None:
-                packs.append((peer, views))
-            else:
-                sends[peer] = span
-        recvs: dict[int, torch.Tensor] = {}
-        unpacks: list[tuple[int, list[torch.Tensor]]] = []
-        for peer, pieces in plan.recvs.items():
-            views = [dst_view(p) for p in pieces]
-            span = _span(views)
-            if span is None:
-                unpacks.append((peer, views))
-            else:
-                recvs[peer] = span
+        sends, packs = _direct_or_staged({peer: [src_view(p) for p in pieces]
+                                          for peer, pieces in plan.sends.items()})
+        recvs, unpacks = _direct_or_staged({peer: [dst_view(p) for p in pieces]
+                                            for peer, pieces in plan.recvs.items()})
         for peer, views in packs:
             sends[peer] = staging.pack(views)
         for peer, views in unpacks:
@@ -93,6 +79,20 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
         for first, other in plan.duplicates:
             out[other].copy_(out[first])
     return out
+
+
+def _direct_or_staged(views_by_peer: dict[int, list[torch.Tensor]]
+                      ) -> tuple[dict[int, torch.Tensor], list[tuple[int, list[torch.Tensor]]]]:
+    """Split peers into those whose blocks travel in place (one span) and those needing a buffer."""
+    direct: dict[int, torch.Tensor] = {}
+    staged: list[tuple[int, list[torch.Tensor]]] = []
+    for peer, views in views_by_peer.items():
+        span = _span(views)
+        if span is None:
+            staged.append((peer, views))
+        else:
+            direct[peer] = span
+    return direct, staged
 
 
 def _span(views: list[torch.Tensor]) -> torch.Tensor | None:
