@@ -9,6 +9,7 @@ import torch
 from sharding import PlacementSpec, RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
 from . import _comm, _random
+from ._memory import empty_for_fill
 from ._reshard import redistribute
 from ._tensor import ShardedTensor, _build
 
@@ -41,8 +42,10 @@ def _create(name: str, size: tuple[int, ...], sharding_spec: PlacementSpec | Non
     metadata = _build(sharding_spec, size, dtype, names, world)
     tensors = {}
     for i, shard in metadata.shards_on(rank):
-        tensor = torch.empty(shard.dims, dtype=dtype, device=shard.device.device,
-                             pin_memory=pin_memory and shard.device.device.type == "cpu")
+        if pin_memory and shard.device.device.type == "cpu":
+            tensor = torch.empty(shard.dims, dtype=dtype, pin_memory=True)
+        else:
+            tensor = empty_for_fill(shard.dims, dtype, shard.device.device)
         fill(tensor, shard, metadata)
         tensors[i] = tensor.requires_grad_(requires_grad)
     return ShardedTensor._make(tensors, metadata, sharding_spec, rank=rank, group=process_group,

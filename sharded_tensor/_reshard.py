@@ -20,20 +20,21 @@ the same bytes in w-1 dependent steps; both were slower than direct point-to-poi
 
 from __future__ import annotations
 
+import math
 
 import torch
 
 from sharding import ShardedTensorMetadata
 
 from . import _comm
-from ._memory import empty_for_fill
+from ._memory import empty_for_fill, release_outside, sole_owner
 from ._plan import Piece, ReshardPlan, box_slices, plan_reshard
 
 __all__ = ["redistribute"]
 
 
 def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
-                 *, rank: int, group: _comm.ProcessGroup = None) -> dict[int, torch.Tensor]:
+                 *, rank: int, group: _comm.ProcessGroup = None, reuse: bool = False) -> dict[int, torch.Tensor]:
     """Move data laid out as ``src`` into new tensors laid out as ``dst``. Collective.
 
     Args:
@@ -42,16 +43,21 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
         dst: the wanted layout (same size and dtype).
         rank: this process's rank in ``group``.
         group: the process group whose ranks the layouts name.
+        reuse: the caller gives up ``local``. A destination shard that is a contiguous block
+            of a source shard nothing else refers to then keeps that memory, without a copy,
+            and the rest of the source shard's pages go back to the OS.
 
     Returns:
-        This rank's destination shards, keyed by their index in ``dst.shards``. They never
-        share memory with ``local``.
+        This rank's destination shards, keyed by their index in ``dst.shards``. Without
+        ``reuse`` they never share memory with ``local``.
 
     Peak extra memory is this rank's staging buffers (only for blocks that are not contiguous
     on their side), never the whole tensor.
     """
     plan = plan_reshard(src, dst, rank)
-    out = {i: empty_for_fill(shard.dims, dst.dtype, shard.device.device) for i, shard in dst.shards_on(rank)}
+    kept, spans = _blocks_to_keep(plan, local, src, dst) if reuse else ({}, {})
+    out = {i: kept[i] if i in kept else empty_for_fill(shard.dims, dst.dtype, shard.device.device)
+           for i, shard in dst.shards_on(rank)}
 
     def src_view(p: Piece) -> torch.Tensor:
         return local[p.src_shard][box_slices(p.box, src.shards[p.src_shard].offsets)]
@@ -72,13 +78,53 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
         pending = _comm.start_exchange(sends, recvs, group)
         # Blocks already on this rank are copied while the others are on the wire.
         for p in plan.copies:
-            dst_view(p).copy_(src_view(p))
+            if p.dst_shard not in kept:
+                dst_view(p).copy_(src_view(p))
         pending.wait()
         for peer, views in unpacks:
             _unpack(recvs[peer], views)
         for first, other in plan.duplicates:
             out[other].copy_(out[first])
+    # Only now: sends and copies above read the source shards' other blocks.
+    for index, keep in spans.items():
+        release_outside(local[index].untyped_storage(), keep)
     return out
+
+
+def _blocks_to_keep(plan: ReshardPlan, local: dict[int, torch.Tensor], src: ShardedTensorMetadata,
+                    dst: ShardedTensorMetadata
+                    ) -> tuple[dict[int, torch.Tensor], dict[int, list[tuple[int, int]]]]:
+    """Destination shards that can stay where their data is: a contiguous block of one source shard.
+
+    Returns those shards by destination index, and by source index the byte ranges of its
+    storage they keep.
+
+    Taking a row block out of a replica (or out of a coarser row split) then costs no copy.
+    Only source shards whose memory nobody else can see qualify, since the pages around the
+    kept blocks are released afterwards.
+    """
+    kept: dict[int, torch.Tensor] = {}
+    spans: dict[int, list[tuple[int, int]]] = {}
+    owned: dict[int, bool] = {}
+    for p in plan.copies:
+        if p.numel != math.prod(dst.shards[p.dst_shard].dims):
+            continue  # only part of this destination shard is here
+        if p.src_shard not in owned:
+            owned[p.src_shard] = sole_owner(local, p.src_shard)
+        if not owned[p.src_shard]:
+            continue
+        block = local[p.src_shard][box_slices(p.box, src.shards[p.src_shard].offsets)]
+        start = block.storage_offset() * block.element_size()
+        end = start + block.numel() * block.element_size()
+        taken = spans.setdefault(p.src_shard, [])
+        if not block.is_contiguous() or any(lo < end and start < hi for lo, hi in taken):
+            continue  # two destination shards must not share memory
+        taken.append((start, end))
+        # A fresh tensor on the same storage rather than a view: no ``_base`` pins the source
+        # tensor, and autograd sees a leaf.
+        kept[p.dst_shard] = torch.empty((0,), dtype=block.dtype).set_(
+            block.untyped_storage(), block.storage_offset(), block.shape, block.stride())
+    return kept, {i: taken for i, taken in spans.items() if taken}
 
 
 def _direct_or_staged(views_by_peer: dict[int, list[torch.Tensor]]

@@ -254,7 +254,15 @@ class ShardedTensor:
         world = self._world()
         target = _build(sharding_spec, self.shape, self.dtype, self._names, world)
         requires_grad = self.requires_grad
-        tensors = redistribute(self._local_by_index(), self._metadata, target, rank=self._rank, group=self._group)
+        # The old shards are handed over (not copied from) when nothing else refers to them:
+        # a new shard that is a contiguous block of an old one then keeps its memory.
+        local, self._local = self._local_by_index(), []
+        try:
+            tensors = redistribute(local, self._metadata, target, rank=self._rank, group=self._group, reuse=True)
+        except BaseException:
+            self._local = [Shard(local[i], shard) for i, shard in self._metadata.shards_on(self._rank)]
+            raise
+        del local
         for tensor in tensors.values():
             tensor.requires_grad_(requires_grad)
         self._metadata = target
@@ -289,7 +297,10 @@ class ShardedTensor:
                              "spec": None if self._spec is None else self._spec.to_dict(),  # type: ignore[attr-defined]
                              "names": None if self._names is None else list(self._names),
                              "requires_grad": self._requires_grad})
-        return (_rebuild_sharded_tensor, (header, [s.tensor for s in self._local]))
+        # torch.save writes whole storages; a shard that kept part of an old one goes compact.
+        tensors = [s.tensor if s.tensor.untyped_storage().nbytes() == s.tensor.nbytes
+                   else s.tensor.detach().clone().requires_grad_(s.tensor.requires_grad) for s in self._local]
+        return (_rebuild_sharded_tensor, (header, tensors))
 
 
 def _rebuild_sharded_tensor(header: str, tensors: list[torch.Tensor]) -> ShardedTensor:

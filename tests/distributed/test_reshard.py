@@ -172,3 +172,79 @@ def test_named_transitions_send_the_minimum():
     results = run_distributed(_named, 4)
     for i, (name, _, _, expected) in enumerate(NAMED):
         assert sum(r[i] for r in results) == expected, name
+
+
+def _resident_bytes(storage: torch.UntypedStorage) -> int:
+    """Bytes of ``storage`` in RAM, from the kernel's page table (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-storage.nbytes() // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()), vector) == 0
+    return sum(v & 1 for v in vector) * mmap.PAGESIZE
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _keeps_memory(rank: int, world: int) -> dict[str, object]:
+    """A new shard that is a contiguous block of an old one keeps its memory, unless shared."""
+    import io
+
+    ranks = [f"rank:{r}/cpu" for r in range(world)]
+    rows, cols = 4096, 1024  # 16 MiB: allocated on its own mapping, so its pages can be released
+    found: dict[str, object] = {}
+
+    # Replicate -> rows: no copy; the pages outside this rank's rows go back to the OS.
+    torch.manual_seed(0)
+    t = st.rand(rows, cols, sharding_spec=DevicePlacement("cpu"), requires_grad=True)
+    full = t.local_shard().detach().clone()
+    storage = _storage_of(t.local_shard())
+    found["resident_before"] = _resident_bytes(t.local_shard().untyped_storage())
+    t.reshard(single_split(0, ranks))
+    mine = t.local_shard()
+    found["resident_after"] = _resident_bytes(mine.untyped_storage())
+    found["kept_storage"] = _storage_of(mine) == storage
+    found["values"] = torch.equal(mine, full.chunk(world)[rank])
+    found["leaf_requires_grad"] = mine.is_leaf and mine.requires_grad
+    (mine * 2).sum().backward()
+    found["grad"] = mine.grad is not None and torch.equal(mine.grad, torch.full_like(mine, 2.0))
+    # torch.save writes this shard's own bytes, not the old replica's storage.
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    found["saved_bytes"] = len(buffer.getvalue())
+    # Back to a replica and then a prefix of rows (uneven split): values survive every step.
+    t.reshard(DevicePlacement("cpu"))
+    found["round_trip"] = torch.equal(t.local_shard(), full)
+    t.reshard(single_split(0, ranks, [rows // 2] + [rows // 2 // (world - 1)] * (world - 1)))
+    found["uneven"] = torch.equal(t.full_tensor(), full)
+
+    # Memory someone else still sees is copied from, never taken or released.
+    u = st.rand(rows, cols, sharding_spec=DevicePlacement("cpu"))
+    held = u.local_shard()
+    graph_input = st.rand(rows, cols, sharding_spec=DevicePlacement("cpu"), requires_grad=True)
+    saved = graph_input.local_shard() * graph_input.local_shard()  # autograd saves the input
+    values = held.clone(), graph_input.local_shard().detach().clone()
+    u.reshard(single_split(0, ranks))
+    graph_input.reshard(single_split(0, ranks))
+    found["held_unchanged"] = torch.equal(held, values[0]) and _storage_of(u.local_shard()) != _storage_of(held)
+    saved.sum().backward()  # reads the saved input: it must be intact
+    found["graph_unchanged"] = torch.equal(graph_input.local_shard().detach(), values[1].chunk(world)[rank])
+    return found
+
+
+def test_reshard_keeps_memory_of_a_contiguous_block_it_alone_holds():
+    world = 2
+    shard_bytes = 4096 * 1024 * 4 // world
+    for rank, found in enumerate(run_distributed(_keeps_memory, world)):
+        assert found["kept_storage"] and found["values"], (rank, found)
+        # Of the 16 MiB replica only this rank's rows stay in RAM.
+        assert found["resident_before"] == 2 * shard_bytes, (rank, found)
+        assert found["resident_after"] == shard_bytes, (rank, found)
+        assert found["leaf_requires_grad"] and found["grad"], (rank, found)
+        assert shard_bytes < found["saved_bytes"] < shard_bytes + 64 * 1024, (rank, found)
+        assert found["round_trip"] and found["uneven"], (rank, found)
+        assert found["held_unchanged"] and found["graph_unchanged"], (rank, found)
