@@ -6,6 +6,7 @@ rest of the package pure. Tensors travel on their own device: Gloo for CPU, NCCL
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 from collections import Counter
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
+           "gather_json", "broadcast_json", "all_gather_tensor", "CollectiveError",
            "broadcast_int", "all_reduce", "barrier", "ProcessGroup"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
@@ -137,26 +139,61 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def all_gather_json(value: object, group: ProcessGroup = None) -> list[Any]:
-    """Every rank's JSON-serializable ``value``, in rank order. Collective.
+class CollectiveError(RuntimeError):
+    """A collective did not complete: a peer died, left, or did not arrive within the timeout."""
 
-    JSON rather than pickle: what one rank sends is only ever parsed as data.
+
+def _wait(work: Any, timeout: float | None, what: str) -> None:
+    """Wait for ``work``; raise ``CollectiveError`` naming ``what`` if it fails or times out."""
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # Gloo/NCCL raise RuntimeError or DistBackendError subclasses
+        limit = f" within timeout={timeout:g} s" if timeout is not None else ""
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise CollectiveError(f"{what} did not complete{limit}: {first_line}") from exc
+
+
+def _encode_json(value: object, device: torch.device) -> torch.Tensor:
+    """``value`` as JSON bytes in a uint8 tensor on ``device``."""
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
+
+
+def _decode_json(buffers: list[torch.Tensor], lengths: list[int]) -> list[Any]:
+    """Inverse of ``encode_json`` for the first ``lengths[i]`` bytes of each buffer."""
+    return [json.loads(bytes(b[:n].cpu().numpy()).decode()) for b, n in zip(buffers, lengths)]
+
+
+def _gather_lengths(n: int, group: ProcessGroup, timeout: float | None, what: str) -> list[int]:
+    """Every rank's ``n``, in group rank order (also a barrier). Collective."""
+    device = default_device(group)
+    length = torch.tensor([n], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(lengths, length, group=group, async_op=True), timeout, what)
+    return [int(x) for x in lengths]
+
+
+def all_gather_json(value: object, group: ProcessGroup = None, *, timeout: float | None = None,
+                    what: str = "all_gather") -> list[Any]:
+    """Every rank's JSON-serializable ``value``, in group rank order. Collective.
+
+    JSON rather than pickle: what one rank sends is only ever parsed as data. With
+    ``timeout``, a rank that does not arrive within that many seconds (or died) makes it raise
+    ``CollectiveError`` instead of hanging.
     """
     if not _initialized():
         return [json.loads(json.dumps(value))]
-    world = dist.get_world_size(group)
-    device = default_device(group)
-    payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
-    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    longest = max(int(n) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    payload = _encode_json(value, default_device(group))
+    lengths = _gather_lengths(payload.numel(), group, timeout, what)
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
     padded[: payload.numel()] = payload
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
+    gathered = [torch.empty_like(padded) for _ in lengths]
+    _wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout, what)
     _record("all_gather", 8 + longest)
-    return [json.loads(bytes(g[: int(n)].cpu().tolist()).decode()) for g, n in zip(gathered, lengths)]
+    return _decode_json(gathered, lengths)
 
 
 def broadcast_int(value: int, src: int = 0, group: ProcessGroup = None) -> int:
@@ -203,4 +240,41 @@ def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup = None) -> list[
     return gathered
 
 
-__all__ += ["all_gather_tensor"]
+
+def gather_json(value: object, dst: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,
+                what: str = "gather") -> list[Any] | None:
+    """Every rank's JSON ``value`` on group rank ``dst`` (in rank order), ``None`` elsewhere. Collective.
+
+    The first step (an all_gather of payload sizes) is also a barrier: it completes only when
+    every rank has arrived, or raises ``CollectiveError`` after ``timeout`` seconds.
+    """
+    if not _initialized():
+        return [json.loads(json.dumps(value))]
+    rank = dist.get_rank(group)
+    payload = _encode_json(value, default_device(group))
+    lengths = _gather_lengths(payload.numel(), group, timeout, what)
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in lengths] if rank == dst else None
+    _wait(dist.gather(padded, gathered, dst=_global(group, dst), group=group, async_op=True), timeout, what)
+    _record("gather", 8 + (longest if rank != dst else 0))
+    if gathered is None:
+        return None
+    return _decode_json(gathered, lengths)
+
+
+def broadcast_json(value: object, src: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,
+                   what: str = "broadcast") -> Any:
+    """Group rank ``src``'s JSON ``value`` on every rank (others pass anything). Collective."""
+    if not _initialized():
+        return json.loads(json.dumps(value))
+    device = default_device(group)
+    rank = dist.get_rank(group)
+    payload = _encode_json(value if rank == src else None, device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    _wait(dist.broadcast(length, _global(group, src), group=group, async_op=True), timeout, what)
+    buffer = payload if rank == src else torch.empty(int(length), dtype=torch.uint8, device=device)
+    _wait(dist.broadcast(buffer, _global(group, src), group=group, async_op=True), timeout, what)
+    _record("broadcast", 8 + buffer.numel() if rank == src else 0)
+    return _decode_json([buffer], [buffer.numel()])[0]

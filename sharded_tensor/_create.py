@@ -8,7 +8,8 @@ import torch
 
 from sharding import PlacementSpec, RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
-from . import _comm, _random
+from . import _comm
+from ._init import fill_normal_, fill_uniform_
 from ._memory import empty_for_fill
 from ._reshard import redistribute
 from ._tensor import ShardedTensor, _build
@@ -109,7 +110,7 @@ def rand(*size: int, sharding_spec: PlacementSpec | None = None, dtype: torch.dt
     """
     seed = _shared_seed(process_group)
     return _create("rand", _sizes(size, "rand"), sharding_spec, dtype, requires_grad, pin_memory,
-                   process_group, names, lambda t, s, m: _random.uniform_(t, seed, s.offsets, m.size))
+                   process_group, names, lambda t, s, m: fill_uniform_(t, seed, s.offsets, m.size))
 
 
 def randn(*size: int, sharding_spec: PlacementSpec | None = None, dtype: torch.dtype | None = None,
@@ -121,7 +122,7 @@ def randn(*size: int, sharding_spec: PlacementSpec | None = None, dtype: torch.d
     """
     seed = _shared_seed(process_group)
     return _create("randn", _sizes(size, "randn"), sharding_spec, dtype, requires_grad, pin_memory,
-                   process_group, names, lambda t, s, m: _random.normal_(t, seed, s.offsets, m.size))
+                   process_group, names, lambda t, s, m: fill_normal_(t, seed, s.offsets, m.size))
 
 
 def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_rank: int = 0,

@@ -246,6 +246,10 @@ class ShardedTensor:
         destination; blocks already in place are copied locally. The full tensor is never
         built. An invalid spec raises ``ValueError`` and leaves the tensor unchanged.
 
+        A new shard that is a contiguous block of an old CPU shard nothing else refers to
+        keeps that memory, without a copy; the rest of the old shard's pages are released
+        (see the resharding guide).
+
         Example:
             >>> # 4 ranks, (8, 8) split by rows -> split by columns: each rank keeps its 2x2
             >>> # diagonal block and receives three 2x2 blocks.
