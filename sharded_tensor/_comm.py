@@ -101,13 +101,44 @@ def exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor
     start_exchange(sends, recvs, group).wait()
 
 
+# Messages travel in pieces of at most this many bytes, so that a sender can put the first
+# piece of a message on the wire while it is still packing the rest.
+_PIECE_BYTES = 8 << 20
+
+
+def _pieces(wire: torch.Tensor) -> list[torch.Tensor]:
+    # The same rule on both sides of a transfer, so piece k meets piece k (tag k).
+    return [wire[start:start + _PIECE_BYTES] for start in range(0, max(wire.numel(), 1), _PIECE_BYTES)]
+
+
 class PendingExchange:
-    """Transfers posted by ``start_exchange``; ``wait()`` returns once all are complete."""
+    """Transfers posted by ``start_exchange`` or ``send_ready``; ``wait()`` returns once all are complete."""
 
-    __slots__ = ("_works",)
+    __slots__ = ("_works", "_group", "_posted")
 
-    def __init__(self, works: list[Any]) -> None:
-        self._works = works
+    def __init__(self, group: ProcessGroup) -> None:
+        self._works: list[Any] = []
+        self._group = group
+        self._posted: dict[int, int] = {}
+
+    def send_ready(self, peer: int, message: torch.Tensor, ready: int) -> None:
+        """Send the pieces of ``message`` that lie within its first ``ready`` bytes and are not sent yet.
+
+        For a message being packed: call it as the packed prefix grows, and with
+        ``ready = message.nbytes`` at the end. The receiver posts the whole message in
+        ``start_exchange`` as usual. CPU (Gloo) only: on NCCL, sends posted one by one could
+        queue behind receives on the same stream, so there the whole message goes in
+        ``start_exchange``.
+        """
+        wire = _wire(message)
+        pieces = _pieces(wire)
+        done = self._posted.get(peer, 0)
+        while done < len(pieces) and done * _PIECE_BYTES + pieces[done].numel() <= ready:
+            self._works.append(dist.isend(pieces[done], _global(self._group, peer), group=self._group, tag=done))
+            done += 1
+            if done == len(pieces):
+                _record("send/recv", wire.numel())
+        self._posted[peer] = done
 
     def wait(self) -> None:
         works, self._works = self._works, []
@@ -121,17 +152,21 @@ def start_exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.
 
     Collective like ``exchange``. Every send and receive goes in one ``batch_isend_irecv``
     (one NCCL group on CUDA), so no pair of ranks can block on the order of posting. The
-    tensors must stay alive and untouched until ``wait()`` returns.
+    tensors must stay alive and untouched until ``wait()`` returns. More sends can follow
+    with ``send_ready``.
     """
-    if not sends and not recvs:
-        return PendingExchange([])
+    pending = PendingExchange(group)
     ops = []
     for peer, tensor in recvs.items():
-        ops.append(dist.P2POp(dist.irecv, _wire(tensor), _global(group, peer), group))
+        for k, piece in enumerate(_pieces(_wire(tensor))):
+            ops.append(dist.P2POp(dist.irecv, piece, _global(group, peer), group, tag=k))
     for peer, tensor in sends.items():
-        ops.append(dist.P2POp(dist.isend, _wire(tensor), _global(group, peer), group))
+        for k, piece in enumerate(_pieces(_wire(tensor))):
+            ops.append(dist.P2POp(dist.isend, piece, _global(group, peer), group, tag=k))
         _record("send/recv", tensor.numel() * tensor.element_size())
-    return PendingExchange(list(dist.batch_isend_irecv(ops)))
+    if ops:
+        pending._works.extend(dist.batch_isend_irecv(ops))
+    return pending
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ the same bytes in w-1 dependent steps; both were slower than direct point-to-poi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -71,11 +72,20 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
                                           for peer, pieces in plan.sends.items()})
         recvs, unpacks = _direct_or_staged({peer: [dst_view(p) for p in pieces]
                                             for peer, pieces in plan.recvs.items()})
-        for peer, views in packs:
-            sends[peer] = staging.pack(views)
         for peer, views in unpacks:
             recvs[peer] = staging.take(views)
+        # On CPU, the pieces of a packed message go out as they are packed; NCCL needs every
+        # send and receive in one group.
+        progressive = bool(packs) and packs[0][1][0].device.type == "cpu"
+        if not progressive:
+            for peer, views in packs:
+                sends[peer] = staging.pack(views)
         pending = _comm.start_exchange(sends, recvs, group)
+        if progressive:
+            for peer, views in packs:
+                message = staging.take(views)
+                for ready in _pack(message, views):
+                    pending.send_ready(peer, message, ready)
         # Blocks already on this rank are copied while the others are on the wire.
         for p in plan.copies:
             if p.dst_shard not in kept:
@@ -171,11 +181,31 @@ class _Staging:
 
     def pack(self, views: list[torch.Tensor]) -> torch.Tensor:
         buffer = self.take(views)
-        start = 0
-        for view in views:
+        for _ in _pack(buffer, views):
+            pass
+        return buffer
+
+
+# Packing goes in slabs of about this many bytes, each followed by a chance to send.
+_SLAB_BYTES = 8 << 20
+
+
+def _pack(buffer: torch.Tensor, views: list[torch.Tensor]) -> Iterator[int]:
+    """Copy ``views`` one after another into ``buffer``; yield the bytes packed so far after each slab."""
+    start = 0
+    for view in views:
+        if view.dim() == 0 or view.numel() == 0:
             buffer[start:start + view.numel()].view(view.shape).copy_(view)
             start += view.numel()
-        return buffer
+            yield start * buffer.element_size()
+            continue
+        per_row = view.numel() // view.shape[0]
+        rows = max(1, _SLAB_BYTES // max(1, per_row * view.element_size()))
+        for first in range(0, view.shape[0], rows):
+            slab = view[first:first + rows]
+            buffer[start:start + slab.numel()].view(slab.shape).copy_(slab)
+            start += slab.numel()
+            yield start * buffer.element_size()
 
 
 def _unpack(buffer: torch.Tensor, views: list[torch.Tensor]) -> None:

@@ -81,11 +81,13 @@ def launch(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
 def timed(fn: Callable[[], Any], cpu: list[float] | None = None) -> tuple[float, int]:
     """``(seconds, wire bytes)`` of ``fn`` on this rank.
 
-    Seconds run from a barrier before ``fn`` to a barrier after it, so they cover the slowest
-    rank. Wire bytes (``wire_bytes``) are read inside the barriers: ``fn``'s own traffic only.
-    With ``cpu``, the CPU seconds this process spent in ``fn`` (all its threads, Gloo's
-    included) are appended to it: on a shared machine they say what the call costs, whatever
-    else competes for the cores.
+    Every rank starts ``fn`` after a common barrier and stops its clock when its own ``fn``
+    returns; the seconds are the slowest rank's. (A closing barrier would add its own wake-up
+    latency, several milliseconds when more ranks than cores share the machine, which swamps
+    calls that take a few milliseconds.) Wire bytes (``wire_bytes``) are read around ``fn``:
+    its own traffic only. With ``cpu``, the CPU seconds this process spent in ``fn`` (all its
+    threads, Gloo's included) are appended to it: on a shared machine they say what the call
+    costs, whatever else competes for the cores.
     """
     dist.barrier()
     start = time.perf_counter()
@@ -93,11 +95,13 @@ def timed(fn: Callable[[], Any], cpu: list[float] | None = None) -> tuple[float,
     cpu_start = time.process_time()
     fn()
     cpu_spent = time.process_time() - cpu_start
+    elapsed = time.perf_counter() - start
     sent = wire_bytes() - sent
-    dist.barrier()
+    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if cpu is not None:
         cpu.append(cpu_spent)
-    return time.perf_counter() - start, sent
+    return float(slowest.item()), sent
 
 
 def wire_bytes() -> int:
