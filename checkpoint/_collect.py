@@ -29,8 +29,8 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
     - A ``ShardedTensor`` is gathered like ``ShardedTensor.gather(dst)`` (the same reshard
       plan): each rank sends its pieces straight to ``dst`` (a replicated region once), which
       receives them into place in the full tensor. For CPU shards ``dst`` copies its own
-      pieces while the others arrive, into memory advised to use transparent huge pages (far
-      fewer page faults: about twice as fast here); shards on another device go through
+      pieces while the others arrive, into memory committed in one step rather than page
+      by page as it is first written (see ``sharded_tensor._memory``); shards on another device go through
       ``gather`` and the result is moved to the CPU.
     - A plain ``torch.Tensor`` on ``dst`` is detached and moved to the CPU; like
       ``Module.state_dict()``, a tensor that already is on the CPU is returned as is (it
@@ -173,7 +173,7 @@ class _Scratch:
 
 
 def _gather_cpu(value: ShardedTensor, dst: int, rank: int, scratch: _Scratch) -> torch.Tensor | None:
-    """``value.gather(dst)`` for CPU shards, into a huge-page buffer, copying while receiving.
+    """``value.gather(dst)`` for CPU shards, into a committed buffer, copying while receiving.
 
     Same plan as ``ShardedTensor.gather`` (``plan_reshard`` to one full shard on ``dst``: each
     region crosses the wire once, straight into its place when it is contiguous there); two

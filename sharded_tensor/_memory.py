@@ -1,54 +1,139 @@
-"""Allocation of large new tensors that are about to be filled, and release of their pages."""
+"""Large CPU tensors that are about to be filled: where their memory comes from, and where it goes.
+
+For a large new tensor, the memory behind it costs more than filling it. Measured on the
+machines this project is tested on (docs/benchmarks.md, "memory"), per 256 MiB:
+
+- pages faulted in one by one as they are first written: 0.1 s, and 0.7 s once the platform
+  has to fetch fresh memory from the host;
+- memory advised to use transparent huge pages: 0.03 s when the platform has huge pages at
+  hand, 0.55 s when it has not (most of the time under load);
+- the whole range committed at once (``MAP_POPULATE``): 0.08 s, steady;
+- memory this process already holds: nothing.
+
+So a large tensor gets a populated anonymous mapping of its own, and once every tensor on it
+is gone the mapping is kept for the next request of exactly that size (a reshard done in a
+loop, the staging buffers of the next call), up to a per-process cap:
+``SHARDKIT_CPU_CACHE_MB`` in the environment, 1024 by default, 0 to give memory back at once.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import os
 import sys
+import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["empty_for_fill", "sole_owner", "release_outside"]
+__all__ = ["empty_for_fill", "sole_owner", "release_outside", "cached_bytes"]
 
-# Below this size a tensor is allocated the usual way; above it, on transparent huge pages.
-_HUGE_PAGE_MIN = 8 << 20
+# Below this size a tensor is allocated the usual way; from it on, by this module.
+_MIN_BYTES = 8 << 20
 
-# The anonymous mappings empty_for_fill made and that are still alive, by address. Only
-# these may have pages released: their memory is ours alone, while a tensor from elsewhere
-# may view a numpy array, a user's buffer or a file mapping.
-_MAPPINGS: dict[int, weakref.ref[mmap.mmap]] = {}
+_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _cache_limit() -> int:
+    text = os.environ.get("SHARDKIT_CPU_CACHE_MB", "1024")
+    try:
+        megabytes = int(text)
+    except ValueError:
+        megabytes = -1
+    if megabytes < 0:
+        msg = (f"SHARDKIT_CPU_CACHE_MB={text!r} is not a whole number of MiB; set it to 0 (keep no freed "
+               f"buffers) or to the most memory freed buffers may hold per process, e.g. 1024.")
+        raise ValueError(msg)
+    return megabytes << 20
+
+
+_lock = threading.Lock()
+# Mappings that back a live storage, by address. Only these may have pages released: their
+# memory is ours alone, while a tensor from elsewhere may view a numpy array, a user's buffer
+# or a file mapping.
+_live: dict[int, mmap.mmap] = {}
+# Mappings no tensor uses any more, oldest first.
+_free: list[mmap.mmap] = []
+# Page releases still running in the background, by ``id`` of the mapping.
+_releasing: dict[int, list[Future[None]]] = {}
 
 
 def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """An uninitialized tensor; large CPU ones on memory advised to use transparent huge pages.
+    """An uninitialized tensor; a large CPU one on memory that is committed or reused (see above).
 
-    Filling fresh memory is dominated by page faults (one per 4 KiB page, each zeroing it;
-    about 0.5-1 s/GiB here). With 2 MiB pages the kernel takes 512 times fewer faults, which
-    made first writes about 2.5x faster. The memory is an anonymous private mapping released
-    with the tensor's storage. Elsewhere (other devices, small tensors, no huge page advice)
-    this is ``torch.empty``.
+    Like ``torch.empty``, the contents are undefined (a reused mapping holds old data), so the
+    caller must write every element. Elsewhere (other devices, tensors under 8 MiB, platforms
+    without anonymous mappings) this is ``torch.empty``.
     """
     shape = tuple(shape)
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if device.type != "cpu" or nbytes < _HUGE_PAGE_MIN or advice is None:
+    if device.type != "cpu" or nbytes < _MIN_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
-    try:
-        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buffer.madvise(advice)
-    except (OSError, ValueError):
-        return torch.empty(shape, dtype=dtype, device=device)
-    # frombuffer keeps ``buffer`` alive as long as the storage. The result is set on that
-    # storage rather than viewed from the bytes, so it is not a view of another tensor and
-    # sole_owner can tell when nothing else uses the memory.
-    storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    buffer = _reuse(nbytes)
+    if buffer is None:
+        try:
+            buffer = mmap.mmap(-1, nbytes, flags=_FLAGS)
+        except (OSError, ValueError):
+            return torch.empty(shape, dtype=dtype, device=device)
+    # The storage holds this memoryview for as long as any tensor uses the memory; its end
+    # hands the mapping back. The result is set on the storage rather than viewed from the
+    # bytes, so it is not a view of another tensor and sole_owner can tell when nothing else
+    # uses the memory.
+    exported = memoryview(buffer)
+    storage = torch.frombuffer(exported, dtype=torch.uint8).untyped_storage()
     address = storage.data_ptr()
-    _MAPPINGS[address] = weakref.ref(buffer)
-    weakref.finalize(buffer, _MAPPINGS.pop, address, None)
+    with _lock:
+        _live[address] = buffer
+    weakref.finalize(exported, _release_mapping, address)
     return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
+
+
+def _reuse(nbytes: int) -> mmap.mmap | None:
+    with _lock:
+        for i in range(len(_free) - 1, -1, -1):
+            if len(_free[i]) == nbytes:
+                buffer = _free.pop(i)
+                break
+        else:
+            return None
+    _settle(buffer)
+    return buffer
+
+
+def _release_mapping(address: int) -> None:
+    """The last tensor on the mapping at ``address`` is gone: keep it for reuse, or unmap it."""
+    limit = _cache_limit()
+    with _lock:
+        buffer = _live.pop(address)
+        _free.append(buffer)
+        held = sum(len(b) for b in _free)
+        dropped = []
+        while _free and held > limit:
+            oldest = _free.pop(0)
+            held -= len(oldest)
+            dropped.append(oldest)
+    for old in dropped:
+        _settle(old)
+        old.close()
+
+
+def _settle(buffer: mmap.mmap) -> None:
+    """Wait for the background page releases of ``buffer``: its memory is about to be reused or unmapped."""
+    with _lock:
+        pending = _releasing.pop(id(buffer), [])
+    for future in pending:
+        future.result()
+
+
+def cached_bytes() -> int:
+    """Bytes of freed mappings kept for reuse in this process."""
+    with _lock:
+        return sum(len(b) for b in _free)
 
 
 def _storage_users(tensor: torch.Tensor) -> int:
@@ -79,25 +164,61 @@ def release_outside(storage: torch.UntypedStorage, keep: Sequence[tuple[int, int
     """Give the OS back the pages of ``storage`` outside the byte ranges ``keep`` (start, end).
 
     The storage keeps its address range; released pages read as zeros if touched again, so
-    only pages no tensor will read may be released (see :func:`sole_owner`).
+    only pages no tensor will read may be released (see :func:`sole_owner`). The release
+    runs on a background thread where it can (about 75 us per MiB here, the cost of a copy),
+    and the mapping is not reused or unmapped before it has finished.
     """
-    buffer = _MAPPINGS[storage.data_ptr()]()
-    assert buffer is not None
+    address = storage.data_ptr()
+    with _lock:
+        buffer = _live[address]
     page = mmap.PAGESIZE
+    ranges = []
     start = 0
     for lo, hi in sorted(keep):
-        _release(buffer, start, lo // page * page)
+        ranges.append((start, lo // page * page))
         start = max(start, -(-hi // page) * page)
-    _release(buffer, start, len(buffer))
+    ranges.append((start, len(buffer)))
+    ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
+    if _madvise is None:
+        for lo, hi in ranges:
+            buffer.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        return
+    future = _background().submit(_release_ranges, address, ranges)
+    with _lock:
+        _releasing.setdefault(id(buffer), []).append(future)
 
 
-def _release(buffer: mmap.mmap, start: int, end: int) -> None:
-    if end > start:
-        buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
+def _release_ranges(address: int, ranges: list[tuple[int, int]]) -> None:
+    assert _madvise is not None
+    for lo, hi in ranges:
+        # Advice only: if the kernel refuses, the pages simply stay resident.
+        _madvise(address + lo, hi - lo, mmap.MADV_DONTNEED)
+
+
+def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    # Through ctypes the call runs without the GIL, so the release overlaps the caller's work.
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+_madvise = _load_madvise()
+_executor: list[ThreadPoolExecutor] = []
+
+
+def _background() -> ThreadPoolExecutor:
+    with _lock:
+        if not _executor:
+            _executor.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-release"))
+        return _executor[0]
 
 
 def _mapping_of(tensor: torch.Tensor) -> mmap.mmap | None:
     storage = tensor.untyped_storage()
-    ref = _MAPPINGS.get(storage.data_ptr())
-    buffer = ref() if ref is not None else None
+    with _lock:
+        buffer = _live.get(storage.data_ptr())
     return buffer if buffer is not None and len(buffer) == storage.nbytes() else None

@@ -318,7 +318,7 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
       (fans from the global shapes). With ``seed``, every value depends only on ``seed``, the
       parameter's name and the init rule, never on the layout or the world size (a
       counter-based generator computes each rank's block). Without ``seed``, rank 0 draws
-      one and each block is drawn with torch's own (faster) generator seeded from it and the
+      one and each block is drawn from an ordinary (faster) generator seeded from it and the
       block's place: replicas agree, but values differ between layouts;
     * with ``src_rank``, the model on that rank is the source of truth: each rank receives only
       its blocks, and unsharded parameters are broadcast (other ranks may build on meta);
