@@ -30,7 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["empty_for_fill", "sole_owner", "release_outside", "cached_bytes"]
+__all__ = ["empty_for_fill", "sole_owner", "release_outside", "wait_for_releases", "cached_bytes",
+           "empty_cache"]
 
 # Below this size a tensor is allocated the usual way; from it on, by this module.
 _MIN_BYTES = 8 << 20
@@ -74,6 +75,7 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < _MIN_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
+    _cache_limit()  # a bad setting is reported here, to the caller, not when memory is freed
     buffer = _reuse(nbytes)
     if buffer is None:
         try:
@@ -107,7 +109,10 @@ def _reuse(nbytes: int) -> mmap.mmap | None:
 
 def _release_mapping(address: int) -> None:
     """The last tensor on the mapping at ``address`` is gone: keep it for reuse, or unmap it."""
-    limit = _cache_limit()
+    try:
+        limit = _cache_limit()
+    except ValueError:  # raised to the caller of empty_for_fill; here, keep nothing
+        limit = 0
     with _lock:
         buffer = _live.pop(address)
         _free.append(buffer)
@@ -117,9 +122,7 @@ def _release_mapping(address: int) -> None:
             oldest = _free.pop(0)
             held -= len(oldest)
             dropped.append(oldest)
-    for old in dropped:
-        _settle(old)
-        old.close()
+    _unmap(dropped)
 
 
 def _settle(buffer: mmap.mmap) -> None:
@@ -128,6 +131,20 @@ def _settle(buffer: mmap.mmap) -> None:
         pending = _releasing.pop(id(buffer), [])
     for future in pending:
         future.result()
+
+
+def empty_cache() -> None:
+    """Unmap every freed mapping kept for reuse (the next large tensors get fresh memory)."""
+    with _lock:
+        dropped = _free[:]
+        _free.clear()
+    _unmap(dropped)
+
+
+def _unmap(buffers: list[mmap.mmap]) -> None:
+    for buffer in buffers:
+        _settle(buffer)
+        buffer.close()
 
 
 def cached_bytes() -> int:
@@ -186,6 +203,14 @@ def release_outside(storage: torch.UntypedStorage, keep: Sequence[tuple[int, int
     future = _background().submit(_release_ranges, address, ranges)
     with _lock:
         _releasing.setdefault(id(buffer), []).append(future)
+
+
+def wait_for_releases() -> None:
+    """Return once every page release started by :func:`release_outside` has finished."""
+    with _lock:
+        pending = [future for futures in _releasing.values() for future in futures]
+    for future in pending:
+        future.result()
 
 
 def _release_ranges(address: int, ranges: list[tuple[int, int]]) -> None:

@@ -4,10 +4,14 @@
 Not a test: prints one JSON document on stdout (progress goes to stderr). Issue 3, item 5.
 
 For 2 and 4 Gloo ranks (spawned here, TCP on 127.0.0.1) and fp32 tensors of 4096 x 4096 and
-8192 x 8192, each transition is run three ways in the same processes, interleaved rep by rep
+8192 x 8192, each transition is run four ways in the same processes, interleaved rep by rep
 so that machine noise hits all three alike:
 
 - ``ours``: ``t.reshard(spec)``, the whole user call (metadata, plan, pack, wire, unpack).
+  Large buffers freed by the previous repetition are reused (``sharded_tensor._memory``), as in
+  a training loop that reshards every step.
+- ``ours_cold``: the same call with that cache emptied first, so every new buffer is fresh
+  memory from the OS, as in a process's first reshard (reported, not a goal).
 - ``dtensor``: ``DTensor.redistribute`` of the same data on a ``DeviceMesh("cpu", ...)``,
   where DTensor can express the transition ("n/a" otherwise: uneven splits).
 - ``raw``: the wire limit, a bare ``all_to_all_single`` over preallocated, pre-touched uint8
@@ -58,6 +62,7 @@ import torch.distributed as dist  # noqa: E402
 
 import sharded_tensor as st  # noqa: E402
 import sharding as sh  # noqa: E402
+from sharded_tensor._memory import empty_cache  # noqa: E402
 from sharded_tensor._plan import plan_reshard, total_traffic  # noqa: E402
 
 TRANSITIONS = ("dim0_to_dim1", "dim0_to_replicate", "replicate_to_dim0", "even_to_uneven", "mesh_to_dim1")
@@ -139,7 +144,17 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
         got, want = t.local_shards(), expected.local_shards()
         assert len(got) == len(want) and all(torch.equal(a.tensor, b.tensor) for a, b in zip(got, want)), name
 
-    impls.append(("ours", ours))
+    def ours_cold() -> None:
+        # The same with no freed memory to reuse: every new buffer is fresh from the OS, as in a
+        # process's first reshard of this size.
+        torch.manual_seed(1234)
+        t = st.rand(n, n, sharding_spec=src_spec)
+        empty_cache()
+        measure("ours_cold", lambda: t.reshard(dst_spec))
+        got, want = t.local_shards(), expected.local_shards()
+        assert len(got) == len(want) and all(torch.equal(a.tensor, b.tensor) for a, b in zip(got, want)), name
+
+    impls += [("ours", ours), ("ours_cold", ours_cold)]
     if dt is not None:
         mesh_shape, src_pl, dst_pl = dt
         mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
@@ -198,6 +213,7 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
     return {
         "transition": name, "world": world, "size": [n, n],
         "ours_s": med["ours"],
+        "ours_cold_s": med["ours_cold"],
         "dtensor_s": med.get("dtensor", "n/a"),
         "raw_s": min(raw.values()) if raw else "n/a (no bytes to move)",
         "medians_s": med,
@@ -241,6 +257,7 @@ def _merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         ours, dt, raw = first["ours_s"], first["dtensor_s"], first["raw_s"]
         first["ratio_ours_dtensor"] = ratio(ours, dt) if isinstance(dt, float) else "n/a"
         first["ratio_ours_raw"] = ratio(ours, raw) if isinstance(raw, float) else "n/a"
+        first["ratio_ours_cold_dtensor"] = ratio(first["ours_cold_s"], dt) if isinstance(dt, float) else "n/a"
         fresh = first["medians_s"].get("raw_all_to_all_fresh_output")
         first["ratio_ours_raw_fresh_output"] = ratio(ours, fresh) if fresh else "n/a"
         first["goal_dtensor_0.5x"] = (first["ratio_ours_dtensor"] <= 0.5) if isinstance(dt, float) else "n/a"

@@ -300,3 +300,29 @@ def test_optimizer_state_round_trip_in_a_world_of_one(make):
         opt.step()
     for (name, p), q in zip(net.named_parameters(), copy.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize(("dtype", "shape", "contiguous"), [
+    pytest.param(torch.float32, (300, 700), True, id="float32-numpy"),
+    pytest.param(torch.float64, (100_000,), True, id="float64-numpy"),
+    pytest.param(torch.float16, (300, 70), True, id="float16-torch-generator"),
+    pytest.param(torch.float32, (70, 300), False, id="strided-torch-generator"),
+])
+def test_draw_uniform_is_seeded_bounded_and_uniform(dtype, shape, contiguous):  # type: ignore[no-untyped-def]
+    def draw(seed: int) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        if not contiguous:
+            t = torch.empty(tuple(reversed(shape)), dtype=dtype).t()
+        return _init.draw_uniform_(t, seed, -0.25, 0.75)
+
+    first, again, other = draw(5), draw(5), draw(6)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    values = first.double()
+    assert values.min() >= -0.25 and values.max() < 0.75
+    # Mean and spread of U[-0.25, 0.75): 0.25 and 1/sqrt(12); 5 standard errors of slack.
+    n = values.numel()
+    assert abs(values.mean().item() - 0.25) < 5 / math.sqrt(12 * n)
+    assert abs(values.std().item() - 1 / math.sqrt(12)) < 0.01
+    # Every tenth of the range gets its share, within 5 standard deviations of a bin count.
+    counts = torch.histc(values, bins=10, min=-0.25, max=0.75)
+    assert (counts - n / 10).abs().max() < 5 * math.sqrt(n / 10)

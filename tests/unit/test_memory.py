@@ -1,0 +1,125 @@
+"""Large CPU buffers: committed mappings, reuse after free, the cache cap, background page release."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from sharded_tensor import _memory
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():  # type: ignore[no-untyped-def]
+    """Each test starts and ends with no freed mappings kept."""
+    gc.collect()
+    _memory.empty_cache()
+    yield
+    gc.collect()
+    _memory.empty_cache()
+
+
+def _resident(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s pages in RAM (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    pages = -(-tensor.untyped_storage().nbytes() // page)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(tensor.untyped_storage().data_ptr()), ctypes.c_size_t(pages * page), vec) == 0
+    return sum(b & 1 for b in vec) * page
+
+
+@pytest.mark.parametrize(("shape", "dtype", "mapped"), [
+    pytest.param((1024,), torch.float32, False, id="small-is-torch-empty"),
+    pytest.param((2 * MiB,), torch.float32, True, id="8MiB-float32"),
+    pytest.param((3, 1024, 1024), torch.bfloat16, False, id="6MiB-bf16-below-threshold"),
+    pytest.param((5, MiB), torch.int16, True, id="10MiB-int16"),
+])
+def test_empty_for_fill_shape_dtype_and_mapping(shape, dtype, mapped):  # type: ignore[no-untyped-def]
+    t = _memory.empty_for_fill(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert (_memory._mapping_of(t) is not None) == mapped
+    if mapped:  # committed when allocated, not page by page on first write
+        assert _resident(t) == t.untyped_storage().nbytes()
+
+
+def test_freed_mapping_is_reused_for_the_same_size_only():
+    a = _memory.empty_for_fill((4 * MiB,), torch.float32)
+    a.fill_(7.0)
+    address = a.data_ptr()
+    view = a[10:]
+    del a
+    assert _memory.cached_bytes() == 0  # a view still uses it
+    del view
+    assert _memory.cached_bytes() == 16 * MiB
+    other = _memory.empty_for_fill((5 * MiB,), torch.float32)  # another size: a new mapping
+    assert other.data_ptr() != address and _memory.cached_bytes() == 16 * MiB
+    again = _memory.empty_for_fill((2 * MiB, 2), torch.float32)  # same bytes, other shape
+    assert again.data_ptr() == address and _memory.cached_bytes() == 0
+    assert again[0, 0].item() == 7.0  # uninitialized, like torch.empty: old contents
+
+
+def test_cache_cap_drops_the_oldest(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SHARDKIT_CPU_CACHE_MB", "20")
+    first = _memory.empty_for_fill((12 * MiB,), torch.uint8)
+    second = _memory.empty_for_fill((16 * MiB,), torch.uint8)
+    del first
+    assert _memory.cached_bytes() == 12 * MiB
+    del second  # 28 MiB > 20: the older one goes
+    assert _memory.cached_bytes() == 16 * MiB
+    fresh = _memory.empty_for_fill((12 * MiB,), torch.uint8)  # nothing of that size is kept now
+    assert _memory.cached_bytes() == 16 * MiB
+    del fresh
+    monkeypatch.setenv("SHARDKIT_CPU_CACHE_MB", "0")
+    third = _memory.empty_for_fill((8 * MiB,), torch.uint8)
+    del third
+    assert _memory.cached_bytes() == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "lots", "1.5"])
+def test_bad_cache_setting_is_named(monkeypatch: pytest.MonkeyPatch, value: str):
+    t = _memory.empty_for_fill((8 * MiB,), torch.uint8)
+    monkeypatch.setenv("SHARDKIT_CPU_CACHE_MB", value)
+    with pytest.raises(ValueError, match=rf"SHARDKIT_CPU_CACHE_MB='{value}' is not a whole number of MiB"):
+        _memory.empty_for_fill((8 * MiB,), torch.uint8)
+    del t  # freed under the bad setting: unmapped, not kept
+    assert _memory.cached_bytes() == 0
+
+
+def test_release_outside_keeps_the_ranges_and_gives_back_the_rest():
+    t = _memory.empty_for_fill((32 * MiB,), torch.uint8)
+    t.fill_(3)
+    sole = {0: t}
+    del t
+    assert _memory.sole_owner(sole, 0)  # as reshard checks before keeping a block
+    storage = sole[0].untyped_storage()
+    kept = torch.empty((0,), dtype=torch.uint8).set_(storage, 8 * MiB, (4 * MiB,))
+    _memory.release_outside(storage, [(8 * MiB, 12 * MiB)])
+    _memory.wait_for_releases()
+    assert _resident(sole[0]) == 4 * MiB
+    assert bool((kept == 3).all())
+    assert sole[0][0].item() == 0  # released pages read as zeros
+    del sole, storage
+    assert _memory.cached_bytes() == 0  # ``kept`` still uses the mapping
+    del kept
+    assert _memory.cached_bytes() == 32 * MiB
+    reused = _memory.empty_for_fill((32 * MiB,), torch.uint8)  # waits for the release first
+    reused.fill_(1)
+    assert _resident(reused) == 32 * MiB and bool((reused == 1).all())
+
+
+def test_sole_owner_refuses_shared_or_foreign_memory():
+    mine = {0: _memory.empty_for_fill((8 * MiB,), torch.uint8)}
+    assert _memory.sole_owner(mine, 0)
+    alias = mine[0][1:]
+    assert not _memory.sole_owner(mine, 0)
+    del alias
+    assert _memory.sole_owner(mine, 0)
+    foreign = {0: torch.empty(8 * MiB, dtype=torch.uint8)}
+    assert not _memory.sole_owner(foreign, 0)
