@@ -5,7 +5,7 @@ Not a test: prints one JSON document on stdout (progress goes to stderr). Issue 
 
 For 2 and 4 Gloo ranks (spawned here, TCP on 127.0.0.1) and fp32 tensors of 4096 x 4096 and
 8192 x 8192, each transition is run four ways in the same processes, interleaved rep by rep
-so that machine noise hits all three alike:
+so that machine noise hits all of them alike:
 
 - ``ours``: ``t.reshard(spec)``, the whole user call (metadata, plan, pack, wire, unpack).
   Large buffers freed by the previous repetition are reused (``sharded_tensor._memory``), as in
