@@ -1,14 +1,14 @@
 """Large CPU tensors that are about to be filled: where their memory comes from, and where it goes.
 
-For a large new tensor, the memory behind it costs more than filling it. Measured on the
-machines this project is tested on (docs/benchmarks.md, "memory"), per 256 MiB:
+For a large new tensor, the memory behind it can cost more than filling it. Measured with
+``scripts/bench/memory.py`` on the machines this project is tested on (a VM with 2 cores;
+docs/benchmarks.md, "memory"), allocating and filling one 256 MiB buffer took, median and
+worst:
 
-- pages faulted in one by one as they are first written: 0.1 s, and 0.7 s once the platform
-  has to fetch fresh memory from the host;
-- memory advised to use transparent huge pages: 0.03 s when the platform has huge pages at
-  hand, 0.55 s when it has not (most of the time under load);
-- the whole range committed at once (``MAP_POPULATE``): 0.08 s, steady;
-- memory this process already holds: nothing.
+- pages faulted in one by one as the fill first writes them (``torch.empty``): 0.18 s, 0.79 s;
+- the same advised to use transparent huge pages: 0.61 s, 0.73 s;
+- the whole range committed by the ``mmap`` call (``MAP_POPULATE``): 0.12 s, 0.71 s;
+- a buffer the process already holds: 0.013 s.
 
 So a large tensor gets a populated anonymous mapping of its own, and once every tensor on it
 is gone the mapping is kept for the next request of exactly that size (a reshard done in a
