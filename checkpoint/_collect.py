@@ -29,9 +29,9 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
     - A ``ShardedTensor`` is gathered like ``ShardedTensor.gather(dst)`` (the same reshard
       plan): each rank sends its pieces straight to ``dst`` (a replicated region once), which
       receives them into place in the full tensor. For CPU shards ``dst`` copies its own
-      pieces while the others arrive, into memory committed in one step rather than page
-      by page as it is first written (see ``sharded_tensor._memory``); shards on another device go through
-      ``gather`` and the result is moved to the CPU.
+      pieces while the others arrive, into memory committed in one step rather than page by
+      page as it is first written (see ``sharded_tensor._memory``); shards on another device
+      go through ``gather`` and the result is moved to the CPU.
     - A plain ``torch.Tensor`` on ``dst`` is detached and moved to the CPU; like
       ``Module.state_dict()``, a tensor that already is on the CPU is returned as is (it
       shares storage with the caller's; ``clone()`` it to keep a snapshot).

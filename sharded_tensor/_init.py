@@ -381,15 +381,17 @@ class LayoutInvariantInit:
 
     # -- fills -------------------------------------------------------------------------------
 
+    def _block_seed(self, region: _Region) -> int:
+        """Seed of this block's draw in the layout-dependent mode: replicas of a block agree."""
+        return _random.derive_seed(self._seed(region), *region.offsets)
+
     def _generator(self, tensor: torch.Tensor, region: _Region) -> torch.Generator:
-        seed = _random.derive_seed(self._seed(region), *region.offsets)
-        return torch.Generator(device=tensor.device).manual_seed(seed)
+        return torch.Generator(device=tensor.device).manual_seed(self._block_seed(region))
 
     def _uniform(self, tensor: torch.Tensor, region: _Region, low: object, high: object) -> torch.Tensor:
         with torch._C.DisableTorchFunction(), torch.no_grad():
             if not self.invariant:
-                seed = _random.derive_seed(self._seed(region), *region.offsets)
-                return draw_uniform_(tensor, seed, float(low), float(high))  # type: ignore[arg-type]
+                return draw_uniform_(tensor, self._block_seed(region), float(low), float(high))  # type: ignore[arg-type]
             return fill_uniform_(tensor, self._seed(region), region.offsets, region.global_shape, float(low), float(high))  # type: ignore[arg-type]
 
     def _normal(self, tensor: torch.Tensor, region: _Region, mean: object, std: object) -> torch.Tensor:

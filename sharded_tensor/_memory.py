@@ -242,6 +242,19 @@ def _background() -> ThreadPoolExecutor:
         return _executor[0]
 
 
+def _after_fork_in_child() -> None:
+    # The parent's release thread and whatever held the lock did not come along; releases the
+    # parent had pending only leave some pages resident in this copy.
+    global _lock
+    _lock = threading.Lock()
+    _executor.clear()
+    _releasing.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _mapping_of(tensor: torch.Tensor) -> mmap.mmap | None:
     storage = tensor.untyped_storage()
     with _lock:

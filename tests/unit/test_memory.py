@@ -123,3 +123,38 @@ def test_sole_owner_refuses_shared_or_foreign_memory():
     assert _memory.sole_owner(mine, 0)
     foreign = {0: torch.empty(8 * MiB, dtype=torch.uint8)}
     assert not _memory.sole_owner(foreign, 0)
+
+
+def test_a_forked_child_releases_and_reuses_on_its_own_thread():
+    import os
+    import signal
+    import time
+
+    t = _memory.empty_for_fill((16 * MiB,), torch.uint8)
+    t.fill_(1)
+    holder = {0: t}
+    del t
+    _memory.release_outside(holder[0].untyped_storage(), [(0, MiB)])  # a pending release in the parent
+    pid = os.fork()
+    if pid == 0:  # child: a release and a reuse must complete without the parent's thread
+        # (no torch kernels here: a forked child may hang in torch's own thread pool)
+        code = 1
+        try:
+            mine = {0: _memory.empty_for_fill((8 * MiB,), torch.uint8)}
+            _memory.release_outside(mine[0].untyped_storage(), [(0, MiB)])
+            _memory.wait_for_releases()
+            address = mine[0].data_ptr()
+            del mine
+            code = 0 if _memory.empty_for_fill((8 * MiB,), torch.uint8).data_ptr() == address else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung releasing or reusing memory (the parent's release thread?)")
+    _memory.wait_for_releases()
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert _resident(holder[0]) == MiB
