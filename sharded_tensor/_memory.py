@@ -91,7 +91,8 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
     address = storage.data_ptr()
     with _lock:
         _live[address] = buffer
-    weakref.finalize(exported, _release_mapping, address)
+    # Not at interpreter exit: the tensor may still be alive then, and the OS takes the memory back anyway.
+    weakref.finalize(exported, _release_mapping, address).atexit = False
     return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
 
 

@@ -158,3 +158,14 @@ def test_a_forked_child_releases_and_reuses_on_its_own_thread():
     _memory.wait_for_releases()
     assert os.waitstatus_to_exitcode(done[1]) == 0
     assert _resident(holder[0]) == MiB
+
+
+def test_exit_with_live_buffers_is_quiet():
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom sharded_tensor._memory import empty_for_fill\n"
+            "kept = [empty_for_fill((4 << 20,), torch.float32) for _ in range(2)]\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "SHARDKIT_CPU_CACHE_MB": "0"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
