@@ -241,10 +241,10 @@ def broadcast_int(value: int, src: int = 0, group: ProcessGroup = None) -> int:
     return int(tensor.item())
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
-    """Sum ``tensor`` over the group, in place. Collective."""
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` over the group in place (``op``: ``"sum"`` or ``"max"``). Collective."""
     if _initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
         _record("all_reduce", tensor.numel() * tensor.element_size())
     return tensor
 

@@ -35,7 +35,6 @@ embedding dimension: all-gather unless it stays sharded. Backward mirrors this (
 from __future__ import annotations
 
 import inspect
-import operator
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from torch import nn
 
 from sharding import ShardedTensorMetadata
 
-from . import _comm
+from . import _comm, _regions
 from ._functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 
 __all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install", "optimize"]
@@ -294,29 +293,35 @@ def _plan_embedding(label: str, module: nn.Embedding, layouts: Mapping[str, Para
 
 # -- 3. sharded forwards ------------------------------------------------------------------------------
 
-_REPLICATED = "replicated"
-_LOCAL = "local"
+def _linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """Forward of a sharded ``nn.Linear``: replicated in and out, or split inside a region."""
+    with _regions.outside_propagation():
+        return _linear(self, self._shardkit_plan, input)  # type: ignore[arg-type]
 
 
-def _linear_forward(self: nn.Linear, input: torch.Tensor, *, _shardkit_input: str = _REPLICATED,
-                    _shardkit_output: str = _REPLICATED) -> torch.Tensor:
-    """Forward of a sharded ``nn.Linear``: replicated in and out unless a call site asks otherwise."""
-    plan: LinearPlan = self._shardkit_plan  # type: ignore[assignment]
+def _linear(self: nn.Linear, plan: LinearPlan, input: torch.Tensor) -> torch.Tensor:
     group = plan.group
     rank, _ = _comm.rank_and_world(group)
     weight, bias = self.weight, self.bias
     if plan.mode == "bias":
-        return F.linear(input, weight) + gather(bias, 0, plan.bias_intervals, group)  # type: ignore[arg-type]
+        return F.linear(_regions.to_replicated(input), weight) + gather(bias, 0, plan.bias_intervals, group)  # type: ignore[arg-type]
     if plan.mode == "out":
-        y = F.linear(copy_to_ranks(input, group), weight, bias if plan.bias == "local" else None)
-        if _shardkit_output == _LOCAL:
+        x = _regions.to_replicated(input)
+        if _regions.in_region():
+            y = F.linear(_regions.shared_copy(x, group), weight, bias if plan.bias == "local" else None)
             if plan.bias == "replicated":
                 start, length = plan.intervals[rank]
                 y = y + copy_to_ranks(bias, group).narrow(0, start, length)
-            return y
+            return _regions.tag(y, _regions.Split(y.dim() - 1, plan.intervals, group))
+        y = F.linear(copy_to_ranks(x, group), weight, bias if plan.bias == "local" else None)
         y = gather(y, -1, plan.intervals, group)
         return y + bias if plan.bias == "replicated" else y
-    x = input if _shardkit_input == _LOCAL else scatter(input, -1, plan.intervals, group)
+    split = _regions.split_of(input)
+    if split is not None and split.dim == input.dim() - 1 and split.intervals == plan.intervals \
+            and split.group is group:
+        x = input
+    else:
+        x = scatter(_regions.to_replicated(input), -1, plan.intervals, group)
     y = F.linear(x, weight)
     if plan.bias == "disjoint":
         start, length = plan.bias_intervals[rank]  # type: ignore[index]
@@ -325,16 +330,21 @@ def _linear_forward(self: nn.Linear, input: torch.Tensor, *, _shardkit_input: st
     return y + bias if plan.bias == "replicated" else y
 
 
-def _embedding_forward(self: nn.Embedding, input: torch.Tensor, *,
-                       _shardkit_output: str = _REPLICATED) -> torch.Tensor:
-    """Forward of a sharded ``nn.Embedding``: replicated indices in, replicated rows out."""
-    plan: EmbeddingPlan = self._shardkit_plan  # type: ignore[assignment]
+def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    """Forward of a sharded ``nn.Embedding``: replicated indices in, replicated rows out (split in a region)."""
+    with _regions.outside_propagation():
+        return _embedding(self, self._shardkit_plan, _regions.to_replicated(input))  # type: ignore[arg-type]
+
+
+def _embedding(self: nn.Embedding, plan: EmbeddingPlan, input: torch.Tensor) -> torch.Tensor:
     group = plan.group
     rank, _ = _comm.rank_and_world(group)
     weight = self.weight
     if plan.mode == "dim":
         y = F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
-        return y if _shardkit_output == _LOCAL else gather(y, -1, plan.intervals, group)
+        if _regions.in_region():
+            return _regions.tag(y, _regions.Split(y.dim() - 1, plan.intervals, group))
+        return gather(y, -1, plan.intervals, group)
     if input.numel() and (bool((input < 0).any()) or bool((input >= self.num_embeddings).any())):
         msg = f"index out of range in self: indices must be in [0, {self.num_embeddings}) for this Embedding."
         raise IndexError(msg)
@@ -364,29 +374,7 @@ def install(module: nn.Module, plan: Plan | None) -> None:
     module.__dict__["forward"] = types.MethodType(forward, module)
 
 
-# -- fx: keep activations sharded between layers -------------------------------------------------
-
-_ELEMENTWISE_FUNCTIONS: set[object] = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-    operator.iadd, operator.isub, operator.imul, operator.itruediv,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.clamp,
-    torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.sqrt, torch.rsqrt, torch.square,
-    torch.erf, torch.sin, torch.cos,
-    F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.hardtanh,
-    F.hardswish, F.hardsigmoid, F.softplus, F.sigmoid, F.tanh, F.logsigmoid, F.softsign, F.tanhshrink,
-    F.dropout,
-}
-_ELEMENTWISE_METHODS = {
-    "add", "sub", "mul", "div", "neg", "pow", "clamp", "relu", "sigmoid", "tanh", "exp", "abs", "sqrt",
-    "rsqrt", "square", "erf", "sin", "cos", "add_", "sub_", "mul_", "div_", "relu_", "clamp_",
-    "float", "half", "bfloat16", "double", "contiguous",
-}
-_ELEMENTWISE_MODULES: set[type[nn.Module]] = {
-    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.SELU, nn.CELU, nn.LeakyReLU, nn.Hardtanh,
-    nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Sigmoid, nn.Tanh, nn.LogSigmoid, nn.Softsign,
-    nn.Tanhshrink, nn.Dropout, nn.Identity,
-}
-
+# -- regions: keep activations split between layers ----------------------------------------------
 
 class _Tracer(torch.fx.Tracer):
     def __init__(self, sharded: set[nn.Module]) -> None:
@@ -395,76 +383,6 @@ class _Tracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return m in self._sharded or super().is_leaf_module(m, module_qualified_name)
-
-
-def _node_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    found: list[torch.fx.Node] = []
-    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)  # type: ignore[func-returns-value]
-    return found
-
-
-def _is_elementwise(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> bool:
-    if node.op == "call_function":
-        return node.target in _ELEMENTWISE_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in _ELEMENTWISE_METHODS
-    if node.op == "call_module":
-        return type(modules.get(str(node.target))) in _ELEMENTWISE_MODULES
-    return False
-
-
-def _plan_of(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> Plan | None:
-    if node.op != "call_module":
-        return None
-    return modules.get(str(node.target)).__dict__.get("_shardkit_plan")  # type: ignore[union-attr]
-
-
-def _rewrite(graph: torch.fx.Graph, modules: Mapping[str, nn.Module]) -> int:
-    """Mark call sites whose activation may stay sharded; returns how many pairs were linked."""
-    produces: dict[torch.fx.Node, Intervals] = {}
-    for node in graph.nodes:
-        plan = _plan_of(node, modules)
-        if isinstance(plan, LinearPlan) and plan.mode == "out" and len(node.args) == 1 and not node.kwargs:
-            produces[node] = plan.intervals
-        elif isinstance(plan, EmbeddingPlan) and plan.mode == "dim" and len(node.args) == 1 and not node.kwargs:
-            produces[node] = plan.intervals
-
-    def consumes(user: torch.fx.Node, node: torch.fx.Node, intervals: Intervals) -> bool:
-        plan = _plan_of(user, modules)
-        return (isinstance(plan, LinearPlan) and plan.mode == "in" and plan.intervals == intervals
-                and user.args == (node,) and not user.kwargs)
-
-    sharded: dict[torch.fx.Node, Intervals] = {}
-    for node in graph.nodes:  # topological order
-        if node in produces:
-            sharded[node] = produces[node]
-        elif _is_elementwise(node, modules):
-            args = _node_args(node)
-            if args and all(a in sharded for a in args) and len({sharded[a] for a in args}) == 1:
-                sharded[node] = sharded[args[0]]
-    changed = True
-    while changed:
-        changed = False
-        for node in list(sharded):
-            intervals = sharded[node]
-            # A user may take the sharded value only if it stays sharded itself (an element-wise
-            # op) or is the matching input-split Linear; a producer needs a replicated input.
-            ok = all((user in sharded and user not in produces) or consumes(user, node, intervals)
-                     for user in node.users)
-            if ok and node not in produces:
-                ok = all(a in sharded for a in _node_args(node))
-            if not ok:
-                del sharded[node]
-                changed = True
-    linked = 0
-    for node in graph.nodes:
-        if node in produces and node in sharded and node.users:
-            node.kwargs = {**node.kwargs, "_shardkit_output": _LOCAL}
-        elif node.op == "call_module" and node.args and node.args[0] in sharded \
-                and consumes(node, node.args[0], sharded[node.args[0]]):  # type: ignore[index]
-            node.kwargs = {**node.kwargs, "_shardkit_input": _LOCAL}
-            linked += 1
-    return linked
 
 
 def _check_direct_uses(graph: torch.fx.Graph, root: nn.Module, root_name: str,
@@ -484,44 +402,7 @@ def _check_direct_uses(graph: torch.fx.Graph, root: nn.Module, root_name: str,
             raise ValueError(msg)
 
 
-class _GraphForward:
-    """``forward`` of a traced module: the rewritten graph for calls that match the trace.
-
-    The graph was traced with every defaulted argument at its default and in both training
-    modes; any other call runs the module's original forward (each sharded layer then
-    gathers its own output), so specialization can never change the numbers.
-    """
-
-    def __init__(self, module: nn.Module, graphs: dict[bool, torch.fx.GraphModule],
-                 original: Callable[..., object]) -> None:
-        self._module = module
-        self._graphs = graphs
-        self._original = original
-        self._signature = inspect.signature(original)
-
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError:
-            return self._original(*args, **kwargs)
-        for name, value in bound.arguments.items():
-            default = self._signature.parameters[name].default
-            if default is not inspect.Parameter.empty and not _same(value, default):
-                return self._original(*args, **kwargs)
-        # forward, not __call__: the module's own __call__ already ran its hooks, and the
-        # GraphModule is an internal object that hooks and trackers should not see.
-        return self._graphs[self._module.training].forward(*args, **kwargs)
-
-
-def _same(value: object, default: object) -> bool:
-    if value is default:
-        return True
-    if isinstance(default, (bool, int, float, str)) and type(value) is type(default):
-        return value == default
-    return False
-
-
-def _trace(module: nn.Module, sharded: set[nn.Module]) -> dict[bool, torch.fx.GraphModule] | None:
+def _trace(module: nn.Module, sharded: set[nn.Module]) -> list[torch.fx.Graph] | None:
     original = type(module).forward.__get__(module)
     try:
         signature = inspect.signature(original)
@@ -531,41 +412,56 @@ def _trace(module: nn.Module, sharded: set[nn.Module]) -> dict[bool, torch.fx.Gr
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         return None
     concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-    graphs: dict[bool, torch.fx.GraphModule] = {}
+    graphs = []
     was_training = module.training
     try:
         for training in (True, False):
             module.train(training)
-            graph = _Tracer(sharded).trace(module, concrete_args=concrete or None)
-            graphs[training] = torch.fx.GraphModule(module, graph, type(module).__name__)
-    except Exception:  # noqa: BLE001 - anything fx cannot trace just keeps the per-layer path
+            graphs.append(_Tracer(sharded).trace(module, concrete_args=concrete or None))
+    except Exception:  # noqa: BLE001 - anything fx cannot trace is simply not checked here
         return None
     finally:
         module.train(was_training)
     return graphs
 
 
-def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], list[str]]:
-    """Trace ``model`` (or, if it cannot be traced, its submodules) to keep activations sharded.
+def endpoints(model: nn.Module) -> list[_regions.Endpoint]:
+    """The sharded layers of ``model`` that produce or consume split activations."""
+    found = []
+    for name, module in model.named_modules():
+        plan = module.__dict__.get("_shardkit_plan")
+        if isinstance(plan, LinearPlan) and plan.mode == "out" or isinstance(plan, EmbeddingPlan) and plan.mode == "dim":
+            found.append(_regions.Endpoint(name, "produces", plan.intervals))
+        elif isinstance(plan, LinearPlan) and plan.mode == "in":
+            found.append(_regions.Endpoint(name, "consumes", plan.intervals))
+    return found
 
-    Tracing only needs shapes, so it runs before any data moves (on a meta model too); the
-    rewritten forwards are installed by calling the returned function.
+
+def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], list[str]]:
+    """Find the regions of ``model`` whose activations stay split, and check its code.
+
+    Runs before any data moves (on a meta model too); nothing changes until the returned
+    function installs the regions' forwards (see ``_regions``).
 
     Args:
         model: a model whose sharded layers already have their plans installed.
         split_params: full names of split parameters -> label of their module, for the check
-            that no code reads a split parameter directly.
+            that no code reads a split parameter directly (where ``torch.fx`` can trace it).
 
     Returns:
-        A function that installs the rewritten forwards and returns the names of the modules
-        whose ``forward`` now runs a rewritten graph.
+        A function that installs the regions and returns their module names.
 
     Raises:
-        ValueError: a traced forward reads a split parameter directly.
+        ValueError: a traced forward reads a split parameter directly, or an attention
+            projection is split inside a head.
     """
     named = dict(model.named_modules())
     sharded = {m for m in named.values() if "_shardkit_plan" in m.__dict__}
-    pending: list[tuple[str, nn.Module, dict[bool, torch.fx.GraphModule]]] = []
+    ends = endpoints(model)
+    roots = _regions.find_regions(ends)
+    for root in roots:
+        inside = [e for e in ends if not root or e.name.startswith(root + ".")]
+        _regions.check_head_boundaries(root, named[root], inside)
 
     def visit(name: str, module: nn.Module) -> None:
         inside = [m for _, m in module.named_modules() if m in sharded]
@@ -576,20 +472,15 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
             for child_name, child in module.named_children():
                 visit(f"{name}.{child_name}" if name else child_name, child)
             return
-        for gm in graphs.values():
-            _check_direct_uses(gm.graph, module, name, split_params)
-        linked = 0
-        for gm in graphs.values():
-            linked += _rewrite(gm.graph, dict(gm.named_modules()))
-            gm.recompile()
-        if linked:
-            pending.append((name, module, graphs))
+        for graph in graphs:
+            _check_direct_uses(graph, module, name, split_params)
 
     if sharded:
         visit("", model)
 
     def commit() -> list[str]:
-        for _, module, graphs in pending:
-            module.__dict__["forward"] = _GraphForward(module, graphs, type(module).forward.__get__(module))
-        return [name for name, _, _ in pending]
+        for root in roots:
+            module = named[root]
+            module.__dict__["forward"] = _regions.RegionForward(type(module).forward.__get__(module))
+        return roots
     return commit

@@ -1,0 +1,745 @@
+"""Activations that stay split between sharded layers, through the model's own code.
+
+A Linear split on its output features (the *producer*: q/k/v, gate/up) computes only this
+rank's slice of its output; a Linear split on its input features (the *consumer*: o_proj,
+down_proj) needs only that slice. Between them runs ordinary model code: reshapes to heads,
+rotary embeddings, attention masks, ``scaled_dot_product_attention``, grouped-query
+``repeat_kv``. If that code runs on the local slices, each rank computes only its heads and
+a decoder layer needs just the consumers' two all-reduces.
+
+Whether code may run on slices depends on every op in it, so shardkit follows the split op by
+op, while the code runs:
+
+* A *region* is the smallest module holding a producer and a consumer split the same way
+  (``LlamaAttention``, ``LlamaMLP``, ``BertAttention``, an ``nn.Sequential`` MLP). Its forward
+  runs under :class:`_Propagate`, a ``TorchFunctionMode`` that sees every torch call.
+* A producer called inside a region returns its local slice, *tagged* with a :class:`Split`:
+  which dimension is split and every rank's ``(start, length)`` along it.
+* Each op on a tagged tensor goes through a rule that either proves the op acts slice by slice
+  and tags its output (element-wise ops with broadcasting, reshapes that keep the split on the
+  outermost dimension of its group, transposes, indexing that leaves the split dimension
+  whole, concatenation and reductions along other dimensions, batched matmuls, softmax,
+  ``scaled_dot_product_attention`` over split heads), or, when no rule applies, gathers the
+  full tensor first and runs the op on it. The fallback costs communication, never
+  correctness: every rule is exact, so a wrong number can only come from the model code
+  itself deriving a shape from a constant that assumes the full tensor (see below).
+* A consumer whose input is tagged the way it is split takes the slice as it is; the
+  region's outputs that are still tagged are gathered, so a region looks replicated-in,
+  replicated-out from outside.
+* Producers of one region that read the same input share one ``copy_to_ranks``: q, k and v
+  then cost one all-reduce of the input's gradient in backward instead of three.
+
+Decisions depend only on shapes and on the split (the same on every rank), so every rank
+takes the same path and the collectives of a fallback always match.
+
+What the code inside a region must do: derive the number of heads from the tensor (``view(*shape,
+-1, head_dim)``, as transformers 5 does), not from a constant such as ``num_heads``. A
+``view(..., num_heads, head_dim)`` fails loudly on a slice; ``view(..., num_heads, -1)`` would
+silently use a wrong head size, which :func:`check_head_boundaries` refuses at shard time for
+modules that declare a head size (``head_dim``, ``attention_head_size``, ``head_size``).
+
+:func:`loss_parallel` opens a region around the caller's own code: the split logits of an
+``lm_head`` split on the vocabulary then reach ``cross_entropy`` as slices, which computes the
+loss with three all-reduces of per-row numbers instead of gathering the logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from . import _comm
+from ._functional import Intervals, copy_to_ranks, gather, scatter
+
+__all__ = ["Split", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
+           "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """A tensor that holds this rank's slice of a logical tensor split along ``dim``.
+
+    ``intervals[r]`` is group rank ``r``'s ``(start, length)`` along ``dim``.
+    """
+
+    dim: int
+    intervals: Intervals
+    group: _comm.ProcessGroup = None
+
+    @property
+    def size(self) -> int:
+        """The logical (global) size along ``dim``."""
+        return max((s + n for s, n in self.intervals), default=0)
+
+    def moved(self, dim: int) -> Split:
+        return Split(dim, self.intervals, self.group)
+
+    def scaled(self, dim: int, num: int, den: int) -> Split | None:
+        """The split after each interval is multiplied by ``num / den``; ``None`` if not exact."""
+        out = []
+        for start, length in self.intervals:
+            if (start * num) % den or (length * num) % den:
+                return None
+            out.append((start * num // den, length * num // den))
+        return Split(dim, tuple(out), self.group)
+
+
+_TAGS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+        self.copies: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.keep_split_outputs = False
+
+
+_STATE = _State()
+
+
+def split_of(tensor: object) -> Split | None:
+    """The split ``tensor`` is tagged with, if any."""
+    if isinstance(tensor, torch.Tensor):
+        return _TAGS.get(tensor)
+    return None
+
+
+def tag(tensor: torch.Tensor, split: Split) -> torch.Tensor:
+    """Mark ``tensor`` as this rank's slice of a logical tensor split as ``split``."""
+    _TAGS[tensor] = split
+    return tensor
+
+
+def in_region() -> bool:
+    """Whether sharded layers should hand out and accept split activations."""
+    return _STATE.depth > 0
+
+
+def shared_copy(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
+    """``copy_to_ranks(tensor)``, shared by every producer of the current region that reads it."""
+    if not _STATE.copies:
+        return copy_to_ranks(tensor, group)
+    frame = _STATE.copies[-1]
+    hit = frame.get(id(tensor))
+    if hit is not None and hit[0] is tensor:
+        return hit[1]
+    copied = copy_to_ranks(tensor, group)
+    frame[id(tensor)] = (tensor, copied)
+    return copied
+
+
+@contextlib.contextmanager
+def outside_propagation() -> Iterator[None]:
+    """Run a sharded layer's own forward on its local tensors, unseen by the propagation."""
+    if _STATE.depth and isinstance(torch.overrides._get_current_function_mode(), _Propagate):
+        with torch.overrides._pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
+def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a tagged slice (collective); an untagged tensor as it is."""
+    split = split_of(tensor)
+    if split is None:
+        return tensor
+    return gather(tensor, split.dim, split.intervals, split.group)
+
+
+def _to_local(tensor: torch.Tensor, dim: int, split: Split) -> torch.Tensor:
+    """This rank's slice of a replicated ``tensor`` along ``dim``, tagged."""
+    return tag(scatter(tensor, dim, split.intervals, split.group), split.moved(dim))
+
+
+# -- rules ----------------------------------------------------------------------------------------
+
+class _Fallback(Exception):
+    """The op cannot run on slices: gather its split inputs and run it on full tensors."""
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+def _tensors(flat: Sequence[object]) -> list[tuple[int, torch.Tensor]]:
+    return [(i, x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+
+
+def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Ops that act element by element, with broadcasting (add, mul, silu, where, dropout, ...)."""
+    flat, spec = tree_flatten((args, kwargs))
+    tensors = _tensors(flat)
+    out_ndim = max(t.dim() for _, t in tensors)
+    found: Split | None = None
+    for _, t in tensors:
+        split = split_of(t)
+        if split is None:
+            continue
+        aligned = split.moved(out_ndim - t.dim() + split.dim)
+        if found is not None and aligned != found:
+            raise _Fallback
+        found = aligned
+    assert found is not None
+    for i, t in tensors:
+        if split_of(t) is not None:
+            continue
+        local_dim = found.dim - (out_ndim - t.dim())
+        if local_dim < 0 or t.shape[local_dim] == 1:
+            continue
+        if t.shape[local_dim] != found.size:
+            raise _Fallback
+        flat[i] = _to_local(t, local_dim, found)  # a replicated operand: take this rank's slice
+    args, kwargs = tree_unflatten(flat, spec)
+    out = func(*args, **kwargs)
+    if isinstance(out, torch.Tensor) and out.dim() == out_ndim:
+        return tag(out, found)
+    raise _Fallback
+
+
+def _first_split(args: tuple[Any, ...]) -> tuple[torch.Tensor, Split]:
+    x = args[0]
+    split = split_of(x)
+    if split is None:
+        raise _Fallback
+    return x, split
+
+
+def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
+    """Pair runs of dimensions of ``a`` and ``b`` with equal products (how a reshape regroups)."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        gi: list[int] = []
+        gj: list[int] = []
+        pa = pb = 1
+        if i < len(a):
+            gi.append(i)
+            pa = a[i]
+            i += 1
+        if j < len(b):
+            gj.append(j)
+            pb = b[j]
+            j += 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                gi.append(i)
+                pa *= a[i]
+                i += 1
+            elif pb < pa and j < len(b):
+                gj.append(j)
+                pb *= b[j]
+                j += 1
+            else:
+                return None
+        groups.append((gi, gj))
+    return groups
+
+
+def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """view / reshape / flatten / unflatten / (un)squeeze: the split must lead its group."""
+    x, split = _first_split(args)
+    out = func(*args, **kwargs)
+    if not isinstance(out, torch.Tensor):
+        raise _Fallback
+    a, b = list(x.shape), list(out.shape)
+    groups = _groups(a, b) if 0 not in a else None
+    if groups is None:
+        raise _Fallback
+    for gi, gj in groups:
+        if split.dim not in gi:
+            continue
+        if any(a[d] != 1 for d in gi if d < split.dim):
+            raise _Fallback  # the split is not the outermost dimension of its group
+        inner_in = math.prod(a[d] for d in gi if d > split.dim)
+        for o in gj:  # the outermost output dimension that holds whole slices (constants sit inside)
+            moved = split.scaled(o, inner_in, math.prod(b[d] for d in gj if d > o))
+            if moved is not None:
+                return tag(out, moved)
+            if b[o] != 1:
+                break
+        raise _Fallback
+    raise _Fallback
+
+
+def _transpose(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, split = _first_split(args)
+    ndim = x.dim()
+    name = func.__name__
+    if name in ("transpose", "swapaxes", "swapdims"):
+        d0 = _norm(args[1] if len(args) > 1 else kwargs["dim0"], ndim)
+        d1 = _norm(args[2] if len(args) > 2 else kwargs["dim1"], ndim)
+        order = list(range(ndim))
+        order[d0], order[d1] = order[d1], order[d0]
+    elif name == "permute":
+        dims = args[1:] if len(args) > 1 else kwargs["dims"]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = dims[0]
+        order = [_norm(d, ndim) for d in dims]
+    elif name == "t":
+        order = list(range(ndim))[::-1]
+    else:
+        raise _Fallback
+    out = func(*args, **kwargs)
+    return tag(out, split.moved(order.index(split.dim)))
+
+
+def _getter(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    owner = getattr(func, "__self__", None)
+    attr = getattr(owner, "__name__", "")
+    out = func(*args, **kwargs)
+    if not isinstance(out, torch.Tensor):
+        return out  # shape, dtype, device, requires_grad, ...: the local slice's own metadata
+    x, split = _first_split(args)
+    if attr in ("T", "mT", "mH", "H"):
+        ndim = x.dim()
+        order = list(range(ndim))
+        if attr in ("T", "H"):
+            order = order[::-1]
+        else:
+            order[-1], order[-2] = order[-2], order[-1]
+        return tag(out, split.moved(order.index(split.dim)))
+    raise _Fallback
+
+
+def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Basic indexing that leaves the split dimension whole (``x[..., :half]``, ``x[:, None]``)."""
+    x, split = _first_split(args)
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
+        raise _Fallback
+    used = sum(1 for i in index if i is not None and i is not Ellipsis)
+    expanded: list[object] = []
+    for i in index:
+        if i is Ellipsis:
+            expanded.extend([slice(None)] * (x.dim() - used))
+        else:
+            expanded.append(i)
+    expanded.extend([slice(None)] * (x.dim() - sum(1 for i in expanded if i is not None)))
+    src = out_dim = 0
+    for i in expanded:
+        if i is None:
+            out_dim += 1
+            continue
+        if src == split.dim:
+            if i != slice(None):
+                raise _Fallback
+            return tag(func(*args, **kwargs), split.moved(out_dim))
+        if not isinstance(i, int):
+            out_dim += 1
+        src += 1
+    raise _Fallback
+
+
+def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, split = _first_split(args)
+    out = func(*args, **kwargs)
+    new = out.dim() - x.dim()
+    if out.shape[new + split.dim] != x.shape[split.dim]:
+        raise _Fallback
+    return tag(out, split.moved(new + split.dim))
+
+
+def _along_dim(default: int | None) -> Callable[..., Any]:
+    """Ops that work along one dimension (softmax, cat, split, cumsum): fine along any other."""
+    def rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = func.__name__
+        first = args[0]
+        if name in ("cat", "concat", "concatenate", "stack"):
+            tensors = list(first)
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            splits = {split_of(t) for t in tensors}
+            if None in splits or len(splits) != 1:
+                raise _Fallback
+            split = splits.pop()
+            assert split is not None
+            ndim = tensors[0].dim()
+            if name == "stack":
+                d = _norm(dim, ndim + 1)
+                out = func(*args, **kwargs)
+                return tag(out, split.moved(split.dim + (1 if d <= split.dim else 0)))
+            if _norm(dim, ndim) == split.dim:
+                raise _Fallback
+            return tag(func(*args, **kwargs), split)
+        x, split = _first_split(args)
+        if name in ("split", "chunk", "unbind"):
+            index = 2 if name != "unbind" else 1
+            dim = args[index] if len(args) > index else kwargs.get("dim", 0)
+            if _norm(dim, x.dim()) == split.dim:
+                raise _Fallback
+            parts = func(*args, **kwargs)
+            if name == "unbind":
+                moved = split.moved(split.dim - (1 if _norm(dim, x.dim()) < split.dim else 0))
+                return tuple(tag(p, moved) for p in parts)
+            return tuple(tag(p, split) for p in parts)
+        dim = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("dim", default)
+        if dim is None or _norm(dim, x.dim()) == split.dim:
+            raise _Fallback
+        out = func(*args, **kwargs)
+        return tag(out, split)
+    return rule
+
+
+def _reduce(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """sum / mean / amax / amin / var over dimensions other than the split one."""
+    x, split = _first_split(args)
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims is None or isinstance(dims, torch.Tensor):
+        raise _Fallback
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    normed = sorted(_norm(d, x.dim()) for d in dims)
+    if split.dim in normed:
+        raise _Fallback
+    keep = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+    out = func(*args, **kwargs)
+    if not isinstance(out, torch.Tensor):
+        raise _Fallback
+    shift = 0 if keep else sum(1 for d in normed if d < split.dim)
+    return tag(out, split.moved(split.dim - shift))
+
+
+def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Batched matmul with the split on a batch dimension, a row of the left or a column of the right."""
+    a, b = args[0], args[1]
+    if kwargs or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2 or b.dim() < 2:
+        raise _Fallback
+    sa, sb = split_of(a), split_of(b)
+    out = None
+    nd = max(a.dim(), b.dim())
+
+    def batch_dim(t: torch.Tensor, s: Split) -> int | None:
+        d = nd - t.dim() + s.dim
+        return d if s.dim < t.dim() - 2 else None
+
+    found: Split | None = None
+    if sa is not None:
+        if sa.dim == a.dim() - 1:
+            raise _Fallback  # contraction dimension: a partial sum
+        found = sa.moved(nd - 2) if sa.dim == a.dim() - 2 else sa.moved(batch_dim(a, sa))  # type: ignore[arg-type]
+    if sb is not None:
+        if sb.dim == b.dim() - 2:
+            raise _Fallback
+        mine = sb.moved(nd - 1) if sb.dim == b.dim() - 1 else sb.moved(batch_dim(b, sb))  # type: ignore[arg-type]
+        if found is not None and found != mine:
+            raise _Fallback
+        found = mine
+    assert found is not None
+    if found.dim < nd - 2:  # a batch split: the other operand must broadcast along it or be split alike
+        for t, s in ((a, sa), (b, sb)):
+            if s is None:
+                local = found.dim - (nd - t.dim())
+                if local >= 0 and t.shape[local] != 1:
+                    raise _Fallback
+    elif (found.dim == nd - 2 and sb is not None) or (found.dim == nd - 1 and sa is not None):
+        raise _Fallback
+    out = func(*args, **kwargs)
+    return tag(out, found)
+
+
+def _linear(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    split = split_of(x)
+    others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if split is None or split.dim == x.dim() - 1 or any(split_of(t) is not None for t in others):
+        raise _Fallback
+    return tag(func(*args, **kwargs), split)
+
+
+def _norm_last(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """layer_norm / rms_norm: normalize over the last dimensions, which must not be split."""
+    x, split = _first_split(args)
+    shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+    count = 1 if isinstance(shape, int) else len(shape)
+    others = [a for a in (*args[2:], *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if split.dim >= x.dim() - count or any(split_of(t) is not None for t in others):
+        raise _Fallback
+    return tag(func(*args, **kwargs), split)
+
+
+def _sdpa(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """scaled_dot_product_attention with q, k and v split on the same head (batch) dimension."""
+    q, k, v = args[0], args[1], args[2]
+    sq, sk, sv = split_of(q), split_of(k), split_of(v)
+    if sq is None or sk is None or sv is None or sk != sv or not sq.dim == sk.dim < q.dim() - 2:
+        raise _Fallback
+    ratio = sq.size // sk.size if sk.size else 0
+    if ratio == 0 or sq.size % sk.size or sk.scaled(sq.dim, ratio, 1) != sq:
+        raise _Fallback
+    if ratio > 1 and not kwargs.get("enable_gqa", False):
+        raise _Fallback
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if isinstance(mask, torch.Tensor):
+        if split_of(mask) is not None:
+            raise _Fallback
+        local = sq.dim - (q.dim() - mask.dim())
+        if local >= 0 and mask.shape[local] != 1:
+            if mask.shape[local] != sq.size:
+                raise _Fallback
+            mask = scatter(mask, local, sq.intervals, sq.group)
+            if len(args) > 3:
+                args = (*args[:3], mask, *args[4:])
+            else:
+                kwargs = {**kwargs, "attn_mask": mask}
+    return tag(func(*args, **kwargs), sq)
+
+
+def _cross_entropy(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Cross-entropy over logits split on the class dimension, without gathering them."""
+    logits, split = _first_split(args)
+    target = args[1] if len(args) > 1 else kwargs["target"]
+    class_dim = 1 if logits.dim() > 1 else 0
+    allowed = {"ignore_index", "reduction"}
+    extra = {k for k, v in kwargs.items() if k not in allowed and k != "target" and v is not None}
+    if (split.dim != class_dim or len(args) > 2 or extra or not isinstance(target, torch.Tensor)
+            or target.is_floating_point() or split_of(target) is not None or logits.dim() != 2):
+        raise _Fallback
+    ignore = kwargs.get("ignore_index", -100)
+    reduction = kwargs.get("reduction", "mean")
+    losses = _VocabParallelCE.apply(logits, target, split, ignore)
+    valid = target != ignore
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / valid.sum()
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, split: Split,  # type: ignore[override]
+                ignore: int) -> torch.Tensor:
+        rank, _ = _comm.rank_and_world(split.group)
+        start, length = split.intervals[rank]
+        x = logits.float()
+        top = x.amax(dim=1) if length else x.new_full((x.shape[0],), float("-inf"))
+        top = _comm.all_reduce(top.contiguous().clone(), split.group, op="max")
+        shifted = x - top.unsqueeze(1)
+        exp = shifted.exp()
+        total = _comm.all_reduce(exp.sum(dim=1), split.group)
+        inside = (target >= start) & (target < start + length)
+        local = torch.where(inside, target - start, torch.zeros_like(target))
+        picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * inside
+        picked = _comm.all_reduce(picked, split.group)
+        valid = target != ignore
+        loss = (total.log() - picked) * valid
+        ctx.save_for_backward(exp, total, local, inside, valid)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        exp, total, local, inside, valid = ctx.saved_tensors
+        probs = exp / total.unsqueeze(1)
+        probs.scatter_add_(1, local.unsqueeze(1), -inside.to(probs.dtype).unsqueeze(1))
+        scale = (grad * valid).unsqueeze(1)
+        return (probs * scale).to(ctx.dtype), None, None, None
+
+
+_ELEMENTWISE = {
+    "add", "sub", "mul", "div", "true_divide", "neg", "pow", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid",
+    "relu", "gelu", "silu", "mish", "abs", "clamp", "clip", "where", "masked_fill", "float", "half", "bfloat16",
+    "double", "to", "type_as", "contiguous", "clone", "detach", "dropout", "erf", "sin", "cos", "square",
+    "reciprocal", "softplus", "leaky_relu", "elu", "selu", "celu", "hardtanh", "relu6", "hardswish",
+    "hardsigmoid", "logsigmoid", "softsign", "tanhshrink", "rsub", "__rsub__", "__radd__", "__rmul__",
+    "__rtruediv__", "__rdiv__", "__rpow__", "__add__", "__sub__", "__mul__", "__truediv__", "__div__", "__neg__",
+    "__pow__", "add_", "sub_", "mul_", "div_", "__iadd__", "__isub__", "__imul__", "__itruediv__", "relu_",
+    "clamp_", "masked_fill_", "tanh_", "sigmoid_", "exp_", "neg_", "abs_", "sqrt_", "requires_grad_",
+    "fill_", "zero_", "nan_to_num", "lerp", "addcmul", "addcdiv", "maximum", "minimum", "eq", "ne", "lt", "le",
+    "gt", "ge", "logical_not", "logical_and", "logical_or", "isnan", "isinf", "sign", "floor", "ceil", "round",
+    "__and__", "__or__", "__invert__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+}
+_RESHAPES = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"}
+_RULES: dict[str, Callable[..., Any]] = {
+    **{name: _elementwise for name in _ELEMENTWISE},
+    **{name: _reshape for name in _RESHAPES},
+    **{name: _transpose for name in ("transpose", "swapaxes", "swapdims", "permute", "t")},
+    "__get__": _getter,
+    "__getitem__": _getitem,
+    "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
+    **{name: _along_dim(None) for name in ("softmax", "log_softmax", "cumsum", "cat", "concat", "concatenate",
+                                           "stack", "split", "chunk", "unbind")},
+    **{name: _reduce for name in ("sum", "mean", "amax", "amin", "var", "std", "logsumexp")},
+    **{name: _matmul for name in ("matmul", "__matmul__", "bmm")},
+    "linear": _linear,
+    "layer_norm": _norm_last, "rms_norm": _norm_last,
+    "scaled_dot_product_attention": _sdpa,
+    "cross_entropy": _cross_entropy,
+}
+_METADATA = {"size", "dim", "stride", "is_contiguous", "is_floating_point", "is_complex", "element_size",
+             "data_ptr", "__len__", "storage_offset", "get_device", "untyped_storage", "__hash__", "__format__",
+             "__repr__", "__str__", "has_names", "_is_view", "is_inference", "__bool__"}
+_SIDE_EFFECTS = {"copy_", "__setitem__", "index_put_", "scatter_", "scatter_add_", "masked_scatter_", "index_copy_",
+                 "index_add_", "index_fill_", "put_", "resize_", "set_", "uniform_", "normal_"}
+
+
+class _Propagate(TorchFunctionMode):
+    """Run every torch op on split slices where a rule proves it exact, else on gathered tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        if not any(isinstance(x, torch.Tensor) and x in _TAGS for x in flat):
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _METADATA and name != "__bool__":
+            return func(*args, **kwargs)
+        rule = _RULES.get(name)
+        if rule is not None:
+            try:
+                return rule(func, args, kwargs)
+            except _Fallback:
+                pass
+        if name in _SIDE_EFFECTS or (name.endswith("_") and not name.startswith("__") and name not in _ELEMENTWISE) \
+                or kwargs.get("out") is not None:
+            owner = next(x for x in flat if isinstance(x, torch.Tensor) and x in _TAGS)
+            split = _TAGS[owner]
+            msg = (f"in-place op {name!r} on an activation split across ranks along dimension {split.dim} "
+                   f"(shape {tuple(owner.shape)} here, {split.size} in full) cannot be run slice by slice; keep "
+                   f"the layers that produce it whole, or make the op out-of-place.")
+            raise RuntimeError(msg)
+        flat = [to_replicated(x) if isinstance(x, torch.Tensor) and x in _TAGS else x for x in flat]
+        args, kwargs = tree_unflatten(flat, spec)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _region() -> Iterator[None]:
+    _STATE.depth += 1
+    _STATE.copies.append({})
+    try:
+        if _STATE.depth == 1:
+            with _Propagate():
+                yield
+        else:
+            yield
+    finally:
+        _STATE.copies.pop()
+        _STATE.depth -= 1
+
+
+def _gather_outputs(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return to_replicated(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_gather_outputs(v) for v in value)
+    if isinstance(value, list):
+        return [_gather_outputs(v) for v in value]
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _gather_outputs(v) for k, v in value.items()}
+    if isinstance(value, dict):  # e.g. transformers' ModelOutput: update in place, keep the type
+        for k, v in list(value.items()):
+            value[k] = _gather_outputs(v)
+        return value
+    return value
+
+
+class RegionForward:
+    """``forward`` of a region's root module: the module's own forward, run on split activations."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self._original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _STATE.depth:
+            return self._original(*args, **kwargs)
+        with _region():
+            out = self._original(*args, **kwargs)
+        if _STATE.keep_split_outputs:
+            return out
+        return _gather_outputs(out)
+
+
+@contextlib.contextmanager
+def loss_parallel() -> Iterator[None]:
+    """Keep outputs split inside the ``with`` block: logits of a vocabulary-split ``lm_head`` stay slices.
+
+    Inside the block, a Linear split on its output features (such as an ``lm_head`` split on
+    the vocabulary) returns this rank's slice, and ``F.cross_entropy`` on such logits computes
+    the loss over the whole vocabulary with three all-reduces of one number per row instead of
+    gathering the logits. Any other op on the slices gathers them first, so results do not
+    change; only the communication does. Call ``backward()`` inside or after the block.
+
+    Example:
+        >>> with st.loss_parallel():  # doctest: +SKIP
+        ...     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        >>> loss.backward()  # doctest: +SKIP
+    """
+    previous = _STATE.keep_split_outputs
+    _STATE.keep_split_outputs = True
+    try:
+        with _region():
+            yield
+    finally:
+        _STATE.keep_split_outputs = previous
+
+
+# -- finding regions at shard time ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A sharded layer seen from the regions: its module name, split and role."""
+
+    name: str
+    role: str  # "produces" (split output) or "consumes" (split input)
+    intervals: Intervals
+
+
+def _ancestor(a: str, b: str) -> str:
+    pa, pb = a.split(".") if a else [], b.split(".") if b else []
+    common: list[str] = []
+    for x, y in zip(pa, pb):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+def find_regions(endpoints: Sequence[Endpoint]) -> list[str]:
+    """Names of the modules whose forward runs on split activations: for every consumer and a
+    producer split the same way, their closest common ancestor. Pure."""
+    producers = [e for e in endpoints if e.role == "produces"]
+    roots: dict[str, None] = {}
+    for consumer in (e for e in endpoints if e.role == "consumes"):
+        if any(length == 0 for _, length in consumer.intervals):
+            continue  # a rank without a slice would take other code paths than its peers
+        for producer in producers:
+            if producer.intervals == consumer.intervals:
+                root = _ancestor(producer.name, consumer.name)
+                if root not in (producer.name, consumer.name):
+                    roots.setdefault(root)
+    return list(roots)
+
+
+_HEAD_ATTRS = ("head_dim", "attention_head_size", "head_size")
+
+
+def check_head_boundaries(root_name: str, root: torch.nn.Module, endpoints: Sequence[Endpoint]) -> None:
+    """Refuse splits of attention projections that cut a head.
+
+    Every module under ``root`` that declares a head size (``head_dim``, ``attention_head_size``
+    or ``head_size``) must have each sharded projection below it split on multiples of it.
+    """
+    for mod_name, module in root.named_modules():
+        size = next((getattr(module, a) for a in _HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+        if not size:
+            continue
+        full = f"{root_name}.{mod_name}".strip(".") if mod_name else root_name
+        for e in endpoints:
+            if full and not e.name.startswith(full + "."):
+                continue
+            bad = [(s, n) for s, n in e.intervals if s % size or n % size]
+            if bad:
+                msg = (f"module {e.name!r} is split as {list(e.intervals)} ((start, length) per rank) inside "
+                       f"{full or 'the root module'!r} ({type(module).__name__}), whose head size is {size}; "
+                       f"split attention projections on head boundaries (multiples of {size}), e.g. an even "
+                       f"split when the number of heads is divisible by the number of ranks.")
+                raise ValueError(msg)
