@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -283,6 +283,49 @@ def _reset_method(module: nn.Module):  # type: ignore[no-untyped-def]
     return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
 
 
+InitArg = Callable[[nn.Module], object] | Literal[False] | None
+
+
+class _Initializers:
+    """Which code initializes each module of a model built on the meta device.
+
+    ``init`` given as a callable: ``init(module)`` for every module with something to
+    initialize. ``init=None``: a transformers ``PreTrainedModel`` (recognized by its
+    ``_init_weights`` and ``config``, without importing transformers) initializes every module
+    below it with its own ``_init_weights(module)``, as ``from_config`` does; other modules use
+    their ``reset_parameters()``; a model whose root has ``init_weights()`` and whose modules
+    have no ``reset_parameters()`` (torchtitan style) is initialized by that one call.
+    ``init=False``: parameters are left uninitialized (a load follows); modules with buffers
+    on the meta device still run their initialization for those.
+    """
+
+    def __init__(self, model: nn.Module, init: InitArg) -> None:
+        self.init = init
+        self.owner: dict[int, nn.Module] = {}
+        if init is None:
+            def visit(module: nn.Module, owner: nn.Module | None) -> None:
+                if hasattr(module, "_init_weights") and hasattr(module, "config"):
+                    owner = module
+                if owner is not None:
+                    self.owner.setdefault(id(module), owner)
+                for child in module.children():
+                    visit(child, owner)
+            visit(model, None)
+        root_init = getattr(model, "init_weights", None)
+        self.whole = (init is None and not self.owner and callable(root_init)
+                      and _reset_method(model) is None)
+
+    def for_module(self, module: nn.Module) -> Callable[[], object] | None:
+        """The call that initializes ``module``'s own parameters and buffers, or ``None``."""
+        if callable(self.init):
+            fn = self.init
+            return lambda: fn(module)
+        owner = self.owner.get(id(module))
+        if owner is not None:
+            return lambda: owner._init_weights(module)  # type: ignore[operator]
+        return _reset_method(module)
+
+
 def _agree(payload: dict[str, object], group: _comm.ProcessGroup) -> list[dict[str, object]]:
     """Every rank's ``payload``; raises the same ``ValueError`` everywhere if the models differ."""
     everyone: list[dict[str, object]] = _comm.all_gather_json(payload, group)
@@ -304,7 +347,8 @@ def _short(value: object) -> str:
 # -- public API ------------------------------------------------------------------------------------
 
 def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int | None = None,
-                process_group: _comm.ProcessGroup = None, seed: int | None = None) -> nn.Module:
+                process_group: _comm.ProcessGroup = None, seed: int | None = None,
+                init: InitArg = None) -> nn.Module:
     """Shard ``model``'s parameters as ``sharding_spec`` says, in place, and return it. Collective.
 
     ``sharding_spec`` is a ``CompositeShardingSpec`` (parameter or submodule names, dotted
@@ -314,8 +358,12 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
     Where the values come from:
 
     * parameters on the meta device are allocated block by block on each rank and initialized
-      by their module's ``reset_parameters()``, with the distributions of the global tensors
-      (fans from the global shapes). With ``seed``, every value depends only on ``seed``, the
+      by the model's own initialization (``init=None``): a transformers ``PreTrainedModel``'s
+      ``_init_weights`` for every module below it (as ``from_config`` does, tied weights
+      staying tied), else each module's ``reset_parameters()``, else the root's
+      ``init_weights()``; or by ``init(module)`` for each module when ``init`` is a callable;
+      or not at all with ``init=False`` (for a ``checkpoint.load`` that follows). Fills use
+      the distributions of the global tensors (fans from the global shapes). With ``seed``, every value depends only on ``seed``, the
       parameter's name and the init rule, never on the layout or the world size (a
       counter-based generator computes each rank's block). Without ``seed``, rank 0 draws
       one and each block is drawn from an ordinary (faster) generator seeded from it and the
@@ -324,9 +372,12 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
       its blocks, and unsharded parameters are broadcast (other ranks may build on meta);
     * otherwise each rank keeps its block of its own (identical) copy.
 
-    ``nn.Linear`` and ``nn.Embedding`` with split weights compute with the needed communication;
-    activations stay sharded between a Linear split on outputs and a Linear split on inputs
-    (torch.fx). Buffers are never sharded.
+    ``nn.Linear`` and ``nn.Embedding`` with split weights compute with the needed communication.
+    Where Linears split on their outputs feed Linears split on their inputs the same way
+    (q/k/v and o_proj, gate/up and down_proj), the activations between them stay split through
+    the model's own code (reshapes to heads, rotary embeddings, attention), so each rank
+    computes only its heads and a transformer layer's forward does two all-reduces. Buffers
+    are never sharded.
 
     Args:
         model: the model; modified in place.
@@ -334,6 +385,8 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
         src_rank: group rank whose weights are the source of truth, or ``None``.
         process_group: the group the spec's ranks refer to (``None``: the default group).
         seed: seed for the layout-invariant initialization of meta parameters.
+        init: how meta parameters are initialized: ``None`` (the model's own initialization, see
+            above), a callable taking a module, or ``False`` (leave them uninitialized).
 
     Returns:
         ``model``.
@@ -407,16 +460,23 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
             entry.source = "init"
         else:
             entry.source = "local" if entry.layout is not None else "keep"
+    if init is not None and init is not False and not callable(init):
+        msg = f"init must be None, False or a callable taking a module, got {type(init).__name__} {init!r}."
+        raise TypeError(msg)
+    initializers = _Initializers(model, init)
     if seed is not None and not any(e.source == "init" for e in entries):
         msg = ("seed= initializes parameters on the meta device, but this model has none; its real values "
                "are sharded as they are (drop seed=, or build the model under torch.device('meta')).")
         raise ValueError(msg)
     for entry in entries:
         mod_name, module, _ = entry.owners[0]
-        if entry.source == "init" and _reset_method(module) is None:
-            msg = (f"{_label(mod_name, module)} has parameters on the meta device but no reset_parameters() to "
-                   f"initialize them; add a reset_parameters() method that initializes them (as torch.nn modules "
-                   f"do), or build the model with real weights and pass src_rank=.")
+        if entry.source == "init" and init is not False and not initializers.whole \
+                and initializers.for_module(module) is None:
+            msg = (f"{_label(mod_name, module)} has parameters on the meta device and nothing to initialize them: "
+                   f"no reset_parameters(), no transformers _init_weights above it, no init_weights() on the "
+                   f"model; pass init=fn (called as fn(module) for each module), add a reset_parameters() "
+                   f"method, pass init=False to leave them uninitialized for a checkpoint.load, or build the "
+                   f"model with real weights and pass src_rank=.")
             raise ValueError(msg)
 
     default_device = torch.device("cpu")
@@ -436,7 +496,7 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
             _parallel.install(module, None)
         raise
     _materialize(model, entries, plans, rank, process_group, src_rank, seed_value, default_device,
-                 invariant=seed is not None)
+                 invariant=seed is not None, initializers=initializers)
     _finish(model, entries, process_group)
     commit()
     return model
@@ -454,9 +514,10 @@ def _split_labels(entries: Sequence[_Entry]) -> dict[str, str]:
 
 def _materialize(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int, tuple[str, nn.Module, Plan | None]],
                  rank: int, group: _comm.ProcessGroup, src_rank: int | None, seed: int,
-                 default_device: torch.device, invariant: bool) -> None:
+                 default_device: torch.device, invariant: bool, initializers: _Initializers) -> None:
     by_param = {id(e.param): e for e in entries}
     ctx = LayoutInvariantInit(seed, invariant=invariant)
+    whole: list[tuple[str, _Entry]] = []
     done_modules: set[int] = set()
     with ctx:
         for mod_name, module in model.named_modules():
@@ -481,11 +542,21 @@ def _materialize(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int
             for name in meta_buffers:
                 old = module._buffers[name]
                 module._buffers[name] = torch.zeros(old.shape, dtype=old.dtype, device=default_device)
-            if to_init or (meta_buffers and src_rank is None and _reset_method(module) is not None):
-                _init_module(ctx, mod_name, module, to_init, others, rank)
+            if initializers.init is False:  # parameters stay uninitialized; buffers still get their values
+                others, to_init = [*others, *to_init], []
+            fn = None if initializers.whole else initializers.for_module(module)
+            if (to_init or (meta_buffers and src_rank is None)) and fn is not None:
+                _init_module(ctx, mod_name, module, to_init, others, rank, fn)
+            elif to_init:
+                whole.extend((attr, entry) for attr, entry in to_init)
             elif meta_buffers and src_rank is None:
                 warnings.warn(f"{_label(mod_name, module)}: buffers {meta_buffers} were on the meta device and "
                               f"have no reset_parameters() to fill them; they are zeros now.", stacklevel=3)
+        if whole:  # torchtitan style: one init_weights() for the whole model
+            for _, entry in whole:
+                ctx.register(entry.new, entry.name, tuple(entry.param.shape), entry.box(rank)[0])  # type: ignore[arg-type]
+            with ctx.module_scope(""), torch.no_grad():
+                model.init_weights()  # type: ignore[operator]
         if src_rank is not None:
             _broadcast_buffers(model, rank, group, src_rank)
 
@@ -537,7 +608,8 @@ def _new_param(entry: _Entry, rank: int, group: _comm.ProcessGroup, src_rank: in
 
 
 def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
-                 to_init: Sequence[tuple[str, _Entry]], others: Sequence[tuple[str, _Entry]], rank: int) -> None:
+                 to_init: Sequence[tuple[str, _Entry]], others: Sequence[tuple[str, _Entry]], rank: int,
+                 fn: Callable[[], object]) -> None:
     """Run ``module``'s own init on its new local blocks, leaving parameters it does not own alone."""
     for attr, entry in to_init:
         offsets = entry.box(rank)[0]
@@ -555,8 +627,8 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
         # Embedding zeroes weight[padding_idx] by local index; do it by global index instead.
         padding, module.padding_idx = module.padding_idx, None
     try:
-        with ctx.module_scope(mod_name):
-            _reset_method(module)()
+        with ctx.module_scope(mod_name), torch.no_grad():
+            fn()
     finally:
         if padding is not None:
             module.padding_idx = padding  # type: ignore[assignment]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from sharded_tensor._parallel import EmbeddingPlan, LinearPlan, _rewrite, classify, plan_module
+from sharded_tensor._parallel import EmbeddingPlan, LinearPlan, classify, plan_module
 from sharding import DevicePlacement, mesh, single_split
 
 R4 = [f"rank:{r}/cpu" for r in range(4)]
@@ -99,52 +99,3 @@ class _Lin(nn.Linear):
 def test_linear_subclass_with_its_own_forward_is_refused():
     with pytest.raises(ValueError, match=r"\(_Lin\).*\(whose forward is not overridden\)"):
         _plan(_Lin(12, 8), weight=single_split(0, R4))
-
-
-# -- which activations stay sharded ------------------------------------------------------------------
-
-def _graph(fn, plans):  # type: ignore[no-untyped-def]
-    """Trace ``fn`` over modules a, b, c with the given plans; return the rewritten call sites."""
-    import torch.fx
-
-    class M(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return fn(self, x)
-
-    m = M()
-    for name, plan in plans.items():
-        getattr(m, name).__dict__["_shardkit_plan"] = plan
-    gm = torch.fx.symbolic_trace(m)
-    linked = _rewrite(gm.graph, dict(gm.named_modules()))
-    sites = {str(n.target): dict(n.kwargs) for n in gm.graph.nodes if n.op == "call_module"}
-    return linked, sites
-
-
-OUT = LinearPlan("out", ((0, 4), (4, 4)), "local", None, 0)
-IN = LinearPlan("in", ((0, 4), (4, 4)), "replicated", None, 1)
-IN_OTHER = LinearPlan("in", ((0, 6), (6, 2)), "replicated", None, 1)
-
-
-@pytest.mark.parametrize(("fn", "plans", "linked", "a_out", "b_in"), [
-    pytest.param(lambda m, x: m.b(torch.nn.functional.gelu(m.a(x))), {"a": OUT, "b": IN}, 1, True, True,
-                 id="mlp"),
-    pytest.param(lambda m, x: m.b(torch.relu(m.a(x)) * 2.0 + 1), {"a": OUT, "b": IN}, 1, True, True,
-                 id="scalar-ops"),
-    pytest.param(lambda m, x: m.b(torch.nn.functional.silu(m.a(x)) * m.c(x)), {"a": OUT, "b": IN, "c": OUT},
-                 1, True, True, id="swiglu"),
-    pytest.param(lambda m, x: (lambda h: m.b(h) + h.sum())(m.a(x)), {"a": OUT, "b": IN}, 0, False, False,
-                 id="other-use-gathers"),
-    pytest.param(lambda m, x: m.b(m.a(x).softmax(-1)), {"a": OUT, "b": IN}, 0, False, False, id="softmax"),
-    pytest.param(lambda m, x: m.b(m.a(x)), {"a": OUT, "b": IN_OTHER}, 0, False, False, id="different-split"),
-    pytest.param(lambda m, x: m.b(m.a(x) * x.sum(-1, keepdim=True)), {"a": OUT, "b": IN}, 0, False, False,
-                 id="replicated-operand"),
-])
-def test_rewrite_keeps_elementwise_chains_sharded(fn, plans, linked, a_out, b_in):
-    got, sites = _graph(fn, plans)
-    assert got == linked
-    assert (sites["a"].get("_shardkit_output") == "local") is a_out
-    assert (sites["b"].get("_shardkit_input") == "local") is b_in

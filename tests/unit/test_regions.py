@@ -1,0 +1,112 @@
+"""Split propagation rules, checked on rank 0's slice in one process (no communication).
+
+A tensor tagged as rank 0's slice of a split goes through one op inside a region; the
+output's tag says how the split moved, or that the op fell back to the full tensor (in a
+world of one the fallback's gather returns the slice unchanged and untagged).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sharded_tensor import _regions
+from sharded_tensor._regions import Endpoint, Split, find_regions
+
+TWO = ((0, 4), (4, 4))  # 8 elements over 2 ranks, 4 each
+
+
+def _run(fn, *tensors):  # type: ignore[no-untyped-def]
+    with _regions._region():
+        return fn(*tensors)
+
+
+def _tagged(shape, dim, intervals=TWO):  # type: ignore[no-untyped-def]
+    return _regions.tag(torch.randn(shape), Split(dim, intervals))
+
+
+@pytest.mark.parametrize(("fn", "shape", "dim", "expected"), [
+    # (B, S, 2 heads x 4) -> (B, S, heads, 4): the split moves to the heads, one head per rank
+    pytest.param(lambda x: x.view(2, 3, -1, 2), (2, 3, 4), 2, Split(2, ((0, 2), (2, 2))), id="view-to-heads"),
+    pytest.param(lambda x: x.view(2, 3, -1, 4), (2, 3, 4), 2, Split(2, ((0, 1), (1, 1))), id="view-one-head"),
+    pytest.param(lambda x: x.reshape(2, -1), (2, 4, 5), 1, Split(1, ((0, 20), (20, 20))), id="merge-outer"),
+    pytest.param(lambda x: x.reshape(-1), (3, 4), 1, None, id="merge-split-inner-falls-back"),
+    pytest.param(lambda x: x.transpose(1, 2), (2, 4, 3), 1, Split(2, TWO), id="transpose"),
+    pytest.param(lambda x: x.permute(2, 0, 1), (2, 3, 4), 2, Split(0, TWO), id="permute"),
+    pytest.param(lambda x: x[..., :1], (2, 4, 3), 1, Split(1, TWO), id="slice-other-dim"),
+    pytest.param(lambda x: x[:, :2], (2, 4, 3), 1, None, id="slice-split-dim-falls-back"),
+    pytest.param(lambda x: x[:, :, None], (2, 4, 3), 1, Split(1, TWO), id="new-axis"),
+    pytest.param(lambda x: F.silu(x) * x + 1.0, (2, 4), 1, Split(1, TWO), id="elementwise"),
+    pytest.param(lambda x: x * torch.ones(3, 1, 1), (4, 5), 0, Split(1, TWO), id="broadcast-operand"),
+    pytest.param(lambda x: torch.cat((-x, x), dim=-1), (4, 3), 0, Split(0, TWO), id="cat-other-dim"),
+    pytest.param(lambda x: torch.cat((x, x), dim=0), (4, 3), 0, None, id="cat-split-dim-falls-back"),
+    pytest.param(lambda x: x.softmax(-1), (4, 3), 0, Split(0, TWO), id="softmax-other-dim"),
+    pytest.param(lambda x: x.softmax(0), (4, 3), 0, None, id="softmax-split-dim-falls-back"),
+    pytest.param(lambda x: x.pow(2).mean(-1, keepdim=True), (4, 3), 0, Split(0, TWO), id="mean-other-dim"),
+    pytest.param(lambda x: x.sum(), (4, 3), 0, None, id="sum-all-falls-back"),
+    pytest.param(lambda x: x @ x.transpose(-1, -2), (2, 4, 3, 5), 1, Split(1, TWO), id="batched-matmul"),
+    pytest.param(lambda x: x.transpose(0, 1) @ torch.ones(4, 2), (4, 3), 0, None, id="contraction-falls-back"),
+    pytest.param(lambda x: F.layer_norm(x, (3,)), (4, 3), 0, Split(0, TWO), id="layer-norm-other-dim"),
+    pytest.param(lambda x: F.layer_norm(x, (4,)), (3, 4), 1, None, id="layer-norm-split-dim-falls-back"),
+    pytest.param(lambda x: x[:, :, None].expand(2, 4, 3, 5).reshape(2, 12, 5), (2, 4, 5), 1,
+                 Split(1, ((0, 12), (12, 12))), id="repeat-kv"),
+])
+def test_split_propagation(fn, shape, dim, expected):
+    out = _run(fn, _tagged(shape, dim))
+    assert _regions.split_of(out) == expected
+
+
+def test_sdpa_keeps_heads_split_and_matches_per_head_attention():
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    split = Split(1, ((0, 2), (2, 2)))
+    local = [_regions.tag(t[:, :2].clone(), split) for t in (q, k, v)]
+    out = _run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), *local)
+    assert _regions.split_of(out) == split
+    torch.testing.assert_close(out, full[:, :2], rtol=0, atol=1e-6)
+
+
+def test_grouped_query_sdpa_accepts_kv_split_in_proportion():
+    q = _regions.tag(torch.randn(1, 2, 5, 4), Split(1, ((0, 2), (2, 2))))
+    kv = [_regions.tag(torch.randn(1, 1, 5, 4), Split(1, ((0, 1), (1, 1)))) for _ in range(2)]
+    out = _run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, enable_gqa=True), q, *kv)
+    assert _regions.split_of(out) == Split(1, ((0, 2), (2, 2)))
+
+
+def test_in_place_op_on_a_split_activation_is_refused():
+    x = _tagged((4, 3), 0)
+    with pytest.raises(RuntimeError, match=r"in-place op 'index_fill_' on an activation split"):
+        _run(lambda t: t.index_fill_(0, torch.tensor([0]), 0.0), x)
+
+
+def test_untagged_code_is_untouched():
+    x = torch.randn(3, 4)
+    out = _run(lambda t: (t @ t.T).softmax(-1), x)
+    assert _regions.split_of(out) is None
+
+
+@pytest.mark.parametrize(("endpoints", "expected"), [
+    pytest.param([Endpoint("attn.q", "produces", TWO), Endpoint("attn.k", "produces", ((0, 2), (2, 2))),
+                  Endpoint("attn.o", "consumes", TWO)], ["attn"], id="attention"),
+    pytest.param([Endpoint("layer.attn.self.q", "produces", TWO), Endpoint("layer.attn.out.dense", "consumes", TWO)],
+                 ["layer.attn"], id="bert-siblings"),
+    pytest.param([Endpoint("0", "produces", TWO), Endpoint("2", "consumes", TWO)], [""], id="sequential-root"),
+    pytest.param([Endpoint("a", "produces", TWO), Endpoint("b", "consumes", ((0, 6), (6, 2)))], [],
+                 id="different-splits"),
+    pytest.param([Endpoint("m.a", "produces", ((0, 8), (8, 0))), Endpoint("m.b", "consumes", ((0, 8), (8, 0)))],
+                 [], id="a-rank-without-a-slice"),
+])
+def test_regions_are_the_closest_common_ancestors(endpoints, expected):
+    assert find_regions(endpoints) == expected
+
+
+def test_head_boundaries_are_checked_where_a_head_size_is_declared():
+    attn = torch.nn.Module()
+    attn.head_dim = 4  # type: ignore[assignment]
+    attn.q = torch.nn.Linear(8, 12)
+    ok = [Endpoint("attn.q", "produces", ((0, 8), (8, 4)))]
+    _regions.check_head_boundaries("attn", attn, ok)
+    bad = [Endpoint("attn.q", "produces", ((0, 6), (6, 6)))]
+    with pytest.raises(ValueError, match=r"'attn.q' is split as \[\(0, 6\), \(6, 6\)\].*head size is 4"):
+        _regions.check_head_boundaries("attn", attn, bad)
