@@ -3,6 +3,7 @@
 from ._comm import CommCounter
 from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
 from ._optim import load_optim_state_dict, optim_state_dict
+from ._regions import loss_parallel
 from ._sharder import shard_model, shard_parameter
 from ._tensor import Shard, ShardedTensor
 from ._visualize import visualize_sharding
@@ -11,5 +12,5 @@ __all__ = [
     "ShardedTensor", "Shard", "CommCounter",
     "empty", "zeros", "ones", "full", "rand", "randn", "shard_tensor",
     "visualize_sharding",
-    "shard_parameter", "shard_model", "optim_state_dict", "load_optim_state_dict",
+    "shard_parameter", "shard_model", "optim_state_dict", "load_optim_state_dict", "loss_parallel",
 ]

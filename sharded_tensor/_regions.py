@@ -497,9 +497,10 @@ def _cross_entropy(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     logits, split = _first_split(args)
     target = args[1] if len(args) > 1 else kwargs["target"]
     class_dim = 1 if logits.dim() > 1 else 0
-    allowed = {"ignore_index", "reduction"}
-    extra = {k for k, v in kwargs.items() if k not in allowed and k != "target" and v is not None}
-    if (split.dim != class_dim or len(args) > 2 or extra or not isinstance(target, torch.Tensor)
+    allowed = {"ignore_index", "reduction", "target"}
+    extra = {k for k, v in kwargs.items() if k not in allowed and v is not None
+             and not (k == "label_smoothing" and v == 0.0)}
+    if (split.dim != class_dim or any(a is not None for a in args[2:]) or extra or not isinstance(target, torch.Tensor)
             or target.is_floating_point() or split_of(target) is not None or logits.dim() != 2):
         raise _Fallback
     ignore = kwargs.get("ignore_index", -100)
@@ -576,7 +577,9 @@ _RULES: dict[str, Callable[..., Any]] = {
 }
 _METADATA = {"size", "dim", "stride", "is_contiguous", "is_floating_point", "is_complex", "element_size",
              "data_ptr", "__len__", "storage_offset", "get_device", "untyped_storage", "__hash__", "__format__",
-             "__repr__", "__str__", "has_names", "_is_view", "is_inference", "__bool__"}
+             "__repr__", "__str__", "has_names", "_is_view", "is_inference", "__bool__", "register_hook",
+             "register_post_accumulate_grad_hook", "retain_grad", "backward", "__reduce_ex__", "__deepcopy__",
+             "__setstate__", "__dlpack__", "__dlpack_device__"}
 _SIDE_EFFECTS = {"copy_", "__setitem__", "index_put_", "scatter_", "scatter_add_", "masked_scatter_", "index_copy_",
                  "index_add_", "index_fill_", "put_", "resize_", "set_", "uniform_", "normal_"}
 
