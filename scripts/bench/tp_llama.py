@@ -1,0 +1,157 @@
+"""Tensor-parallel training of a transformers Llama: shardkit against DTensor's parallelize_module.
+
+Both sides shard the same model the same way on 2 Gloo ranks (q/k/v/gate/up split on output
+features, o/down on input features, the rest replicated) and run the same training steps
+(forward with labels, backward, AdamW) in the same processes, alternating, so the ratios
+compare like with like on a shared machine. Reported per side: collectives and bytes of one
+forward (shardkit's ``CommCounter``; ``CommDebugMode`` for DTensor, which counts calls, with
+bytes from the tensors it sees), of one backward, and the median step time; the loss of the
+first step must agree.
+
+    python scripts/bench/tp_llama.py                  # hidden 1024, 4 layers, 16 heads, seq 256, batch 4
+    python scripts/bench/tp_llama.py --hidden 256 --seq 64 --steps 3   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import launch, machine  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def _config(args: Any) -> Any:
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                       num_key_value_heads=args.heads, max_position_embeddings=args.seq, use_cache=False,
+                       attn_implementation="sdpa")
+
+
+def _names(layers: int) -> tuple[list[str], list[str]]:
+    cols, rows = [], []
+    for i in range(layers):
+        cols += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        cols += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj")]
+        rows += [f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"]
+    return cols, rows
+
+
+def _shardkit(model: Any, world: int, layers: int) -> Any:
+    import sharded_tensor as st
+    from sharding import composite, single_split
+    ranks = [f"rank:{r}/cpu" for r in range(world)]
+    cols, rows = _names(layers)
+    spec = composite(**{n: single_split(0, ranks) for n in cols}, **{n: single_split(1, ranks) for n in rows})
+    return st.shard_model(model, spec)
+
+
+def _dtensor(model: Any, world: int, layers: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    cols, rows = _names(layers)
+    plan = {**{n: ColwiseParallel() for n in cols}, **{n: RowwiseParallel() for n in rows}}
+    parallelize_module(model, mesh, plan)
+    return model
+
+
+def _comm_dtensor(fn: Any) -> dict[str, Any]:
+    from torch.distributed.tensor.debug import CommDebugMode
+    with CommDebugMode() as debug:
+        fn()
+    return {str(op).split(".")[-1]: n for op, n in debug.get_comm_counts().items()}
+
+
+def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
+    import sharded_tensor as st
+    from transformers import LlamaForCausalLM
+    config = _config(args)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    models = {}
+    for side, shard in (("shardkit", _shardkit), ("dtensor", _dtensor)):
+        m = LlamaForCausalLM(config)
+        m.load_state_dict(base.state_dict())
+        models[side] = shard(m, world, args.layers)
+    del base
+    opts = {side: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False) for side, m in models.items()}
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)
+               for _ in range(args.steps + 1)]
+    out: dict[str, Any] = {}
+    # Collectives of one forward and one backward, per side.
+    x = batches[0]
+    m = models["shardkit"]
+    with st.CommCounter() as fwd:
+        loss = m(x, labels=x).loss
+    with st.CommCounter() as bwd:
+        loss.backward()
+    m.zero_grad()
+    out["shardkit_forward"] = {"counts": dict(fwd.counts), "bytes": dict(fwd.bytes_by_op)}
+    out["shardkit_backward"] = {"counts": dict(bwd.counts), "bytes": dict(bwd.bytes_by_op)}
+    m = models["dtensor"]
+    holder: dict[str, Any] = {}
+    out["dtensor_forward"] = {"counts": _comm_dtensor(lambda: holder.setdefault("loss", m(x, labels=x).loss))}
+    out["dtensor_backward"] = {"counts": _comm_dtensor(lambda: holder["loss"].backward())}
+    m.zero_grad()
+    # Training steps, alternating sides.
+    times: dict[str, list[float]] = {"shardkit": [], "dtensor": []}
+    losses: dict[str, list[float]] = {"shardkit": [], "dtensor": []}
+    for step, batch in enumerate(batches[1:]):
+        order = ("shardkit", "dtensor") if step % 2 == 0 else ("dtensor", "shardkit")
+        for side in order:
+            model, opt = models[side], opts[side]
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = model(batch, labels=batch).loss
+            loss.backward()
+            opt.step()
+            elapsed = time.perf_counter() - t0
+            times[side].append(elapsed)
+            losses[side].append(float(loss))
+    out["times"] = times
+    out["losses"] = losses
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    results = launch(_rank, 2, args)
+    # The slowest rank's time per step, then the median over steps.
+    per_side = {side: statistics.median(max(r["times"][side][i] for r in results) for i in range(args.steps))
+                for side in ("shardkit", "dtensor")}
+    r0 = results[0]
+    report = {
+        "benchmark": "tp_llama", "machine": machine(), "world": 2,
+        "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "seq": args.seq,
+                  "batch": args.batch, "vocab": args.vocab},
+        "forward_collectives": {"shardkit": r0["shardkit_forward"], "dtensor": r0["dtensor_forward"]},
+        "backward_collectives": {"shardkit": r0["shardkit_backward"], "dtensor": r0["dtensor_backward"]},
+        "step_seconds_median": per_side,
+        "step_time_ratio_shardkit_over_dtensor": per_side["shardkit"] / per_side["dtensor"],
+        "first_loss": {"shardkit": r0["losses"]["shardkit"][0], "dtensor": r0["losses"]["dtensor"][0]},
+        "steps": args.steps,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
