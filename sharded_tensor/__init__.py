@@ -3,7 +3,9 @@
 from ._comm import CommCounter
 from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
 from ._optim import load_optim_state_dict, optim_state_dict
+from ._parallel import ParamLayout
 from ._regions import loss_parallel
+from ._registry import ShardedCall, ShardedModule, register_sharded_module
 from ._sharder import shard_model, shard_parameter
 from ._tensor import Shard, ShardedTensor
 from ._visualize import visualize_sharding
@@ -13,4 +15,5 @@ __all__ = [
     "empty", "zeros", "ones", "full", "rand", "randn", "shard_tensor",
     "visualize_sharding",
     "shard_parameter", "shard_model", "optim_state_dict", "load_optim_state_dict", "loss_parallel",
+    "ShardedModule", "ShardedCall", "ParamLayout", "register_sharded_module",
 ]

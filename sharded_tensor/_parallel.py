@@ -35,10 +35,9 @@ embedding dimension: all-gather unless it stays sharded. Backward mirrors this (
 from __future__ import annotations
 
 import inspect
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -47,8 +46,8 @@ from torch import nn
 
 from sharding import ShardedTensorMetadata
 
-from . import _comm, _regions
-from ._functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
+from . import _comm, _registry, _regions
+from ._functional import Intervals
 
 __all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install", "optimize"]
 
@@ -185,7 +184,6 @@ class LinearPlan:
     bias: Literal["none", "replicated", "local", "disjoint"]
     bias_intervals: Intervals | None
     weight_dim: int | None
-    group: _comm.ProcessGroup = None
 
 
 @dataclass(frozen=True)
@@ -195,10 +193,19 @@ class EmbeddingPlan:
     mode: Literal["vocab", "dim"]
     intervals: Intervals
     weight_dim: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A module's registration with the plan it made for this module's layouts."""
+
+    handler: _registry.ShardedModule
+    inner: Any
     group: _comm.ProcessGroup = None
 
-
-Plan = LinearPlan | EmbeddingPlan
+    @property
+    def activations(self) -> tuple[Intervals | None, Intervals | None]:
+        return self.handler.activations(self.inner)
 
 
 def _what(layout: ParamLayout) -> str:
@@ -215,7 +222,8 @@ def plan_module(module_name: str, module: nn.Module, layouts: Mapping[str, Param
     """The compute plan for ``module`` given its parameters' layouts; ``None`` if nothing is split.
 
     ``layouts`` maps the module's own parameter names (``"weight"``, ``"bias"``) to layouts;
-    parameters not in it are whole on every rank.
+    parameters not in it are whole on every rank. The module's registration
+    (``register_sharded_module``) decides.
 
     Raises:
         ValueError: the layout cannot be computed correctly; the message names the module and why.
@@ -224,19 +232,20 @@ def plan_module(module_name: str, module: nn.Module, layouts: Mapping[str, Param
     if not split:
         return None
     label = f"module {module_name!r} ({type(module).__name__})" if module_name else f"the root module ({type(module).__name__})"
-    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
-        return _plan_linear(label, module, layouts, group)
-    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
-        return _plan_embedding(label, module, layouts, group)
+    handler, why = _registry.handler_for(module)
+    if handler is not None:
+        inner = handler.plan(module, layouts, name=label)
+        return None if inner is None else Plan(handler, inner, group)
     names = ", ".join(f"{p!r} is {_what(l)}" for p, l in split.items())
-    msg = (f"{label}: {names}; shardkit computes with split parameters only in nn.Linear and nn.Embedding "
-           f"(whose forward is not overridden), so this module would compute wrong numbers. Keep its "
-           f"parameters whole on every rank with a rankless placement such as 'cpu'.")
+    because = f" ({why})" if why else ""
+    msg = (f"{label}: {names}; shardkit computes with split parameters only in modules with a sharded "
+           f"registration{because}: {', '.join(_registry.registered_types())} (whose forward is not overridden), "
+           f"so this module would compute wrong numbers. Keep its parameters whole on every rank with a rankless "
+           f"placement such as 'cpu', or register how it computes with st.register_sharded_module.")
     raise ValueError(msg)
 
 
-def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayout],
-                 group: _comm.ProcessGroup) -> LinearPlan:
+def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayout]) -> LinearPlan:
     weight = layouts.get("weight")
     bias = layouts.get("bias") if module.bias is not None else None
     for name, layout in (("weight", weight), ("bias", bias)):
@@ -246,7 +255,7 @@ def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayou
             raise ValueError(msg)
     if weight is None or weight.kind == "replicated":
         assert bias is not None
-        return LinearPlan("bias", (), "disjoint", bias.along(0), None, group)
+        return LinearPlan("bias", (), "disjoint", bias.along(0), None)
     if module.bias is None:
         bias_kind = "none"
     elif bias is None or bias.kind == "replicated":
@@ -264,16 +273,15 @@ def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayou
                    f"output features as {list(intervals)}; split the bias the same way as dim 0 of the weight, "
                    f"or keep the bias whole on every rank.")
             raise ValueError(msg)
-        return LinearPlan("out", intervals, "local" if bias_kind == "split" else bias_kind, None, 0, group)  # type: ignore[arg-type]
+        return LinearPlan("out", intervals, "local" if bias_kind == "split" else bias_kind, None, 0)  # type: ignore[arg-type]
     if dim == 1:
         kind = "disjoint" if bias_kind == "split" else bias_kind
-        return LinearPlan("in", intervals, kind, bias.along(0) if bias_kind == "split" else None, 1, group)  # type: ignore[arg-type, union-attr]
+        return LinearPlan("in", intervals, kind, bias.along(0) if bias_kind == "split" else None, 1)  # type: ignore[arg-type, union-attr]
     msg = f"{label}: weight split along dimension {dim}, which a Linear weight does not have."
     raise ValueError(msg)
 
 
-def _plan_embedding(label: str, module: nn.Embedding, layouts: Mapping[str, ParamLayout],
-                    group: _comm.ProcessGroup) -> EmbeddingPlan:
+def _plan_embedding(label: str, module: nn.Embedding, layouts: Mapping[str, ParamLayout]) -> EmbeddingPlan:
     weight = layouts["weight"]
     if weight.kind in ("blocks", "partial"):
         msg = (f"{label}: weight is {_what(weight)}; an Embedding computes with its weight split along one "
@@ -288,78 +296,99 @@ def _plan_embedding(label: str, module: nn.Embedding, layouts: Mapping[str, Para
         msg = (f"{label}: scale_grad_by_freq=True counts index frequencies over the whole vocabulary, which "
                f"a vocabulary split cannot reproduce; split the embedding dimension (dim 1) instead.")
         raise ValueError(msg)
-    return EmbeddingPlan("vocab" if dim == 0 else "dim", weight.along(dim), dim, group)
+    return EmbeddingPlan("vocab" if dim == 0 else "dim", weight.along(dim), dim)
 
 
-# -- 3. sharded forwards ------------------------------------------------------------------------------
+# -- 3. the built-in registrations -----------------------------------------------------------------
 
-def _linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """Forward of a sharded ``nn.Linear``: replicated in and out, or split inside a region."""
-    with _regions.outside_propagation():
-        return _linear(self, self._shardkit_plan, input)  # type: ignore[arg-type]
+class ShardedLinear(_registry.ShardedModule):
+    """``nn.Linear`` split on its output features (``"out"``), input features (``"in"``) or bias only."""
 
+    def plan(self, module: nn.Module, layouts: Mapping[str, Any], *, name: str) -> LinearPlan:
+        return _plan_linear(name, module, layouts)  # type: ignore[arg-type]
 
-def _linear(self: nn.Linear, plan: LinearPlan, input: torch.Tensor) -> torch.Tensor:
-    group = plan.group
-    rank, _ = _comm.rank_and_world(group)
-    weight, bias = self.weight, self.bias
-    if plan.mode == "bias":
-        return F.linear(_regions.to_replicated(input), weight) + gather(bias, 0, plan.bias_intervals, group)  # type: ignore[arg-type]
-    if plan.mode == "out":
-        x = _regions.to_replicated(input)
-        if _regions.in_region():
-            y = F.linear(_regions.shared_copy(x, group), weight, bias if plan.bias == "local" else None)
+    def activations(self, plan: LinearPlan) -> tuple[Intervals | None, Intervals | None]:
+        if plan.mode == "out":
+            return None, plan.intervals
+        if plan.mode == "in":
+            return plan.intervals, None
+        return None, None
+
+    def empty_dims(self, plan: LinearPlan) -> Mapping[str, int]:
+        return {} if plan.weight_dim is None else {"weight": plan.weight_dim}
+
+    def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+        plan: LinearPlan = call.plan
+        weight, bias = module.weight, module.bias
+        if plan.mode == "bias":
+            return F.linear(call.replicated(input), weight) + call.gather(bias, 0, plan.bias_intervals)  # type: ignore[arg-type]
+        if plan.mode == "out":
+            y = F.linear(call.enter(input), weight, bias if plan.bias == "local" else None)
             if plan.bias == "replicated":
-                start, length = plan.intervals[rank]
-                y = y + copy_to_ranks(bias, group).narrow(0, start, length)
-            return _regions.tag(y, _regions.Split(y.dim() - 1, plan.intervals, group))
-        y = F.linear(copy_to_ranks(x, group), weight, bias if plan.bias == "local" else None)
-        y = gather(y, -1, plan.intervals, group)
+                if _regions.in_region():
+                    return call.split_output(y + call.local_slice(bias, plan.intervals), plan.intervals)
+                return call.split_output(y, plan.intervals) + bias
+            return call.split_output(y, plan.intervals)
+        y = F.linear(call.split_input(input, plan.intervals), weight)
+        if plan.bias == "disjoint":
+            start, length = plan.bias_intervals[call.rank]  # type: ignore[index]
+            y = y + F.pad(bias, (start, module.out_features - start - length))
+        y = call.reduce(y)
         return y + bias if plan.bias == "replicated" else y
-    split = _regions.split_of(input)
-    if split is not None and split.dim == input.dim() - 1 and split.intervals == plan.intervals \
-            and split.group is group:
-        x = input
-    else:
-        x = scatter(_regions.to_replicated(input), -1, plan.intervals, group)
-    y = F.linear(x, weight)
-    if plan.bias == "disjoint":
-        start, length = plan.bias_intervals[rank]  # type: ignore[index]
-        y = y + F.pad(bias, (start, self.out_features - start - length))
-    y = reduce_from_ranks(y, group)
-    return y + bias if plan.bias == "replicated" else y
 
 
-def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
-    """Forward of a sharded ``nn.Embedding``: replicated indices in, replicated rows out (split in a region)."""
-    with _regions.outside_propagation():
-        return _embedding(self, self._shardkit_plan, _regions.to_replicated(input))  # type: ignore[arg-type]
+class ShardedEmbedding(_registry.ShardedModule):
+    """``nn.Embedding`` split on the vocabulary (``"vocab"``) or on the embedding dimension (``"dim"``)."""
+
+    def plan(self, module: nn.Module, layouts: Mapping[str, Any], *, name: str) -> EmbeddingPlan:
+        return _plan_embedding(name, module, layouts)  # type: ignore[arg-type]
+
+    def activations(self, plan: EmbeddingPlan) -> tuple[Intervals | None, Intervals | None]:
+        return (None, plan.intervals) if plan.mode == "dim" else (None, None)
+
+    def empty_dims(self, plan: EmbeddingPlan) -> Mapping[str, int]:
+        return {"weight": plan.weight_dim}
+
+    def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+        plan: EmbeddingPlan = call.plan
+        input = call.replicated(input)
+        weight = module.weight
+        if plan.mode == "dim":
+            y = F.embedding(input, weight, module.padding_idx, None, module.norm_type, module.scale_grad_by_freq,
+                            module.sparse)
+            return call.split_output(y, plan.intervals)
+        if input.numel() and (bool((input < 0).any()) or bool((input >= module.num_embeddings).any())):
+            msg = f"index out of range in self: indices must be in [0, {module.num_embeddings}) for this Embedding."
+            raise IndexError(msg)
+        start, length = plan.intervals[call.rank]
+        if length == 0:
+            # Nothing local; keep the (empty) weight in the graph so every rank has a gradient for it.
+            y = weight.new_zeros((*input.shape, module.embedding_dim)) + weight.sum()
+        else:
+            inside = (input >= start) & (input < start + length)
+            local = torch.where(inside, input - start, torch.zeros_like(input))
+            pad = module.padding_idx
+            local_pad = pad - start if pad is not None and start <= pad < start + length else None
+            y = F.embedding(local, weight, local_pad, None, module.norm_type, False, module.sparse)
+            y = y * inside.unsqueeze(-1).to(y.dtype)
+        return call.reduce(y)
 
 
-def _embedding(self: nn.Embedding, plan: EmbeddingPlan, input: torch.Tensor) -> torch.Tensor:
-    group = plan.group
-    rank, _ = _comm.rank_and_world(group)
-    weight = self.weight
-    if plan.mode == "dim":
-        y = F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
-        if _regions.in_region():
-            return _regions.tag(y, _regions.Split(y.dim() - 1, plan.intervals, group))
-        return gather(y, -1, plan.intervals, group)
-    if input.numel() and (bool((input < 0).any()) or bool((input >= self.num_embeddings).any())):
-        msg = f"index out of range in self: indices must be in [0, {self.num_embeddings}) for this Embedding."
-        raise IndexError(msg)
-    start, length = plan.intervals[rank]
-    if length == 0:
-        # Nothing local; keep the (empty) weight in the graph so every rank has a gradient for it.
-        y = weight.new_zeros((*input.shape, self.embedding_dim)) + weight.sum()
-    else:
-        inside = (input >= start) & (input < start + length)
-        local = torch.where(inside, input - start, torch.zeros_like(input))
-        pad = self.padding_idx
-        local_pad = pad - start if pad is not None and start <= pad < start + length else None
-        y = F.embedding(local, weight, local_pad, None, self.norm_type, False, self.sparse)
-        y = y * inside.unsqueeze(-1).to(y.dtype)
-    return reduce_from_ranks(y, group)
+_registry.register_sharded_module(nn.Linear, ShardedLinear())
+_registry.register_sharded_module(nn.Embedding, ShardedEmbedding())
+
+
+class _ShardedForward:
+    """``forward`` of a module with split parameters: its registration's forward."""
+
+    def __init__(self, module: nn.Module, plan: Plan) -> None:
+        self._module = module
+        self._plan = plan
+        self._call = _registry.ShardedCall(plan.inner, plan.group)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _regions.outside_propagation():
+            return self._plan.handler.forward(self._call, self._module, *args, **kwargs)
 
 
 def install(module: nn.Module, plan: Plan | None) -> None:
@@ -370,8 +399,7 @@ def install(module: nn.Module, plan: Plan | None) -> None:
             module.__dict__.pop("forward", None)
         return
     module.__dict__["_shardkit_plan"] = plan
-    forward = _linear_forward if isinstance(plan, LinearPlan) else _embedding_forward
-    module.__dict__["forward"] = types.MethodType(forward, module)
+    module.__dict__["forward"] = _ShardedForward(module, plan)
 
 
 # -- regions: keep activations split between layers ----------------------------------------------
@@ -430,10 +458,13 @@ def endpoints(model: nn.Module) -> list[_regions.Endpoint]:
     found = []
     for name, module in model.named_modules():
         plan = module.__dict__.get("_shardkit_plan")
-        if isinstance(plan, LinearPlan) and plan.mode == "out" or isinstance(plan, EmbeddingPlan) and plan.mode == "dim":
-            found.append(_regions.Endpoint(name, "produces", plan.intervals))
-        elif isinstance(plan, LinearPlan) and plan.mode == "in":
-            found.append(_regions.Endpoint(name, "consumes", plan.intervals))
+        if not isinstance(plan, Plan):
+            continue
+        takes, gives = plan.activations
+        if gives is not None:
+            found.append(_regions.Endpoint(name, "produces", tuple(gives)))
+        if takes is not None:
+            found.append(_regions.Endpoint(name, "consumes", tuple(takes)))
     return found
 
 

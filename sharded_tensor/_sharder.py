@@ -247,10 +247,11 @@ def _plans(model: nn.Module, entries: Sequence[_Entry],
             _check_ancestors(model, mod_name, module)
         plans[key] = (mod_name, module, plan)
         # A rank holding nothing of a weight gets an empty tensor along the dim compute splits.
-        if plan is not None and plan.weight_dim is not None:
-            for entry in entries:
-                if any(m is module and a == "weight" for _, m, a in entry.owners):
-                    entry.compute_dim = plan.weight_dim
+        if plan is not None:
+            for attr, dim in plan.handler.empty_dims(plan.inner).items():
+                for entry in entries:
+                    if any(m is module and a == attr for _, m, a in entry.owners):
+                        entry.compute_dim = dim
     return plans
 
 
