@@ -1,6 +1,7 @@
 """The metadata-first ShardedTensor: creation, resharding, gathering."""
 
 from ._comm import CommCounter
+from ._dfunction import DFunction, LayoutDecision, register_layout_rule
 from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
 from ._optim import load_optim_state_dict, optim_state_dict
 from ._parallel import ParamLayout
@@ -16,4 +17,5 @@ __all__ = [
     "visualize_sharding",
     "shard_parameter", "shard_model", "optim_state_dict", "load_optim_state_dict", "loss_parallel",
     "ShardedModule", "ShardedCall", "ParamLayout", "register_sharded_module",
+    "DFunction", "LayoutDecision", "register_layout_rule",
 ]
