@@ -1,5 +1,7 @@
 """The metadata-first ShardedTensor: creation, resharding, gathering."""
 
+from . import _attention  # noqa: F401 - registers nn.MultiheadAttention
+
 from ._comm import CommCounter
 from ._dfunction import DFunction, LayoutDecision, register_layout_rule
 from ._create import empty, full, ones, rand, randn, shard_tensor, zeros

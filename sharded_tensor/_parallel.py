@@ -67,7 +67,11 @@ class ParamLayout:
         kind: ``"replicated"``, ``"split"``, ``"blocks"`` (split along several dimensions) or
             ``"partial"`` (some elements on several ranks but not all).
         dim: the split dimension for ``"split"``; ``None`` when one rank holds everything.
-        intervals: per group rank, ``(start, length)`` along ``dim`` (for ``"split"``).
+        intervals: per group rank, ``(start, length)`` along ``dim`` (for ``"split"`` when each
+            rank holds one slice; ``None`` when some rank holds several, see ``pieces``).
+        pieces: for a *packed* split, where a rank holds several non-adjacent slices along
+            ``dim`` (e.g. its heads of q, k and v in one fused weight): per group rank, its
+            slices in order; its local tensor is their concatenation along ``dim``.
     """
 
     name: str
@@ -76,6 +80,34 @@ class ParamLayout:
     kind: Literal["replicated", "split", "blocks", "partial"]
     dim: int | None
     intervals: Intervals | None
+    pieces: tuple[Intervals, ...] | None = None
+
+    def local_region(self, rank: int, region: Box) -> Box:
+        """Where the global ``region`` (one of ``rank``'s shards) sits in ``rank``'s local tensor."""
+        box = self.boxes[rank]
+        assert box is not None
+        if self.pieces is None:
+            return tuple(o - b for o, b in zip(region[0], box[0])), region[1]  # type: ignore[return-value]
+        dim = self.dim
+        assert dim is not None
+        local = 0
+        for start, length in self.pieces[rank]:
+            if start == region[0][dim]:
+                offsets = [o - b for o, b in zip(region[0], box[0])]
+                offsets[dim] = local
+                return tuple(offsets), region[1]
+            local += length
+        raise KeyError(region)
+
+    def local_of(self, rank: int, full: torch.Tensor) -> torch.Tensor:
+        """``rank``'s local tensor cut from the full tensor (a view when it is one block)."""
+        box = self.boxes[rank]
+        assert box is not None
+        if self.pieces is None:
+            return full[tuple(slice(o, o + n) for o, n in zip(*box))]
+        dim = self.dim
+        assert dim is not None
+        return torch.cat([full.narrow(dim, start, length) for start, length in self.pieces[rank]], dim)
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -135,6 +167,7 @@ def classify(name: str, metadata: ShardedTensorMetadata, world: int) -> ParamLay
     """
     size = tuple(metadata.size)
     boxes: list[Box | None] = []
+    packed: dict[int, tuple[int, Intervals]] = {}
     for rank in range(world):
         regions = list(dict.fromkeys(s.region for _, s in metadata.shards_on(rank)))
         if not regions:
@@ -143,28 +176,55 @@ def classify(name: str, metadata: ShardedTensorMetadata, world: int) -> ParamLay
         nonempty = [r for r in regions if _volume(r) > 0]
         box = _union_box(nonempty) if nonempty else regions[0]
         if box is None:
-            shown = ", ".join(f"offsets {o} sizes {s}" for o, s in nonempty)
-            msg = (f"parameter {name!r} (size {size}): rank {rank} would hold shards [{shown}], which do not "
-                   f"form one block; a sharded model keeps one local tensor per parameter on each rank, so "
-                   f"give each rank one shard (or adjacent shards) of every parameter.")
-            raise ValueError(msg)
+            along = _packed(nonempty)
+            if along is None:
+                shown = ", ".join(f"offsets {o} sizes {s}" for o, s in nonempty)
+                msg = (f"parameter {name!r} (size {size}): rank {rank} would hold shards [{shown}], which neither "
+                       f"form one block nor differ along a single dimension; a sharded model keeps one local "
+                       f"tensor per parameter on each rank, so give each rank one shard (or slices of one "
+                       f"dimension) of every parameter.")
+                raise ValueError(msg)
+            dim, slices = along
+            packed[rank] = along
+            sizes = list(nonempty[0][1])
+            sizes[dim] = sum(n for _, n in slices)
+            offsets = list(nonempty[0][0])
+            offsets[dim] = slices[0][0]
+            box = (tuple(offsets), tuple(sizes))
         boxes.append(box)
     full: Box = ((0,) * len(size), size)
     numel = _volume(full)
-    if all(b == full for b in boxes):
+    if all(b == full for b in boxes) and not packed:
         return ParamLayout(name, metadata, tuple(boxes), "replicated", None, None)
     held = sum(_volume(b) for b in boxes if b is not None)
     if held != numel:
         return ParamLayout(name, metadata, tuple(boxes), "partial", None, None)
     split_dims = sorted({d for b in boxes if b is not None and _volume(b) > 0
-                         for d in range(len(size)) if b[1][d] != size[d]})
+                         for d in range(len(size)) if b[1][d] != size[d]} | {d for d, _ in packed.values()})
     if len(split_dims) > 1:
         return ParamLayout(name, metadata, tuple(boxes), "blocks", None, None)
     if not split_dims:
         return ParamLayout(name, metadata, tuple(boxes), "split", None, None)
     dim = split_dims[0]
+    if packed:
+        pieces = tuple(packed[r][1] if r in packed else ((b[0][dim], b[1][dim]),) if b is not None else ()
+                       for r, b in enumerate(boxes))
+        return ParamLayout(name, metadata, tuple(boxes), "split", dim, None, pieces)
     intervals = tuple((b[0][dim], b[1][dim]) if b is not None else (0, 0) for b in boxes)
     return ParamLayout(name, metadata, tuple(boxes), "split", dim, intervals)
+
+
+def _packed(regions: Sequence[Box]) -> tuple[int, Intervals] | None:
+    """``(dim, slices)`` when ``regions`` differ only along one dimension (slices in order), else ``None``."""
+    ndim = len(regions[0][0])
+    dims = [d for d in range(ndim) if len({(o[d], s[d]) for o, s in regions}) > 1]
+    if len(dims) != 1:
+        return None
+    dim = dims[0]
+    slices = tuple(sorted((o[dim], s[dim]) for o, s in regions))
+    if any(a + n > b for (a, n), (b, _) in zip(slices, slices[1:])):
+        return None
+    return dim, slices
 
 
 # -- 2. plans -----------------------------------------------------------------------------------------
@@ -217,6 +277,11 @@ def _what(layout: ParamLayout) -> str:
     return f"split ({layout.describe()})"
 
 
+def handler_of(module: nn.Module) -> tuple[_registry.ShardedModule | None, str | None]:
+    """The registration that applies to ``module`` (see ``register_sharded_module``)."""
+    return _registry.handler_for(module)
+
+
 def plan_module(module_name: str, module: nn.Module, layouts: Mapping[str, ParamLayout],
                 group: _comm.ProcessGroup = None) -> Plan | None:
     """The compute plan for ``module`` given its parameters' layouts; ``None`` if nothing is split.
@@ -245,7 +310,18 @@ def plan_module(module_name: str, module: nn.Module, layouts: Mapping[str, Param
     raise ValueError(msg)
 
 
+def _refuse_packed(label: str, layouts: Mapping[str, ParamLayout], what: str) -> None:
+    for name, layout in layouts.items():
+        if layout.pieces is not None:
+            shown = "; ".join(f"rank {r}: {list(p)}" for r, p in enumerate(layout.pieces) if p)
+            msg = (f"{label}: {name} is split into several non-adjacent slices per rank along dimension "
+                   f"{layout.dim} ({shown}; (start, length)); {what} computes with one slice per rank, so give "
+                   f"each rank one contiguous slice.")
+            raise ValueError(msg)
+
+
 def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayout]) -> LinearPlan:
+    _refuse_packed(label, layouts, "a Linear")
     weight = layouts.get("weight")
     bias = layouts.get("bias") if module.bias is not None else None
     for name, layout in (("weight", weight), ("bias", bias)):
@@ -282,6 +358,7 @@ def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayou
 
 
 def _plan_embedding(label: str, module: nn.Embedding, layouts: Mapping[str, ParamLayout]) -> EmbeddingPlan:
+    _refuse_packed(label, layouts, "an Embedding")
     weight = layouts["weight"]
     if weight.kind in ("blocks", "partial"):
         msg = (f"{label}: weight is {_what(weight)}; an Embedding computes with its weight split along one "
@@ -453,6 +530,13 @@ def _trace(module: nn.Module, sharded: set[nn.Module]) -> list[torch.fx.Graph] |
     return graphs
 
 
+# Built-in modules whose Python forward calls their submodules, with fused fast paths that read
+# the weights directly. Run as regions: the fast paths step aside while a torch function mode is
+# active, so split layers inside them are computed by their registrations.
+TRANSPARENT = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
+               nn.TransformerDecoder, nn.Transformer)
+
+
 def endpoints(model: nn.Module) -> list[_regions.Endpoint]:
     """The sharded layers of ``model`` that produce or consume split activations."""
     found = []
@@ -490,6 +574,10 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
     sharded = {m for m in named.values() if "_shardkit_plan" in m.__dict__}
     ends = endpoints(model)
     roots = _regions.find_regions(ends)
+    for name, module in named.items():
+        if isinstance(module, TRANSPARENT) and name not in roots \
+                and any(m in sharded for m in module.modules()):
+            roots.append(name)
     for root in roots:
         inside = [e for e in ends if not root or e.name.startswith(root + ".")]
         _regions.check_head_boundaries(root, named[root], inside)

@@ -57,6 +57,10 @@ class ShardedModule:
         >>> st.register_sharded_module(Scale, ShardedScale())  # doctest: +SKIP
     """
 
+    subtree: bool = False
+    """Whether the registration computes the module's whole subtree (its children's parameters
+    come to :meth:`plan` as ``"child.weight"``, and the children get no plan of their own)."""
+
     def plan(self, module: nn.Module, layouts: Mapping[str, Any], *, name: str) -> object:
         """A plan for ``module`` given its parameters' layouts, or ``ValueError`` saying why not.
 

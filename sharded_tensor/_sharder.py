@@ -85,10 +85,11 @@ class ShardedParameter:
         offsets, _ = self.box(rank)
         tensors = {}
         for i, shard in self.metadata.shards_on(rank):
-            if shard.region == (offsets, tuple(local.shape)):
-                tensors[i] = local
-            else:
+            if self.layout.boxes[rank] is None:
                 tensors[i] = local[box_slices(shard.region, offsets)]
+                continue
+            where = self.layout.local_region(rank, shard.region)
+            tensors[i] = local if where == ((0,) * local.dim(), tuple(local.shape)) else local[box_slices(where, (0,) * local.dim())]
         metadata = self.metadata
         if local.dtype != metadata.dtype:  # e.g. model.double() after sharding
             metadata = ShardedTensorMetadata(metadata.shards, metadata.size, local.dtype)
@@ -109,26 +110,29 @@ class ShardedParameter:
             else:
                 target = ShardedTensorMetadata(self.metadata.shards, shape, source.dtype)
                 pieces = redistribute(value._local_by_index(), source, target, rank=rank, group=self.group)
-            return _assemble(pieces, self.metadata, rank, (offsets, sizes), source.dtype)
+            return _assemble(pieces, self.layout, rank, sizes, source.dtype)
         if isinstance(value, torch.Tensor):
             if tuple(value.shape) != shape:
                 msg = (f"size mismatch for {key}: got a tensor of shape {tuple(value.shape)}; this sharded "
                        f"parameter takes the full tensor of shape {shape} or a ShardedTensor.")
                 raise ValueError(msg)
-            return value[box_slices((offsets, sizes), (0,) * len(shape))]
+            if self.layout.boxes[rank] is None:
+                return value[box_slices((offsets, sizes), (0,) * len(shape))]
+            return self.layout.local_of(rank, value)
         msg = f"{key}: expected a ShardedTensor or a torch.Tensor, got {type(value).__name__}."
         raise ValueError(msg)
 
 
-def _assemble(pieces: Mapping[int, torch.Tensor], metadata: ShardedTensorMetadata, rank: int,
-              box: tuple[tuple[int, ...], tuple[int, ...]], dtype: torch.dtype) -> torch.Tensor:
-    mine = metadata.shards_on(rank)
-    if len(mine) == 1 and mine[0][1].region == box:
+def _assemble(pieces: Mapping[int, torch.Tensor], layout: ParamLayout, rank: int,
+              sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``rank``'s local tensor from its shards (keyed by index in the layout's metadata)."""
+    mine = layout.metadata.shards_on(rank)
+    if len(mine) == 1 and layout.boxes[rank] is not None and tuple(mine[0][1].dims) == tuple(sizes):
         return pieces[mine[0][0]]
     device = mine[0][1].device.device if mine else torch.device("cpu")
-    out = torch.empty(box[1], dtype=dtype, device=device)
+    out = torch.empty(sizes, dtype=dtype, device=device)
     for i, shard in mine:
-        out[box_slices(shard.region, box[0])] = pieces[i]
+        out[box_slices(layout.local_region(rank, shard.region), (0,) * len(sizes))] = pieces[i]
     return out
 
 
@@ -216,13 +220,15 @@ def _layout(entry: _Entry, world: int) -> ParamLayout:
     return _parallel.classify(entry.name, metadata, world)
 
 
-def _check_ancestors(model: nn.Module, module_name: str, module: nn.Module) -> None:
+def _check_ancestors(model: nn.Module, module_name: str, module: nn.Module, owners: set[int]) -> None:
     """Refuse sharded layers inside built-in torch.nn modules that read their weights directly."""
     parts = module_name.split(".") if module_name else []
     for i in range(len(parts)):
         name = ".".join(parts[:i])
         ancestor = model.get_submodule(name)
-        if type(ancestor).__module__.startswith("torch.") and not isinstance(ancestor, _CONTAINERS):
+        if id(ancestor) in owners or isinstance(ancestor, (*_CONTAINERS, *_parallel.TRANSPARENT)):
+            continue
+        if type(ancestor).__module__.startswith("torch."):
             msg = (f"{_label(module_name, module)} is inside {_label(name, ancestor)}, a built-in module whose "
                    f"forward may use its submodules' weights directly (e.g. fused attention kernels), where "
                    f"shardkit cannot insert communication; keep the parameters under {name!r} whole on every rank.")
@@ -231,20 +237,45 @@ def _check_ancestors(model: nn.Module, module_name: str, module: nn.Module) -> N
 
 def _plans(model: nn.Module, entries: Sequence[_Entry],
            group: _comm.ProcessGroup) -> dict[int, tuple[str, nn.Module, Plan | None]]:
-    """Plan every module owning a sharded parameter (validation only; nothing changes)."""
+    """Plan every module owning a sharded parameter (validation only; nothing changes).
+
+    A module whose registration covers its whole subtree (``ShardedModule.subtree``, e.g.
+    ``nn.MultiheadAttention`` with its ``out_proj``) is planned with the layouts of every
+    parameter below it, named relative to it, and its descendants are not planned on their own.
+    """
     per_module: dict[int, tuple[str, nn.Module, dict[str, ParamLayout]]] = {}
+    named = list(model.named_modules())
+    owners: dict[int, tuple[str, nn.Module]] = {}
+    covered: set[int] = set()
+    for mod_name, module in named:
+        if id(module) in covered:
+            continue
+        handler, _ = _parallel.handler_of(module)
+        if handler is not None and handler.subtree:
+            owners[id(module)] = (mod_name, module)
+            covered.update(id(m) for m in module.modules() if m is not module)
+    owner_of = {}
+    for key, (mod_name, module) in owners.items():
+        for sub_name, sub in module.named_modules():
+            owner_of[id(sub)] = (key, sub_name)
     for entry in entries:
         if entry.layout is None:
             continue
         for mod_name, module, attr in entry.owners:
-            slot = per_module.setdefault(id(module), (mod_name, module, {}))
-            slot[2][attr] = entry.layout
+            if id(module) in owner_of:
+                key, sub_name = owner_of[id(module)]
+                name, owner = owners[key]
+                slot = per_module.setdefault(key, (name, owner, {}))
+                slot[2][f"{sub_name}.{attr}" if sub_name else attr] = entry.layout
+            else:
+                slot = per_module.setdefault(id(module), (mod_name, module, {}))
+                slot[2][attr] = entry.layout
     plans = {}
     for key, (mod_name, module, layouts) in per_module.items():
         existing = {a: s.layout for a, s in sharded_parameters(module).items()}
         plan = _parallel.plan_module(mod_name, module, {**existing, **layouts}, group)
         if plan is not None:
-            _check_ancestors(model, mod_name, module)
+            _check_ancestors(model, mod_name, module, set(owners))
         plans[key] = (mod_name, module, plan)
         # A rank holding nothing of a weight gets an empty tensor along the dim compute splits.
         if plan is not None:
@@ -597,12 +628,15 @@ def _new_param(entry: _Entry, rank: int, group: _comm.ProcessGroup, src_rank: in
     elif entry.source == "local":
         with torch.no_grad():
             local = empty_for_fill(sizes, dtype, device)
-            local.copy_(param.detach()[box_slices((offsets, sizes), (0,) * len(shape))])
+            if layout is not None and layout.boxes[rank] is not None:
+                local.copy_(layout.local_of(rank, param.detach()))
+            else:
+                local.copy_(param.detach()[box_slices((offsets, sizes), (0,) * len(shape))])
     else:  # "src"
         target = layout.metadata if layout is not None else _full_metadata(shape, dtype, range(world))
         pieces = _from_src(param if rank == src_rank else None, shape, dtype, target, src_rank, rank, group)  # type: ignore[arg-type]
         if layout is not None:
-            local = _assemble(pieces, layout.metadata, rank, (offsets, sizes), dtype)
+            local = _assemble(pieces, layout, rank, sizes, dtype)
         else:
             local = pieces[rank].to(device)
     return nn.Parameter(local, requires_grad=param.requires_grad)
@@ -612,7 +646,21 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
                  to_init: Sequence[tuple[str, _Entry]], others: Sequence[tuple[str, _Entry]], rank: int,
                  fn: Callable[[], object]) -> None:
     """Run ``module``'s own init on its new local blocks, leaving parameters it does not own alone."""
+    spans: list[tuple[str, _Entry, nn.Parameter]] = []
     for attr, entry in to_init:
+        layout = entry.layout
+        if layout is not None and layout.pieces is not None and layout.boxes[rank] is not None:
+            # A packed block is filled through a scratch covering the span of its slices, so the
+            # init sees one block of the global tensor; then the slices are copied out.
+            dim = layout.dim
+            first, last = layout.pieces[rank][0], layout.pieces[rank][-1]
+            offsets, sizes = list(entry.box(rank)[0]), list(entry.box(rank)[1])
+            sizes[dim] = last[0] + last[1] - first[0]  # type: ignore[index]
+            span = nn.Parameter(torch.empty(sizes, dtype=entry.new.dtype, device=entry.new.device),  # type: ignore[union-attr]
+                                requires_grad=False)
+            ctx.register(span, entry.name, tuple(entry.param.shape), tuple(offsets))
+            spans.append((attr, entry, span))
+            continue
         offsets = entry.box(rank)[0]
         ctx.register(entry.new, entry.name, tuple(entry.param.shape), offsets)  # type: ignore[arg-type]
     # Parameters initialized elsewhere (tied to an earlier module) or holding real values are
@@ -623,6 +671,9 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
         ctx.register(scratch, f"{entry.name}#scratch", tuple(entry.param.shape), entry.box(rank)[0])
         swapped[attr] = module._parameters[attr]
         module._parameters[attr] = scratch
+    for attr, entry, span in spans:
+        swapped[attr] = module._parameters[attr]
+        module._parameters[attr] = span
     padding = None
     if isinstance(module, nn.Embedding) and module.padding_idx is not None:
         # Embedding zeroes weight[padding_idx] by local index; do it by global index instead.
@@ -634,6 +685,13 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
         if padding is not None:
             module.padding_idx = padding  # type: ignore[assignment]
         module._parameters.update(swapped)
+    for attr, entry, span in spans:
+        layout = entry.layout
+        assert layout is not None and layout.pieces is not None and layout.dim is not None
+        base = layout.pieces[rank][0][0]
+        with torch.no_grad():
+            entry.new.copy_(torch.cat([span.narrow(layout.dim, start - base, length)  # type: ignore[union-attr]
+                                       for start, length in layout.pieces[rank]], layout.dim))
     if padding is not None:
         for attr, entry in to_init:
             if attr != "weight":

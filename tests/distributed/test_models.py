@@ -509,15 +509,16 @@ def test_mlp_forward_does_one_all_reduce(runs, world):
                          r"dimensions", id="linear-mesh"),
     pytest.param("bias", r"ValueError: the root module \(Linear\): the bias is split as .* but the weight's output "
                          r"features as", id="bias-split-differently"),
-    pytest.param("not_a_block", r"ValueError: parameter 'weight' .*rank 0 would hold shards .* which do not form "
-                                r"one block", id="repeated-rank"),
+    pytest.param("not_a_block", r"ValueError: the root module \(Linear\): weight is split into several non-adjacent "
+                                r"slices per rank along dimension 0", id="repeated-rank"),
     pytest.param("max_norm", r"ValueError: the root module \(Embedding\): max_norm=1.0", id="embedding-max-norm"),
     pytest.param("freq", r"ValueError: .*scale_grad_by_freq=True.*split the embedding dimension",
                  id="embedding-grad-by-freq"),
     pytest.param("rank", r"ValueError: parameter 'weight' \(size \(8, 8\)\): .*rank 4.*world has 4 ranks",
                  id="rank-outside-world"),
-    pytest.param("mha", r"ValueError: module 'out_proj' .* is inside the root module \(MultiheadAttention\)",
-                 id="inside-builtin"),
+    pytest.param("mha", r"ValueError: the root module \(MultiheadAttention\): in_proj_weight whole, out_proj.weight "
+                        r"split along dim 0; split its heads: in_proj_weight with single_split\(0, ranks \* 3\)",
+                 id="attention-not-split-by-heads"),
     pytest.param("direct", r"ValueError: .*parameter 'emb.weight' is split across ranks, but the forward of "
                            r"the root module \(Tied\) uses it directly", id="direct-use-fx"),
     pytest.param("unknown", r"ValueError: CompositeShardingSpec key 'nope' matches no parameter", id="unknown-name"),

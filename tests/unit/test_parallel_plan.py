@@ -35,10 +35,26 @@ def test_classify(spec, size, kind, dim, intervals):
     assert (got.kind, got.dim, got.intervals) == (kind, dim, intervals)
 
 
-def test_classify_refuses_shards_that_are_not_one_block():
-    with pytest.raises(ValueError, match=r"parameter 'fc.weight' .* rank 0 would hold shards \[offsets \(0, 0\) "
-                                         r"sizes \(2, 4\), offsets \(4, 0\) sizes \(2, 4\)\], which do not form one block"):
-        layout(single_split(0, R4[:2] * 2), (8, 4), name="fc.weight")
+def test_slices_of_one_dimension_form_a_packed_layout():
+    got = layout(single_split(0, R4[:2] * 2), (8, 4), name="fc.weight")
+    assert (got.kind, got.dim, got.intervals) == ("split", 0, None)
+    assert got.pieces == (((0, 2), (4, 2)), ((2, 2), (6, 2)), (), ())
+    full = torch.arange(32.0).reshape(8, 4)
+    assert torch.equal(got.local_of(1, full), torch.cat([full[2:4], full[6:8]]))
+    assert got.local_region(1, ((6, 0), (2, 4))) == ((2, 0), (2, 4))
+
+
+def test_packed_layouts_are_refused_by_linear():
+    with pytest.raises(ValueError, match=r"weight is split into several non-adjacent slices per rank along dimension "
+                                         r"0 \(rank 0: \[\(0, 2\), \(4, 2\)\]"):
+        _plan(nn.Linear(4, 8), weight=single_split(0, R4[:2] * 2))
+
+
+def test_classify_refuses_shards_that_differ_along_several_dimensions():
+    spec = mesh([[R4[0], R4[1]], [R4[1], R4[0]]])
+    with pytest.raises(ValueError, match=r"parameter 'fc.weight' .* rank 0 would hold shards .* which neither form one "
+                                         r"block nor differ along a single dimension"):
+        layout(spec, (8, 4), name="fc.weight")
 
 
 def _plan(module, **specs):  # type: ignore[no-untyped-def]
