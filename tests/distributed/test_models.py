@@ -516,8 +516,8 @@ def test_mlp_forward_does_one_all_reduce(runs, world):
                  id="embedding-grad-by-freq"),
     pytest.param("rank", r"ValueError: parameter 'weight' \(size \(8, 8\)\): .*rank 4.*world has 4 ranks",
                  id="rank-outside-world"),
-    pytest.param("mha", r"ValueError: the root module \(MultiheadAttention\): in_proj_weight whole, out_proj.weight "
-                        r"split along dim 0; split its heads: in_proj_weight with single_split\(0, ranks \* 3\)",
+    pytest.param("mha", r"ValueError: the root module \(MultiheadAttention\): out_proj.weight split along dim 0; "
+                        r"split its heads: in_proj_weight with single_split\(0, ranks \* 3\)",
                  id="attention-not-split-by-heads"),
     pytest.param("direct", r"ValueError: .*parameter 'emb.weight' is split across ranks, but the forward of "
                            r"the root module \(Tied\) uses it directly", id="direct-use-fx"),
