@@ -546,9 +546,12 @@ def endpoints(model: nn.Module) -> list[_regions.Endpoint]:
             continue
         takes, gives = plan.activations
         if gives is not None:
-            found.append(_regions.Endpoint(name, "produces", tuple(gives)))
+            pieces = getattr(gives, "pieces", None)
+            intervals = getattr(gives, "intervals", gives)
+            found.append(_regions.Endpoint(name, "produces", None if pieces else tuple(intervals),
+                                           tuple(pieces) if pieces else None))
         if takes is not None:
-            found.append(_regions.Endpoint(name, "consumes", tuple(takes)))
+            found.append(_regions.Endpoint(name, "consumes", tuple(getattr(takes, "intervals", takes))))
     return found
 
 

@@ -61,7 +61,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from . import _comm
 from ._functional import Intervals, copy_to_ranks, gather, scatter
 
-__all__ = ["Split", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
+__all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
 
 
@@ -94,6 +94,26 @@ class Split:
         return Split(dim, tuple(out), self.group)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A tensor that holds, concatenated along ``dim``, several slices of a logical tensor.
+
+    ``pieces[r]`` lists group rank ``r``'s ``(start, length)`` slices in order, as a fused
+    projection split by heads produces them (its rows of q, then of k, then of v). The one
+    op that takes such a tensor apart is ``split``/``chunk`` along ``dim`` at the slices'
+    boundaries (``qkv.split(embed_dim, dim=-1)``), which gives ordinary splits; any other op
+    gathers it first.
+    """
+
+    dim: int
+    pieces: tuple[Intervals, ...]
+    group: _comm.ProcessGroup = None
+
+    @property
+    def size(self) -> int:
+        return max((s + n for slices in self.pieces for s, n in slices), default=0)
+
+
 _TAGS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
@@ -108,13 +128,14 @@ _STATE = _State()
 
 
 def split_of(tensor: object) -> Split | None:
-    """The split ``tensor`` is tagged with, if any."""
+    """The (one-slice) split ``tensor`` is tagged with, if any."""
     if isinstance(tensor, torch.Tensor):
-        return _TAGS.get(tensor)
+        found = _TAGS.get(tensor)
+        return found if isinstance(found, Split) else None
     return None
 
 
-def tag(tensor: torch.Tensor, split: Split) -> torch.Tensor:
+def tag(tensor: torch.Tensor, split: Split | Packed) -> torch.Tensor:
     """Mark ``tensor`` as this rank's slice of a logical tensor split as ``split``."""
     _TAGS[tensor] = split
     return tensor
@@ -150,10 +171,27 @@ def outside_propagation() -> Iterator[None]:
 
 def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor of a tagged slice (collective); an untagged tensor as it is."""
-    split = split_of(tensor)
-    if split is None:
+    found = _TAGS.get(tensor) if isinstance(tensor, torch.Tensor) else None
+    if found is None:
         return tensor
-    return gather(tensor, split.dim, split.intervals, split.group)
+    if isinstance(found, Split):
+        return gather(tensor, found.dim, found.intervals, found.group)
+    # Packed: the j-th slices of all ranks are gathered together, then laid side by side.
+    counts = {len(slices) for slices in found.pieces}
+    if len(counts) != 1:
+        msg = (f"cannot gather an activation packed as {list(found.pieces)} ((start, length) slices per rank): "
+               f"every rank must hold the same number of slices.")
+        raise ValueError(msg)
+    rank, _ = _comm.rank_and_world(found.group)
+    offset, parts = 0, []
+    for j in range(counts.pop()):
+        length = found.pieces[rank][j][1]
+        piece = tensor.narrow(found.dim, offset, length)
+        offset += length
+        intervals = tuple(slices[j] for slices in found.pieces)
+        low = min(s for s, _ in intervals)
+        parts.append((low, gather(piece, found.dim, tuple((s - low, n) for s, n in intervals), found.group)))
+    return torch.cat([p for _, p in sorted(parts, key=lambda x: x[0])], found.dim)
 
 
 def _to_local(tensor: torch.Tensor, dim: int, split: Split) -> torch.Tensor:
@@ -355,7 +393,8 @@ def _along_dim(default: int | None) -> Callable[..., Any]:
         name = func.__name__
         first = args[0]
         if name in ("cat", "concat", "concatenate", "stack"):
-            tensors = list(first)
+            # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
+            tensors = [t for t in first if not (name != "stack" and t.dim() == 1 and t.numel() == 0)]
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
             splits = {split_of(t) for t in tensors}
             if None in splits or len(splits) != 1:
@@ -545,6 +584,43 @@ class _VocabParallelCE(torch.autograd.Function):
         return (probs * scale).to(ctx.dtype), None, None, None
 
 
+def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``split``/``chunk`` of a packed tensor at its slices' boundaries: one ordinary split per part."""
+    x = args[0]
+    packed = _TAGS.get(x)
+    if not isinstance(packed, Packed):
+        raise _Fallback
+    name = func.__name__
+    index = 2
+    dim = args[index] if len(args) > index else kwargs.get("dim", 0)
+    if _norm(dim, x.dim()) != packed.dim:
+        raise _Fallback
+    total = packed.size
+    if name == "chunk":
+        count = args[1] if len(args) > 1 else kwargs["chunks"]
+        step = -(-total // count)
+        bounds = [(i, min(i + step, total)) for i in range(0, total, step)]
+    else:
+        sizes = args[1] if len(args) > 1 else kwargs["split_size_or_sections"]
+        if isinstance(sizes, int):
+            bounds = [(i, min(i + sizes, total)) for i in range(0, total, sizes)]
+        else:
+            edges = [0]
+            for n in sizes:
+                edges.append(edges[-1] + n)
+            bounds = list(zip(edges, edges[1:]))
+    rank, _ = _comm.rank_and_world(packed.group)
+    per_part: list[list[tuple[int, int]]] = [[] for _ in bounds]
+    for r, slices in enumerate(packed.pieces):
+        for j, (low, high) in enumerate(bounds):
+            inside = [(s, n) for s, n in slices if low <= s and s + n <= high]
+            if sum(n for a, n in slices if a < high and a + n > low) != sum(n for _, n in inside) or len(inside) != 1:
+                raise _Fallback  # a slice straddles a boundary, or a part holds several slices
+            per_part[j].append((inside[0][0] - low, inside[0][1]))
+    local = x.split([part[rank][1] for part in per_part], packed.dim)
+    return tuple(tag(t, Split(packed.dim, tuple(part), packed.group)) for t, part in zip(local, per_part))
+
+
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "true_divide", "neg", "pow", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid",
     "relu", "gelu", "silu", "mish", "abs", "clamp", "clip", "where", "masked_fill", "float", "half", "bfloat16",
@@ -596,6 +672,8 @@ class _Propagate(TorchFunctionMode):
         if name in _METADATA and name != "__bool__":
             return func(*args, **kwargs)
         rule = _RULES.get(name)
+        if any(isinstance(_TAGS.get(x), Packed) for x in flat if isinstance(x, torch.Tensor)):
+            rule = _split_packed if name in ("split", "chunk") else None
         if rule is not None:
             try:
                 return rule(func, args, kwargs)
@@ -693,7 +771,25 @@ class Endpoint:
 
     name: str
     role: str  # "produces" (split output) or "consumes" (split input)
-    intervals: Intervals
+    intervals: Intervals | None
+    pieces: tuple[Intervals, ...] | None = None
+
+    def slices(self) -> list[tuple[int, int]]:
+        if self.pieces is not None:
+            return [p for slices in self.pieces for p in slices]
+        return list(self.intervals or ())
+
+
+def _matches(producer: Endpoint, consumer: Endpoint) -> bool:
+    """Whether the producer's split output is what the consumer takes, directly or once unpacked."""
+    if producer.pieces is None:
+        return producer.intervals == consumer.intervals
+    assert consumer.intervals is not None
+    size = max(s + n for s, n in consumer.intervals)
+    for (start, length), slices in zip(consumer.intervals, producer.pieces):
+        if not slices or any((s, n) != (start + j * size, length) for j, (s, n) in enumerate(slices)):
+            return False
+    return True
 
 
 def _ancestor(a: str, b: str) -> str:
@@ -712,10 +808,10 @@ def find_regions(endpoints: Sequence[Endpoint]) -> list[str]:
     producers = [e for e in endpoints if e.role == "produces"]
     roots: dict[str, None] = {}
     for consumer in (e for e in endpoints if e.role == "consumes"):
-        if any(length == 0 for _, length in consumer.intervals):
+        if any(length == 0 for _, length in consumer.intervals or ()):
             continue  # a rank without a slice would take other code paths than its peers
         for producer in producers:
-            if producer.intervals == consumer.intervals:
+            if _matches(producer, consumer):
                 root = _ancestor(producer.name, consumer.name)
                 if root not in (producer.name, consumer.name):
                     roots.setdefault(root)
@@ -739,9 +835,9 @@ def check_head_boundaries(root_name: str, root: torch.nn.Module, endpoints: Sequ
         for e in endpoints:
             if full and not e.name.startswith(full + "."):
                 continue
-            bad = [(s, n) for s, n in e.intervals if s % size or n % size]
+            bad = [(s, n) for s, n in e.slices() if s % size or n % size]
             if bad:
-                msg = (f"module {e.name!r} is split as {list(e.intervals)} ((start, length) per rank) inside "
+                msg = (f"module {e.name!r} is split as {e.slices()} ((start, length) per rank) inside "
                        f"{full or 'the root module'!r} ({type(module).__name__}), whose head size is {size}; "
                        f"split attention projections on head boundaries (multiples of {size}), e.g. an even "
                        f"split when the number of heads is divisible by the number of ranks.")

@@ -127,11 +127,18 @@ class ShardedCall:
             return x
         return scatter(_regions.to_replicated(x), -1, intervals, self.group)
 
-    def split_output(self, y: torch.Tensor, intervals: Intervals) -> torch.Tensor:
-        """Hand out this rank's slice ``y`` of the output: kept split inside a region, else gathered."""
+    def split_output(self, y: torch.Tensor, split: Intervals | Any) -> torch.Tensor:
+        """Hand out this rank's slice ``y`` of the output: kept split inside a region, else gathered.
+
+        ``split`` is the output's split along its last dimension: per-rank ``(start, length)``,
+        or the ``ParamLayout`` of the weight whose split it follows (a packed layout gives a
+        packed output: this rank's slices side by side).
+        """
+        tag = _as_tag(split, y.dim() - 1, self.group)
         if _regions.in_region():
-            return _regions.tag(y, _regions.Split(y.dim() - 1, tuple(intervals), self.group))
-        return gather(y, -1, intervals, self.group)
+            return _regions.tag(y, tag)
+        _regions.tag(y, tag)
+        return _regions.to_replicated(y)
 
     def local_slice(self, t: torch.Tensor, intervals: Intervals, dim: int = -1) -> torch.Tensor:
         """This rank's slice of a replicated ``t`` (e.g. a whole bias added to a split output)."""
@@ -145,6 +152,14 @@ class ShardedCall:
     def gather(self, y: torch.Tensor, dim: int, intervals: Intervals) -> torch.Tensor:
         """Concatenate every rank's slice ``y`` along ``dim``."""
         return gather(y, dim, intervals, self.group)
+
+
+def _as_tag(split: Any, dim: int, group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
+    pieces = getattr(split, "pieces", None)
+    if pieces is not None:
+        return _regions.Packed(dim, tuple(pieces), group)
+    intervals = getattr(split, "intervals", split)
+    return _regions.Split(dim, tuple(intervals), group)
 
 
 def register_sharded_module(module_type: type[nn.Module], handler: ShardedModule, *, replace: bool = False) -> None:
