@@ -96,7 +96,8 @@ def _local_grads_match(model, ref, rank: int) -> list[str]:  # type: ignore[no-u
             if attr in sharded:
                 offsets, sizes = sharded[attr].box(rank)
                 full = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-            if not torch.allclose(param.grad, full, rtol=1e-4, atol=1e-6):
+            scale = 1 + (float(full.abs().amax()) if full.numel() else 0.0)  # float noise grows with the values
+            if not torch.allclose(param.grad, full, rtol=1e-4, atol=1e-6 * scale):
                 bad.append(name)
     return bad
 
