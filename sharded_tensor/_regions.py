@@ -660,14 +660,29 @@ _SIDE_EFFECTS = {"copy_", "__setitem__", "index_put_", "scatter_", "scatter_add_
                  "index_add_", "index_fill_", "put_", "resize_", "set_", "uniform_", "normal_"}
 
 
+def _any_tagged(values: Any) -> bool:
+    """Whether a tagged tensor is among ``values`` or one level down (lists and tuples of tensors)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v in _TAGS:
+                return True
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, (list, tuple, dict)) or (isinstance(x, torch.Tensor) and x in _TAGS):
+                    return True  # deeper structures take the full look
+        elif isinstance(v, dict):
+            return True
+    return False
+
+
 class _Propagate(TorchFunctionMode):
     """Run every torch op on split slices where a rule proves it exact, else on gathered tensors."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
-        if not any(isinstance(x, torch.Tensor) and x in _TAGS for x in flat):
+        if not _any_tagged(args) and not _any_tagged(kwargs.values()):
             return func(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
         name = getattr(func, "__name__", "")
         if name in _METADATA and name != "__bool__":
             return func(*args, **kwargs)
