@@ -1,35 +1,28 @@
-"""Sharded compute for ``nn.Linear`` and ``nn.Embedding``, inserted automatically.
+"""Compute layouts of sharded parameters, planning per module, and the built-in registrations.
 
-Three layers, from data to execution:
+From data to execution:
 
 1. :func:`classify` reads a parameter's shard layout (``ShardedTensorMetadata``) and says
    what it is for compute: *replicated* (whole on every rank), *split* along one dimension
-   (each element on exactly one rank; ``intervals`` give each rank's slice), or something no
-   layer here can compute with (blocks split along several dimensions, or elements held by
-   some ranks but not all).
-2. :func:`plan_module` turns the layouts of one module's parameters into a plan
-   (:class:`LinearPlan` / :class:`EmbeddingPlan`), or refuses with a ``ValueError`` that
+   (each element on exactly one rank; ``intervals`` give each rank's slice, or ``pieces`` its
+   several slices for a packed layout such as a fused q/k/v weight split by heads), or
+   something no registration here computes with (blocks split along several dimensions, or
+   elements held by some ranks but not all).
+2. :func:`plan_module` hands the layouts of one module's parameters to the module type's
+   registration (``_registry``), which returns a plan or refuses with a ``ValueError`` that
    names the module and says why. Refusal happens at shard time: a layout that cannot be
-   computed correctly never produces numbers.
-3. The module's ``forward`` is replaced (on the instance) by a sharded one. Called directly
-   it takes and returns *replicated* tensors, exactly like the original module. Then
-   :func:`optimize` traces the enclosing modules with ``torch.fx`` (as the RFC proposes)
-   and, where a Linear split on its outputs (or an Embedding split on its embedding
-   dimension) feeds a Linear split on its inputs only through element-wise ops, rewrites
-   those two call sites so the intermediate stays sharded: a two-layer MLP forward then does
-   exactly one all-reduce. The rewritten graph runs as the traced module's ``forward``.
+   computed correctly never produces numbers. ``nn.Linear`` and ``nn.Embedding`` are the
+   registrations defined here (``nn.MultiheadAttention`` is in ``_attention``).
+3. :func:`install` gives the module the registration's forward, and :func:`optimize` finds
+   the regions where activations stay split between modules (``_regions``): the smallest
+   module holding a layer split on its outputs and one split on its inputs the same way.
+   Where ``torch.fx`` can trace a module, it also checks that no code reads a split
+   parameter directly (such an op would see only this rank's shard).
 
-Why module-level forwards plus fx call-site rewriting rather than a whole-graph rewrite with
-explicit communication nodes: every sharded module stays correct on its own (direct calls,
-hooks, models fx cannot trace), and fx is used only for what needs the data flow, deciding
-which activations may stay sharded. A model (or submodule) that fx cannot trace keeps
-working, with each sharded layer gathering its output.
-
-Communication per forward (``k`` = number of ranks): Linear split on outputs: none in
-forward, all-gather of the output unless it stays sharded; Linear split on inputs: one
-all-reduce; Embedding split on the vocabulary: one all-reduce; Embedding split on the
-embedding dimension: all-gather unless it stays sharded. Backward mirrors this (see
-``_functional``).
+Communication per forward (``k`` = number of ranks): Linear split on outputs: none while
+the output stays split, else an all-gather; Linear split on inputs: one all-reduce;
+Embedding split on the vocabulary: one all-reduce; Embedding split on the embedding
+dimension: like a Linear split on outputs. Backward mirrors this (see ``_functional``).
 """
 
 from __future__ import annotations
