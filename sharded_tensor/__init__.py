@@ -5,6 +5,7 @@ from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
 from ._optim import load_optim_state_dict, optim_state_dict
 from ._sharder import shard_model, shard_parameter
 from ._tensor import Shard, ShardedTensor
+from ._training import all_reduce_grads, clip_grad_norm_, get_state_dict, set_state_dict
 from ._visualize import visualize_sharding
 
 __all__ = [
@@ -12,4 +13,5 @@ __all__ = [
     "empty", "zeros", "ones", "full", "rand", "randn", "shard_tensor",
     "visualize_sharding",
     "shard_parameter", "shard_model", "optim_state_dict", "load_optim_state_dict",
+    "clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads",
 ]
