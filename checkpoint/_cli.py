@@ -40,6 +40,7 @@ examples:
   %(prog)s verify s3://bucket/ckpt -o endpoint_url=http://127.0.0.1:9000
   %(prog)s consolidate ckpt model.safetensors
   %(prog)s consolidate ckpt hf-model --max-shard-size 5GB
+  %(prog)s consolidate ckpt hf-model --max-shard-size 5GB --include model --strip-prefix model
 
 exit status: 0 success, 1 invalid or unreadable checkpoint, 2 usage error."""
 
@@ -118,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("output", metavar="OUTPUT", help="output file, or folder with --max-shard-size")
     cons.add_argument("--max-shard-size", type=_size, metavar="SIZE",
                       help="largest output file: bytes, or 5GB / 500MB (powers of 1000) / 2GiB (powers of 1024)")
+    cons.add_argument("--include", action="append", metavar="PREFIX",
+                      help="export only the entries under this dotted name prefix (whole components: 'model' "
+                           "selects model.* but not model_ema.*), repeatable")
+    cons.add_argument("--strip-prefix", metavar="PREFIX",
+                      help="remove this prefix from the exported names, e.g. 'model' turns model.fc.weight "
+                           "into fc.weight (for load_state_dict or from_pretrained)")
     cons.add_argument("-q", "--quiet", action="store_true", help="no progress bar (also: environment SHARDKIT_QUIET=1)")
     return parser
 
@@ -132,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             return _verify_cmd(args.path, options, quiet=args.quiet, out=sys.stdout)
         return _consolidate_cmd(args.path, args.output, args.max_shard_size, options, quiet=args.quiet,
-                                out=sys.stdout)
+                                include=args.include, strip_prefix=args.strip_prefix, out=sys.stdout)
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1
@@ -277,9 +284,10 @@ def _verify_cmd(path: str, options: Mapping[str, Any], *, quiet: bool, out: Text
 # -- consolidate -------------------------------------------------------------------------------
 
 def _consolidate_cmd(path: str, output: str, max_shard_size: int | None, options: Mapping[str, Any], *,
-                     quiet: bool, out: TextIO) -> int:
-    files = consolidate_files(path, output, max_shard_size=max_shard_size, storage_options=options,
-                              quiet=True if quiet else None)
+                     quiet: bool, out: TextIO, include: Sequence[str] | None = None,
+                     strip_prefix: str | None = None) -> int:
+    files = consolidate_files(path, output, max_shard_size=max_shard_size, include=include,
+                              strip_prefix=strip_prefix, storage_options=options, quiet=True if quiet else None)
     for written in files:
         print(f"wrote {written}", file=out)
     return 0
