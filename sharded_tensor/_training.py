@@ -5,7 +5,7 @@ each rank holds a different block of every split parameter, so each rank would c
 norm of its own blocks and scale its gradients by a different factor: the blocks of one
 weight would be clipped inconsistently, replicated parameters (biases, layer norms) would
 drift apart between ranks, and the result would not be the norm of the model's gradient.
-:func:`clip_grad_norm_` here computes the norm of the *global* gradient, counting every
+``clip_grad_norm_`` here computes the norm of the *global* gradient, counting every
 element exactly once (a split parameter's blocks summed over the ranks of its group, a
 replicated parameter once), and gives every rank the same bits, so all ranks scale by the
 same factor.
@@ -14,9 +14,9 @@ The per-parameter norms follow ``torch.nn.utils.clip_grad_norm_`` step by step (
 each parameter's gradient, then the norm of those norms, then ``max_norm / (norm + 1e-6)``
 clamped to 1): on a model with nothing split, the result is bit for bit torch's.
 
-:func:`get_state_dict` / :func:`set_state_dict` bundle ``model.state_dict()`` and
-:func:`~sharded_tensor.optim_state_dict` into the one nested dict a training job saves and
-resumes from. :func:`all_reduce_grads` averages gradients over a data-parallel group, for
+``get_state_dict`` / ``set_state_dict`` bundle ``model.state_dict()`` and
+``optim_state_dict`` into the one nested dict a training job saves and
+resumes from. ``all_reduce_grads`` averages gradients over a data-parallel group, for
 data-parallel replicas of a tensor-parallel model.
 """
 
@@ -186,7 +186,7 @@ def get_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None)
     """The training state, ``{"model": ..., "optim": ...}``, ready for ``checkpoint.save`` / ``load``.
 
     ``"model"`` is ``model.state_dict()`` (a ``ShardedTensor`` per split parameter, sharing
-    the parameters' memory) and ``"optim"`` is :func:`~sharded_tensor.optim_state_dict`
+    the parameters' memory) and ``"optim"`` is [`optim_state_dict`][sharded_tensor.optim_state_dict]
     (state keyed by parameter name, laid out like the parameters; for an optimizer that has
     not stepped yet, a template of the state its first step creates, so ``checkpoint.load``
     can fill it). No communication. Add your own entries (the step, the data position)
@@ -209,10 +209,10 @@ def get_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None)
 
 def set_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None, state: Mapping[str, Any], *,
                    strict: bool = True) -> None:
-    """Load a :func:`get_state_dict` result into ``model`` and ``optim``, in their current layouts. Collective.
+    """Load a ``get_state_dict`` result into ``model`` and ``optim``, in their current layouts. Collective.
 
     The entries may come from any layout or world size (as ``checkpoint.load`` fills
-    them, or another model's :func:`get_state_dict`): ``ShardedTensor`` s are resharded into
+    them, or another model's [`get_state_dict`][sharded_tensor.get_state_dict]): ``ShardedTensor`` s are resharded into
     each parameter's layout and full tensors give each rank its block.
 
     Args:
