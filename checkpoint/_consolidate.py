@@ -47,8 +47,7 @@ from ._progress import progress
 
 __all__ = ["consolidate", "consolidate_files", "parse_size", "select", "INDEX_FILE", "VALUES_KEY"]
 
-Include = str | Sequence[str] | Callable[[str], bool] | None
-"""Which entries ``consolidate`` exports: name prefixes, or a predicate on the dotted name."""
+Include = str | Sequence[str] | Callable[[str], bool] | None  # name prefixes, or a predicate on the dotted name
 
 INDEX_FILE = "model.safetensors.index.json"
 """Name of the Hugging Face index written next to the shard files."""
@@ -96,7 +95,8 @@ class _OutputFile:
 
 
 def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
-                max_shard_size: int | str | None = None, include: Include = None, strip_prefix: str | None = None,
+                max_shard_size: int | str | None = None,
+                include: str | Sequence[str] | Callable[[str], bool] | None = None, strip_prefix: str | None = None,
                 storage_options: Mapping[str, Any] | None = None, quiet: bool | None = None) -> None:
     """Turn a sharded checkpoint into one ``.safetensors`` file, or a Hugging Face style folder.
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -157,7 +157,8 @@ def clip_grad_norm_(parameters_or_model: nn.Module | torch.Tensor | Iterable[tor
         slot[1].append(i)
         slot[2].append(_partial(_owned(grad, sp, rank), norm_type))
     for group, indices, partials in by_group.values():
-        gathered = _comm.all_gather_tensor(torch.stack(partials), group)
+        # On the group's own device: NCCL gathers CUDA tensors only.
+        gathered = _comm.all_gather_tensor(torch.stack(partials).to(_comm.default_device(group)), group)
         combined = gathered[0].clone()
         for other in gathered[1:]:  # in rank order, so every rank computes the same bits
             combined = torch.maximum(combined, other) if inf else combined + other
@@ -245,7 +246,7 @@ def set_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None, state:
 # -- data parallel ----------------------------------------------------------------------------------
 
 def all_reduce_grads(model: nn.Module | Iterable[torch.Tensor], group: _comm.ProcessGroup, *,
-                     op: str = "mean") -> None:
+                     op: Literal["mean", "sum"] = "mean") -> None:
     """Average (or sum) the gradients over ``group``, the data-parallel replicas. Collective.
 
     For data parallelism on top of a sharded model: each replica of a tensor-parallel model

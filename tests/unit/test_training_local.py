@@ -100,3 +100,47 @@ def test_set_state_dict_names_missing_entries():
     with pytest.raises(KeyError, match=r"state has no \['optim'\] entry"):
         st.set_state_dict(model, optim, {"model": state["model"]})
     st.set_state_dict(model, None, {"model": state["model"]})
+
+
+def _layout(shards: list[tuple[tuple[int, int], tuple[int, int], int]], size: tuple[int, int]):  # noqa: ANN202
+    from sharded_tensor._parallel import classify
+    from sharded_tensor._sharder import ShardedParameter
+    from sharding import EnumerableShardingSpec, ShardMetadata
+
+    spec = EnumerableShardingSpec([ShardMetadata(o, d, f"rank:{r}/cpu") for o, d, r in shards])
+    world = 1 + max(r for _, _, r in shards)
+    return ShardedParameter(classify("w", spec.build_metadata(size, torch.float32, world_size=world), world), spec,
+                            None), world
+
+
+@pytest.mark.parametrize(("shards", "kind"), [
+    pytest.param([((0, 0), (3, 4), 0), ((3, 0), (3, 4), 1), ((6, 0), (4, 4), 2)], "split", id="rows"),
+    pytest.param([((0, 0), (10, 4), 0), ((0, 0), (10, 4), 1)], "replicated", id="replicas"),
+    pytest.param([((0, 0), (5, 4), 0), ((0, 0), (5, 4), 1), ((5, 0), (5, 4), 2)], "partial", id="half-replicated"),
+    pytest.param([((0, 0), (5, 4), 0), ((0, 0), (5, 4), 1), ((5, 0), (5, 4), 1), ((0, 0), (5, 4), 2)], "partial",
+                 id="overlapping-blocks"),  # rank 1's block covers rank 0's and more: it owns only the rest
+])
+def test_every_element_is_owned_by_exactly_one_rank(shards, kind):
+    from sharded_tensor._training import _owned
+
+    sp, world = _layout(shards, (10, 4))
+    assert sp.layout.kind == kind
+    full = torch.arange(40.0).reshape(10, 4)
+    owned = []
+    for rank in range(world):
+        (r0, c0), (nr, nc) = sp.box(rank)
+        mine = _owned(full[r0:r0 + nr, c0:c0 + nc], sp, rank)
+        if mine is not None:
+            owned.append(mine.reshape(-1))
+    assert torch.equal(torch.sort(torch.cat(owned)).values, torch.arange(40.0))
+
+
+def test_all_reduce_grads_in_a_world_of_one():
+    model = _model()
+    _backward(model)
+    before = [p.grad.clone() for p in model.parameters()]
+    st.all_reduce_grads(model, None)
+    st.all_reduce_grads(model.parameters(), None, op="sum")
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    with pytest.raises(ValueError, match=r"op='max' is not supported; use 'mean' or 'sum'"):
+        st.all_reduce_grads(model, None, op="max")  # type: ignore[arg-type]
