@@ -11,7 +11,8 @@
   rounding), all matching a single-process run;
 * 2-D parallelism: 4 ranks = 2 data-parallel replicas of a 2-rank tensor-parallel model,
   gradients averaged with ``st.all_reduce_grads``, match the unsharded model trained on the
-  global batch over several steps, replicas bit-identical.
+  global batch over several steps, replicas bit-identical; one replica saves the training
+  state in its tensor-parallel group and every replica loads it back exactly.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def _batch_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
 
-def _two_d(rank: int, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _two_d(rank: int, world_size: int, path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     # rank = dp * TP + tp: tensor-parallel groups {0, 1} and {2, 3}, data-parallel groups {0, 2} and {1, 3}.
     tp_groups = [dist.new_group([d * TP + t for t in range(TP)]) for d in range(DP)]
     dp_groups = [dist.new_group([d * TP + t for d in range(DP)]) for t in range(TP)]
@@ -242,11 +243,26 @@ def _two_d(rank: int, world_size: int) -> tuple[list[float], dict[str, torch.Ten
         losses.append(total.item() / DP)
     sd = model.state_dict()
     full = {name: (v.full_tensor() if isinstance(v, st.ShardedTensor) else v.clone()) for name, v in sd.items()}
+
+    # One replica saves (the others hold the same values); every replica loads, in its own group.
+    if dp == 0:
+        checkpoint.save({**st.get_state_dict(model, optim), "step": STEPS_2D}, path, process_group=tp_group)
+    dist.barrier()
+    fresh = _build(spec, seed=9, group=tp_group)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    state = {**st.get_state_dict(fresh, fresh_optim), "step": 0}
+    checkpoint.load(state, path, process_group=tp_group)
+    st.set_state_dict(fresh, fresh_optim, state)
+    assert state["step"] == STEPS_2D
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert all(torch.equal(a, b) for a, b in zip(optim.state[p].values(), fresh_optim.state[q].values()))
     return losses, full
 
 
-def test_data_parallel_replicas_of_a_tensor_parallel_model_match_the_unsharded_model():
-    results = run_distributed(_two_d, TP * DP)
+def test_data_parallel_replicas_of_a_tensor_parallel_model_match_the_unsharded_model(tmp_path):
+    results = run_distributed(_two_d, TP * DP, str(tmp_path / "ckpt"))
     model = _build(composite())
     optim = torch.optim.AdamW(model.parameters(), lr=0.02)
     reference = []
