@@ -160,6 +160,11 @@ def load_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_
     Raises:
         ValueError: parameter names or groups that do not match the optimizer, or state with a
             wrong shape; the message names the parameter.
+
+    Example:
+        >>> state = {"optim": optim_state_dict(model, optim)}  # a template before the first step  # doctest: +SKIP
+        >>> checkpoint.load(state, path, strict=False)  # the checkpoint holds "model" too  # doctest: +SKIP
+        >>> load_optim_state_dict(model, optim, state["optim"])  # doctest: +SKIP
     """
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         msg = "state_dict must be a mapping with 'state' and 'param_groups', as returned by optim_state_dict()."
