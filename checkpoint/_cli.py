@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
@@ -20,13 +23,14 @@ from ._format import (
     CheckpointMetadata,
     _read_metadata,
     member,
+    TensorEntry,
     read_safetensors_header,
     resolve,
     safetensors_dtype,
 )
 from ._progress import progress
 
-__all__ = ["main", "verify"]
+__all__ = ["main", "verify", "tensor_layout"]
 
 PROG = "shardkit-checkpoint"
 
@@ -40,6 +44,7 @@ examples:
   %(prog)s verify s3://bucket/ckpt -o endpoint_url=http://127.0.0.1:9000
   %(prog)s consolidate ckpt model.safetensors
   %(prog)s consolidate ckpt hf-model --max-shard-size 5GB
+  %(prog)s consolidate ckpt hf-model --max-shard-size 5GB --include model --strip-prefix model
 
 exit status: 0 success, 1 invalid or unreadable checkpoint, 2 usage error."""
 
@@ -93,8 +98,9 @@ def _parser() -> argparse.ArgumentParser:
                              "parsed as JSON when it can be, dotted KEYs nest (client_kwargs.region_name=eu-west-1)")
 
     inspect = commands.add_parser(
-        "inspect", parents=[common], help="list tensors, sizes, dtypes, shard counts and values",
-        description="List a checkpoint's tensors (dtype, shape, bytes, saved shards), its non-tensor values and "
+        "inspect", parents=[common], help="list tensors, sizes, dtypes, layouts and values",
+        description="List a checkpoint's tensors (dtype, shape, bytes, saved shards and how they split the tensor: "
+                    "the split dimension and block sizes, or the grid of a mesh), its non-tensor values and "
                     "its data files, from the metadata alone (no tensor data is read).")
     inspect.add_argument("path", metavar="PATH", help="checkpoint folder (local path or fsspec URL)")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
@@ -118,6 +124,12 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("output", metavar="OUTPUT", help="output file, or folder with --max-shard-size")
     cons.add_argument("--max-shard-size", type=_size, metavar="SIZE",
                       help="largest output file: bytes, or 5GB / 500MB (powers of 1000) / 2GiB (powers of 1024)")
+    cons.add_argument("--include", action="append", metavar="PREFIX",
+                      help="export only the entries under this dotted name prefix (whole components: 'model' "
+                           "selects model.* but not model_ema.*), repeatable")
+    cons.add_argument("--strip-prefix", metavar="PREFIX",
+                      help="remove this prefix from the exported names, e.g. 'model' turns model.fc.weight "
+                           "into fc.weight (for load_state_dict or from_pretrained)")
     cons.add_argument("-q", "--quiet", action="store_true", help="no progress bar (also: environment SHARDKIT_QUIET=1)")
     return parser
 
@@ -132,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             return _verify_cmd(args.path, options, quiet=args.quiet, out=sys.stdout)
         return _consolidate_cmd(args.path, args.output, args.max_shard_size, options, quiet=args.quiet,
-                                out=sys.stdout)
+                                include=args.include, strip_prefix=args.strip_prefix, out=sys.stdout)
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1
@@ -141,14 +153,62 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-# -- inspect -----------------------------------------------------------------------------------
+# -- inspect ---------------------------------------------------------------------------------
+
+def tensor_layout(entry: TensorEntry) -> dict[str, Any]:
+    """How a tensor's saved regions split it, from the metadata alone. Pure.
+
+    ``{"kind": "whole"}`` (one region), ``{"kind": "split", "dim": d, "sizes": [...]}``
+    (blocks along one dimension, in order), ``{"kind": "grid", "dims": [...], "sizes":
+    [[...], ...]}`` (a full grid of blocks over several dimensions, as a mesh spec saves
+    them), or ``{"kind": "blocks", "count": n}`` for any other tiling.
+    """
+    regions = [s for s in entry.shards if s.numel > 0]
+    size = tuple(entry.size)
+    if len(regions) <= 1:
+        return {"kind": "whole"}
+    dims = [d for d in range(len(size)) if any(s.dims[d] != size[d] for s in regions)]
+    cuts = [sorted({(s.offsets[d], s.dims[d]) for s in regions}) for d in dims]
+    tiles = all(sum(n for _, n in c) == size[d] and all(a[0] + a[1] == b[0] for a, b in zip(c, c[1:]))
+                for d, c in zip(dims, cuts))
+    if not tiles or math.prod(len(c) for c in cuts) != len(regions):
+        return {"kind": "blocks", "count": len(regions)}
+    sizes = [[n for _, n in c] for c in cuts]
+    if len(dims) == 1:
+        return {"kind": "split", "dim": dims[0], "sizes": sizes[0]}
+    return {"kind": "grid", "dims": dims, "sizes": sizes}
+
+
+def _runs(sizes: Sequence[int]) -> str:
+    """``[3, 3, 3, 1]`` -> ``"3, 3, 3, 1"``; long runs compressed: ``[16] * 63 + [8]`` -> ``"16 (x63), 8"``."""
+    parts: list[str] = []
+    k = 0
+    while k < len(sizes):
+        j = k
+        while j < len(sizes) and sizes[j] == sizes[k]:
+            j += 1
+        parts.append(f"{sizes[k]} (x{j - k})" if j - k > 3 else ", ".join([str(sizes[k])] * (j - k)))
+        k = j
+    return ", ".join(parts)
+
+
+def _layout_text(layout: Mapping[str, Any]) -> str:
+    if layout["kind"] == "whole":
+        return "whole"
+    if layout["kind"] == "split":
+        return f"dim {layout['dim']}: {_runs(layout['sizes'])}"
+    if layout["kind"] == "grid":
+        shape = "x".join(str(len(s)) for s in layout["sizes"])
+        return f"grid {shape}: " + " x ".join(f"dim {d} [{_runs(s)}]" for d, s in zip(layout["dims"], layout["sizes"]))
+    return f"{layout['count']} blocks"
+
 
 def _describe(path: str, metadata: CheckpointMetadata) -> dict[str, Any]:
     return {
         "path": path, "format_version": metadata.version, "generation": metadata.generation,
         "saved_world_size": metadata.world_size,
         "tensors": {name: {"dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.size), "bytes": e.nbytes,
-                           "shards": len([s for s in e.shards if s.numel > 0])}
+                           "shards": len([s for s in e.shards if s.numel > 0]), "layout": tensor_layout(e)}
                     for name, e in metadata.tensors.items()},
         "values": dict(metadata.values),
         "files": dict(metadata.files),
@@ -157,29 +217,43 @@ def _describe(path: str, metadata: CheckpointMetadata) -> dict[str, Any]:
     }
 
 
-def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextIO) -> int:
+def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextIO, width: int | None = None) -> int:
     fs, root = resolve(path, options)
     info = _describe(path, _read_metadata(fs, root))
     if as_json:
         print(json.dumps(info, indent=2), file=out)
         return 0
+    width = width or shutil.get_terminal_size((100, 24)).columns
     tensors = info["tensors"]
     print(f"checkpoint {path}  (format v{info['format_version']}, generation {info['generation']}, "
           f"saved by {info['saved_world_size']} rank{'s' if info['saved_world_size'] != 1 else ''})", file=out)
-    rows = [("name", "dtype", "shape", "bytes", "shards")]
-    rows += [(name, t["dtype"], "(" + ", ".join(map(str, t["shape"])) + ")", _human(t["bytes"]), str(t["shards"]))
-             for name, t in tensors.items()]
+    rows = [("name", "dtype", "shape", "bytes", "shards", "layout")]
+    rows += [(name, t["dtype"], "(" + ", ".join(map(str, t["shape"])) + ")", _human(t["bytes"]), str(t["shards"]),
+              _layout_text(t["layout"])) for name, t in tensors.items()]
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    indent = sum(widths) + 2 * 5
+    # The layout column wraps within the terminal (at least 20 columns of it), under itself.
+    room = max(20, width - indent)
     print(file=out)
     for k, row in enumerate(rows):
         cells = [row[c].ljust(widths[c]) if c in (0, 1, 2) else row[c].rjust(widths[c]) for c in range(5)]
-        print("  ".join(cells).rstrip(), file=out)
+        # "16 (x62)" is one word: wrap between blocks, never inside one.
+        lines = [line.replace("\0", " ") for line in textwrap.wrap(
+            row[5].replace(" (x", "\0(x"), room, break_long_words=False, break_on_hyphens=False)] or [""]
+        print(("  ".join(cells) + "  " + lines[0]).rstrip(), file=out)
+        for line in lines[1:]:
+            print(" " * indent + line, file=out)
         if k == 0:
-            print("  ".join("-" * w for w in widths), file=out)
+            print("  ".join("-" * w for w in [*widths, min(room, max(len(r[5]) for r in rows))]), file=out)
     if info["values"]:
         print(f"\nvalues ({len(info['values'])}):", file=out)
         for name, value in info["values"].items():
-            print(f"  {name} = {json.dumps(value)}", file=out)
+            head = f"  {name} = "
+            text = json.dumps(value)
+            lines = textwrap.wrap(text, max(30, width - len(head)), break_long_words=True, break_on_hyphens=False)
+            print(head + (lines[0] if lines else text), file=out)
+            for line in lines[1:]:
+                print(" " * len(head) + line, file=out)
     print(f"\n{len(tensors)} tensors, {info['tensor_bytes']} bytes ({_human(info['tensor_bytes'])}) of tensor data; "
           f"{len(info['files'])} data files, {info['file_bytes']} bytes ({_human(info['file_bytes'])})", file=out)
     return 0
@@ -277,9 +351,10 @@ def _verify_cmd(path: str, options: Mapping[str, Any], *, quiet: bool, out: Text
 # -- consolidate -------------------------------------------------------------------------------
 
 def _consolidate_cmd(path: str, output: str, max_shard_size: int | None, options: Mapping[str, Any], *,
-                     quiet: bool, out: TextIO) -> int:
-    files = consolidate_files(path, output, max_shard_size=max_shard_size, storage_options=options,
-                              quiet=True if quiet else None)
+                     quiet: bool, out: TextIO, include: Sequence[str] | None = None,
+                     strip_prefix: str | None = None) -> int:
+    files = consolidate_files(path, output, max_shard_size=max_shard_size, include=include,
+                              strip_prefix=strip_prefix, storage_options=options, quiet=True if quiet else None)
     for written in files:
         print(f"wrote {written}", file=out)
     return 0

@@ -24,8 +24,8 @@ import os
 import posixpath
 import re
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
@@ -45,7 +45,9 @@ from ._format import (
 )
 from ._progress import progress
 
-__all__ = ["consolidate", "consolidate_files", "parse_size", "INDEX_FILE", "VALUES_KEY"]
+__all__ = ["consolidate", "consolidate_files", "parse_size", "select", "INDEX_FILE", "VALUES_KEY"]
+
+Include = str | Sequence[str] | Callable[[str], bool] | None  # name prefixes, or a predicate on the dotted name
 
 INDEX_FILE = "model.safetensors.index.json"
 """Name of the Hugging Face index written next to the shard files."""
@@ -93,8 +95,9 @@ class _OutputFile:
 
 
 def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
-                max_shard_size: int | str | None = None, storage_options: Mapping[str, Any] | None = None,
-                quiet: bool | None = None) -> None:
+                max_shard_size: int | str | None = None,
+                include: str | Sequence[str] | Callable[[str], bool] | None = None, strip_prefix: str | None = None,
+                storage_options: Mapping[str, Any] | None = None, quiet: bool | None = None) -> None:
     """Turn a sharded checkpoint into one ``.safetensors`` file, or a Hugging Face style folder.
 
     Offline and single-process: no process group is needed. Memory stays about one output
@@ -114,11 +117,22 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
     folder under ``"shardkit.values"`` of the index's ``"metadata"``. Every output file also
     carries ``__metadata__["format"] = "pt"``, which ``transformers`` expects.
 
+    ``include`` and ``strip_prefix`` export part of a checkpoint under other names: a
+    training checkpoint saved as ``{"model": ..., "optim": ..., "step": ...}`` becomes model
+    weights that ``model.load_state_dict(..., strict=True)`` or ``from_pretrained`` accept
+    with ``include="model", strip_prefix="model"``. A prefix matches whole dotted
+    components: ``"model"`` (or ``"model."``) selects ``model`` and ``model.*``, never
+    ``model_ema.*``. Non-tensor values are selected and renamed the same way.
+
     Args:
         path: the checkpoint folder, a local path or fsspec URL.
         output: the file (or folder, with ``max_shard_size``) to write; a local path or fsspec
             URL. It receives ``storage_options`` too when it uses the same protocol as ``path``.
         max_shard_size: largest output file, in bytes (int) or as ``"5GB"``/``"500MB"``.
+        include: export only these entries: a name prefix, a list of prefixes, or a
+            predicate called with each dotted name (``None``: everything).
+        strip_prefix: remove this prefix (``"model"`` or ``"model."``) from the exported names
+            that start with it.
         storage_options: fsspec options (credentials, endpoint, ...) for ``path``.
         quiet: ``True`` hides the progress bar shown on a terminal for large checkpoints;
             ``None`` follows the ``SHARDKIT_QUIET`` environment variable.
@@ -126,7 +140,9 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
     Raises:
         CheckpointError: the checkpoint is incomplete or corrupt (a checksum, a missing or
             truncated file); the message names the file and the tensor.
-        ValueError: a bad ``max_shard_size``, or a tensor named ``"__metadata__"``.
+        ValueError: a bad ``max_shard_size``, an ``include`` that selects no tensor, a
+            ``strip_prefix`` that no selected name starts with or that makes two names
+            equal, or a tensor named ``"__metadata__"``.
         FileNotFoundError: no checkpoint at ``path``.
 
     Example:
@@ -134,17 +150,21 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
         >>> checkpoint.consolidate("s3://b/ckpt", "hf", max_shard_size="5GB")  # doctest: +SKIP
         >>> safetensors.torch.load_file("model.safetensors")["fc.weight"].shape  # doctest: +SKIP
         torch.Size([10, 4])
+        >>> # a training checkpoint {"model": ..., "optim": ..., "step": ...}: the weights only
+        >>> checkpoint.consolidate("ckpt", "hf", max_shard_size="5GB", include="model", strip_prefix="model")  # doctest: +SKIP
     """
-    consolidate_files(path, output, max_shard_size=max_shard_size, storage_options=storage_options, quiet=quiet)
+    consolidate_files(path, output, max_shard_size=max_shard_size, include=include, strip_prefix=strip_prefix,
+                      storage_options=storage_options, quiet=quiet)
 
 
 def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
-            max_shard_size: int | str | None = None, storage_options: Mapping[str, Any] | None = None,
-            quiet: bool | None = None) -> list[str]:
+            max_shard_size: int | str | None = None, include: Include = None, strip_prefix: str | None = None,
+            storage_options: Mapping[str, Any] | None = None, quiet: bool | None = None) -> list[str]:
     """``consolidate``, returning the paths it wrote (data files, then the index if any)."""
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     in_fs, root = resolve(path, storage_options)
-    metadata = _read_metadata(in_fs, root)
+    metadata = select(_read_metadata(in_fs, root), include=include, strip_prefix=strip_prefix,
+                      source=os.fspath(path))
     if "__metadata__" in metadata.tensors:
         msg = ("checkpoint has a tensor named '__metadata__', which safetensors reserves for its metadata; "
                "rename it in the state_dict and save again.")
@@ -175,6 +195,77 @@ def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[st
                 _remove(out_fs, p)
             raise
     return done
+
+
+# -- selecting ---------------------------------------------------------------------------------
+
+def _component_prefix(prefix: str) -> str:
+    return prefix if prefix.endswith(".") else prefix + "."
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix.rstrip(".") or name.startswith(_component_prefix(prefix))
+
+
+def _matcher(include: Include) -> Callable[[str], bool]:
+    if include is None:
+        return lambda name: True
+    if isinstance(include, str):
+        include = [include]
+    if callable(include):
+        return include
+    prefixes = list(include)
+    bad = [p for p in prefixes if not isinstance(p, str) or not p.rstrip(".")]
+    if bad or not prefixes:
+        msg = (f"include={include!r}: expected a non-empty name prefix such as 'model', a list of them, or a "
+               f"callable taking a dotted name and returning a bool.")
+        raise TypeError(msg) if any(not isinstance(p, str) for p in bad) else ValueError(msg)
+    return lambda name: any(_under(name, p) for p in prefixes)
+
+
+def _top_level(names: Sequence[str]) -> list[str]:
+    return sorted({name.split(".", 1)[0] for name in names})
+
+
+def select(metadata: CheckpointMetadata, *, include: Include = None, strip_prefix: str | None = None,
+           source: str = "?") -> CheckpointMetadata:
+    """The part of ``metadata`` that ``include`` selects, renamed by ``strip_prefix``. Pure.
+
+    Raises:
+        ValueError: nothing selected, a ``strip_prefix`` no selected name starts with, or two
+            names equal after stripping.
+    """
+    if include is None and strip_prefix is None:
+        return metadata
+    keep = _matcher(include)
+    tensors = {name: entry for name, entry in metadata.tensors.items() if keep(name)}
+    values = {name: value for name, value in metadata.values.items() if keep(name)}
+    if not tensors:
+        msg = (f"include={include!r} selects none of the {len(metadata.tensors)} tensors of checkpoint {source!r}; "
+               f"its names start with {_top_level(list(metadata.tensors) + list(metadata.values))} (a prefix "
+               f"matches whole dotted components: 'model' selects 'model.*').")
+        raise ValueError(msg)
+    if strip_prefix is not None:
+        if not isinstance(strip_prefix, str) or not strip_prefix.rstrip("."):
+            msg = f"strip_prefix={strip_prefix!r}: expected a non-empty name prefix such as 'model'."
+            raise ValueError(msg)
+        cut = _component_prefix(strip_prefix)
+        if not any(name.startswith(cut) for name in tensors):
+            msg = (f"strip_prefix={strip_prefix!r} begins none of the {len(tensors)} selected tensor names "
+                   f"(e.g. {sorted(tensors)[:3]}); their names start with {_top_level(list(tensors))}.")
+            raise ValueError(msg)
+        renamed: dict[str, TensorEntry] = {}
+        origin: dict[str, str] = {}
+        for name, entry in tensors.items():
+            new = name.removeprefix(cut)
+            if new in renamed:
+                msg = (f"strip_prefix={strip_prefix!r} gives tensors {origin[new]!r} and {name!r} the same name "
+                       f"{new!r}; select only one of them with include=.")
+                raise ValueError(msg)
+            renamed[new], origin[new] = entry, name
+        tensors = renamed
+        values = {name.removeprefix(cut): value for name, value in values.items() if name != cut.rstrip(".")}
+    return replace(metadata, tensors=tensors, values=values)
 
 
 # -- planning ----------------------------------------------------------------------------------

@@ -299,7 +299,23 @@ def read_safetensors_header(fs: fsspec.AbstractFileSystem, path: str) -> tuple[d
 
 @dataclass(frozen=True, slots=True)
 class SavedShard:
-    """One saved region of a tensor: its block, and where its bytes are."""
+    """One saved region of a tensor: its block, and where its bytes are.
+
+    A region held by several replicas is saved once; the regions of a tensor tile it exactly.
+
+    Attributes:
+        offsets: where the block starts in the full tensor, one int per dimension.
+        dims: the block's sizes, one int per dimension.
+        file: the data file (a ``.safetensors`` file in the checkpoint folder) holding it.
+        key: the block's name inside that file's safetensors header.
+        byte_range: ``(start, end)`` of its bytes in the file.
+        checksum: the checksum of those bytes, ``"<algorithm>:<hex>"``, verified on load.
+
+    Example:
+        >>> shard = checkpoint.read_metadata("ckpt").tensors["0.weight"].shards[1]  # doctest: +SKIP
+        >>> shard.offsets, shard.dims  # doctest: +SKIP
+        ((250, 0), (250, 64))
+    """
 
     offsets: tuple[int, ...]
     dims: tuple[int, ...]
@@ -328,7 +344,18 @@ class SavedShard:
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """A saved tensor: its global size, dtype and the saved regions that tile it."""
+    """A saved tensor: its global size, dtype and the saved regions that tile it.
+
+    Attributes:
+        size: the full tensor's size.
+        dtype: its dtype.
+        shards: the saved regions ([`SavedShard`][checkpoint._format.SavedShard]), in save order.
+
+    Example:
+        >>> entry = checkpoint.read_metadata("ckpt").tensors["0.weight"]  # doctest: +SKIP
+        >>> entry.size, entry.dtype, len(entry.shards)  # doctest: +SKIP
+        (torch.Size([1000, 64]), torch.float32, 4)
+    """
 
     size: torch.Size
     dtype: torch.dtype
@@ -347,11 +374,21 @@ class TensorEntry:
 class CheckpointMetadata:
     """What ``shardkit.json`` says: tensors (name -> ``TensorEntry``), values, data files.
 
+    Returned by ``checkpoint.read_metadata``; reading it reads no tensor data.
+
     Attributes:
-        tensors: dotted name -> entry with ``.size``, ``.dtype`` and ``.shards`` (``SavedShard``).
+        tensors: dotted name -> [`TensorEntry`][checkpoint._format.TensorEntry] (``.size``,
+            ``.dtype``, ``.shards``).
         values: dotted name -> the non-tensor value (JSON data).
         files: data file name -> size in bytes.
-        version: format version. generation: the save's unique id. world_size: ranks that saved it.
+        generation: the unique id of the save that wrote the checkpoint.
+        world_size: number of ranks that saved it.
+        version: format version of ``shardkit.json``.
+
+    Example:
+        >>> meta = checkpoint.read_metadata("ckpt")  # doctest: +SKIP
+        >>> meta.tensors["0.weight"].size, meta.values["step"]  # doctest: +SKIP
+        (torch.Size([1000, 64]), 3)
     """
 
     tensors: Mapping[str, TensorEntry]

@@ -403,9 +403,11 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
     report: dict[str, Any] = {"error": None, "file": None, "bytes": 0, "records": []}
     failure: BaseException | None = None
     total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in mine)
+    everyone_total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in plan.regions)
     try:
         if mine:
-            with progress(total, "save", rank=rank, quiet=quiet) as bar:
+            # The bar counts the whole save (every rank's bytes), advanced by rank 0's share.
+            with progress(everyone_total, "save", rank=rank, quiet=quiet, share=total) as bar:
                 nbytes, records = _write_data_file(fs, posixpath.join(root, file_name), mine, plan,
                                                    generation, rank, bar)
             report.update(file=file_name, bytes=nbytes, records=records)

@@ -11,6 +11,7 @@ from ._regions import loss_parallel
 from ._registry import ShardedCall, ShardedModule, register_sharded_module
 from ._sharder import shard_model, shard_parameter
 from ._tensor import Shard, ShardedTensor
+from ._training import all_reduce_grads, clip_grad_norm_, get_state_dict, set_state_dict
 from ._visualize import visualize_sharding
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "shard_parameter", "shard_model", "optim_state_dict", "load_optim_state_dict", "loss_parallel",
     "ShardedModule", "ShardedCall", "ParamLayout", "register_sharded_module",
     "DFunction", "LayoutDecision", "register_layout_rule",
+    "clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads",
 ]

@@ -3,7 +3,7 @@
 ``torch.optim`` keeps per-parameter state (``exp_avg``, ``momentum_buffer``, ...) with the
 shape of the *local* tensor it optimizes, keyed by the parameter's position in the
 optimizer. That is neither portable across world sizes nor self-describing.
-:func:`optim_state_dict` rewrites it as::
+``optim_state_dict`` rewrites it as::
 
     {"state": {"mlp.fc1.weight": {"step": 3.0, "exp_avg": ShardedTensor, "exp_avg_sq": ShardedTensor}, ...},
      "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), ..., "params": ["mlp.fc1.weight", ...]}]}
@@ -11,7 +11,7 @@ optimizer. That is neither portable across world sizes nor self-describing.
 A state tensor shaped like a sharded parameter becomes a ``ShardedTensor`` with exactly the
 parameter's layout (wrapping the optimizer's own tensor: no copy); state of unsharded
 parameters stays a plain tensor; ``step`` becomes a plain number. The result goes straight
-into ``checkpoint.save``, and :func:`load_optim_state_dict` accepts it back under any layout
+into ``checkpoint.save``, and ``load_optim_state_dict`` accepts it back under any layout
 or world size: each ``ShardedTensor`` is resharded into the current parameter's layout.
 """
 
@@ -93,7 +93,8 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
     An optimizer that has not stepped yet has no state; then the state its first step would
     create is built (one step with zero gradients and ``lr=0``, parameters restored
     afterwards) and returned as a template, and the optimizer is left without state, so the
-    result can be filled by ``checkpoint.load`` and passed to :func:`load_optim_state_dict`.
+    result can be filled by ``checkpoint.load`` and passed to
+    [`load_optim_state_dict`][sharded_tensor.load_optim_state_dict].
 
     Raises:
         ValueError: the optimizer holds a tensor that is not a model parameter, or per-parameter
@@ -148,7 +149,9 @@ def _scalar_dtype() -> torch.dtype:
 
 
 def load_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
-    """Load a :func:`optim_state_dict` result into ``optim``, under the current layout. Collective.
+    """Load an ``optim_state_dict`` result into ``optim``, under the current layout. Collective.
+
+    ``state_dict`` is what [`optim_state_dict`][sharded_tensor.optim_state_dict] returned.
 
     ``ShardedTensor`` entries may come from any layout or world size (e.g. filled by
     ``checkpoint.load``): each is resharded into its parameter's current layout. Full tensors
@@ -157,6 +160,11 @@ def load_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_
     Raises:
         ValueError: parameter names or groups that do not match the optimizer, or state with a
             wrong shape; the message names the parameter.
+
+    Example:
+        >>> state = {"optim": optim_state_dict(model, optim)}  # a template before the first step  # doctest: +SKIP
+        >>> checkpoint.load(state, path, strict=False)  # the checkpoint holds "model" too  # doctest: +SKIP
+        >>> load_optim_state_dict(model, optim, state["optim"])  # doctest: +SKIP
     """
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         msg = "state_dict must be a mapping with 'state' and 'param_groups', as returned by optim_state_dict()."

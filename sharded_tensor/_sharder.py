@@ -45,7 +45,7 @@ from sharding import (
     SingleSplitShardingSpec,
 )
 
-from . import _comm, _parallel
+from . import _comm, _guard, _parallel
 from ._init import LayoutInvariantInit
 from ._memory import empty_for_fill
 from ._parallel import ParamLayout, Plan
@@ -704,10 +704,12 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
 
 def _finish(model: nn.Module, entries: Sequence[_Entry], group: _comm.ProcessGroup) -> None:
     """Record layouts on their modules and install the state_dict hooks."""
+    _guard.retire((e.name, e.param) for e in entries if e.new is not None and e.new is not e.param)
     for entry in entries:
         if entry.layout is None:
             continue
         sp = entry.sharded(group)
+        _guard.remember(entry.new, sp)  # type: ignore[arg-type]
         for _, module, attr in entry.owners:
             params = module.__dict__.setdefault("_shardkit_params", {})
             params[attr] = sp

@@ -61,9 +61,9 @@ def test_inspect_table(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     lines = out.splitlines()
     row = next(line for line in lines if line.startswith("enc.weight"))
-    assert row.split() == ["enc.weight", "float32", "(12,", "5)", "240", "B", "4"]
+    assert row.split() == ["enc.weight", "float32", "(12,", "5)", "240", "B", "4", "dim", "0:", "3", "(x4)"]
     row = next(line for line in lines if line.startswith("head"))
-    assert row.split()[1:3] == ["float16", "(4,"] and row.split()[-1] == "2"
+    assert row.split()[1:3] == ["float16", "(4,"] and row.split()[-5:] == ["2", "dim", "1:", "5,", "5"]
     assert "epoch = 4" in out and "sched.milestones = [10, 20]" in out
     assert "3 tensors, 340 bytes" in out
 
@@ -71,7 +71,8 @@ def test_inspect_table(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_inspect_json(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(saved), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["tensors"]["enc.weight"] == {"dtype": "float32", "shape": [12, 5], "bytes": 240, "shards": 4}
+    assert info["tensors"]["enc.weight"] == {"dtype": "float32", "shape": [12, 5], "bytes": 240, "shards": 4,
+                                             "layout": {"kind": "split", "dim": 0, "sizes": [3, 3, 3, 3]}}
     assert info["tensors"]["enc.bias"]["shards"] == 1
     assert info["values"] == {"epoch": 4, "sched.milestones": [10, 20]}
     assert info["tensor_bytes"] == 340
