@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import sharded_tensor as st
-from sharded_tensor._sharder import sharded_parameters
 from sharding import composite, single_split
+from tests.distributed._grads import local_grad_mismatches
 from tests.distributed._launch import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -67,26 +67,6 @@ def gpt2_spec(world: int, layers: int):  # type: ignore[no-untyped-def]
     return composite(**parts)
 
 
-def _local_block(layout, rank: int, full: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    return layout.local_of(rank, full) if layout.boxes[rank] is not None else full[:0]
-
-
-def _bad_grads(model: nn.Module, ref: nn.Module, rank: int) -> list[str]:
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))
-    bad = []
-    for mod_name, module in model.named_modules():
-        sharded = sharded_parameters(module)
-        for attr, param in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{attr}" if mod_name else attr
-            want = ref_params[name].grad
-            if attr in sharded:
-                want = _local_block(sharded[attr].layout, rank, want)
-            scale = 1 + (float(want.abs().amax()) if want.numel() else 0.0)  # float noise grows with the values
-            if not torch.allclose(param.grad, want, rtol=1e-4, atol=1e-6 * scale):
-                bad.append(name)
-    return bad
-
-
 class ScaledTanh(st.DFunction):
     layout_rule = "elementwise"
 
@@ -130,7 +110,7 @@ def _extension(rank: int, world: int) -> dict[str, object]:
     want.loss.backward()
     out["gpt2"] = ((got.logits - want.logits).abs().max().item(), got.loss.item(), want.loss.item())
     out["gpt2_comm"] = dict(comm.counts)
-    out["gpt2_bad_grads"] = _bad_grads(model, ref, rank)
+    out["gpt2_bad_grads"] = local_grad_mismatches(model, ref, rank)
 
     # nn.TransformerEncoderLayer: MultiheadAttention by heads, the feed-forward split.
     ranks = [f"rank:{r}/cpu" for r in range(world)]
@@ -153,7 +133,7 @@ def _extension(rank: int, world: int) -> dict[str, object]:
     (y_ref * torch.arange(32.0)).sum().backward()
     out["encoder"] = (y - y_ref).abs().max().item()
     out["encoder_comm"] = dict(comm.counts)
-    out["encoder_bad_grads"] = _bad_grads(layer, ref, rank)
+    out["encoder_bad_grads"] = local_grad_mismatches(layer, ref, rank)
     layer.eval()
     ref.eval()
     with torch.no_grad():

@@ -24,8 +24,8 @@ pytest.importorskip("transformers")
 
 import checkpoint  # noqa: E402
 import sharded_tensor as st  # noqa: E402
-from sharded_tensor._sharder import sharded_parameters  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
+from tests.distributed._grads import local_grad_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -84,24 +84,6 @@ def _pair(cls, config):  # type: ignore[no-untyped-def]
     return ref, model
 
 
-def _local_grads_match(model, ref, rank: int) -> list[str]:  # type: ignore[no-untyped-def]
-    """Names of parameters whose local gradient differs from this rank's block of the reference's."""
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))
-    bad = []
-    for mod_name, module in model.named_modules():
-        sharded = sharded_parameters(module)
-        for attr, param in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{attr}" if mod_name else attr
-            full = ref_params[name].grad
-            if attr in sharded:
-                offsets, sizes = sharded[attr].box(rank)
-                full = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-            scale = 1 + (float(full.abs().amax()) if full.numel() else 0.0)  # float noise grows with the values
-            if not torch.allclose(param.grad, full, rtol=1e-4, atol=1e-6 * scale):
-                bad.append(name)
-    return bad
-
-
 def _hf_models(rank: int, world: int) -> dict[str, object]:
     from transformers import BertForMaskedLM, LlamaForCausalLM
     out: dict[str, object] = {}
@@ -120,7 +102,7 @@ def _hf_models(rank: int, world: int) -> dict[str, object]:
     want.loss.backward()
     out["llama_forward_comm"] = dict(fwd.counts)
     out["llama_backward_comm"] = dict(bwd.counts)
-    out["llama_bad_grads"] = _local_grads_match(model, ref, rank)
+    out["llama_bad_grads"] = local_grad_mismatches(model, ref, rank)
 
     # Three AdamW steps, sharded and unsharded.
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
@@ -155,7 +137,7 @@ def _hf_models(rank: int, world: int) -> dict[str, object]:
     want.backward()
     out["loss_parallel"] = (loss.item(), want.item())
     out["loss_parallel_comm"] = dict(comm.counts)
-    out["loss_parallel_bad_grads"] = _local_grads_match(model, ref, rank)
+    out["loss_parallel_bad_grads"] = local_grad_mismatches(model, ref, rank)
 
     # BERT: q/k/v in one module, the output projection in a sibling.
     ref, model = _pair(BertForMaskedLM, _bert_config())
@@ -171,7 +153,7 @@ def _hf_models(rank: int, world: int) -> dict[str, object]:
     want.loss.backward()
     out["bert_logits"] = (got.logits - want.logits).abs().max().item()
     out["bert_forward_comm"] = dict(fwd.counts)
-    out["bert_bad_grads"] = _local_grads_match(model, ref, rank)
+    out["bert_bad_grads"] = local_grad_mismatches(model, ref, rank)
 
     # A q_proj split that cuts a head (head_dim 16): refused before anything changes.
     _, model = _pair(LlamaForCausalLM, _llama_config())
