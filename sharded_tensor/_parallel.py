@@ -27,6 +27,7 @@ dimension: like a Linear split on outputs. Backward mirrors this (see ``_functio
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -455,6 +456,7 @@ class _ShardedForward:
         self._module = module
         self._plan = plan
         self._call = _registry.ShardedCall(plan.inner, plan.group)
+        functools.update_wrapper(self, type(module).forward)  # keeps inspect.signature(module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with _regions.outside_propagation():
@@ -593,9 +595,16 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
     if sharded:
         visit("", model)
 
+    # The whole model runs as a region too: besides keeping split outputs split until they are
+    # needed whole, that lets every op be checked for a direct read of a split parameter.
+    if sharded and model not in sharded and "" not in roots:
+        roots.append("")
+
     def commit() -> list[str]:
         for root in roots:
             module = named[root]
             module.__dict__["forward"] = _regions.RegionForward(type(module).forward.__get__(module))
+        for name, label in split_params.items():
+            _regions.own(model.get_parameter(name), f"{name!r} of {label}")
         return roots
     return commit

@@ -46,6 +46,7 @@ loss with three all-reduces of per-row numbers instead of gathering the logits.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -115,6 +116,15 @@ class Packed:
 
 
 _TAGS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+# Local blocks of split parameters -> how to name them in a message. Inside a region, an op
+# that reads one directly (not through its module's registration) would see only this rank's
+# block, so it is refused instead of computing wrong numbers.
+_OWNED: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def own(parameter: torch.Tensor, label: str) -> None:
+    """Mark ``parameter`` as the local block of a split parameter, named ``label`` in messages."""
+    _OWNED[parameter] = label
 
 
 class _State(threading.local):
@@ -661,18 +671,31 @@ _SIDE_EFFECTS = {"copy_", "__setitem__", "index_put_", "scatter_", "scatter_add_
 
 
 def _any_tagged(values: Any) -> bool:
-    """Whether a tagged tensor is among ``values`` or one level down (lists and tuples of tensors)."""
+    """Whether a tagged tensor or a split parameter is among ``values`` or one level down."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            if v in _TAGS:
+            if v in _TAGS or v in _OWNED:
                 return True
         elif isinstance(v, (list, tuple)):
             for x in v:
-                if isinstance(x, (list, tuple, dict)) or (isinstance(x, torch.Tensor) and x in _TAGS):
+                if isinstance(x, (list, tuple, dict)) or (isinstance(x, torch.Tensor) and (x in _TAGS or x in _OWNED)):
                     return True  # deeper structures take the full look
         elif isinstance(v, dict):
             return True
     return False
+
+
+_VALUE_GETTERS = {"T", "mT", "H", "mH", "real", "imag"}
+
+
+def _reads_values(getter: Any) -> bool:
+    """Whether a ``Tensor`` attribute getter returns the tensor's values (``.T``) rather than metadata."""
+    return getattr(getattr(getter, "__self__", None), "__name__", "") in _VALUE_GETTERS
+
+
+def _describe(func: Any) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return f"{name}()"
 
 
 class _Propagate(TorchFunctionMode):
@@ -684,7 +707,16 @@ class _Propagate(TorchFunctionMode):
             return func(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         name = getattr(func, "__name__", "")
-        if name in _METADATA and name != "__bool__":
+        if (name in _METADATA and name != "__bool__") or (name == "__get__" and not _reads_values(func)):
+            return func(*args, **kwargs)
+        owned = next((x for x in flat if isinstance(x, torch.Tensor) and x in _OWNED), None)
+        if owned is not None:
+            msg = (f"parameter {_OWNED[owned]} is split across ranks, but the model's code uses it directly in "
+                   f"{_describe(func)} instead of calling its module, so that op would see only this rank's block "
+                   f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
+                   f"its module.")
+            raise RuntimeError(msg)
+        if not any(isinstance(x, torch.Tensor) and x in _TAGS for x in flat):
             return func(*args, **kwargs)
         rule = _RULES.get(name)
         if any(isinstance(_TAGS.get(x), Packed) for x in flat if isinstance(x, torch.Tensor)):
@@ -743,6 +775,7 @@ class RegionForward:
 
     def __init__(self, original: Callable[..., Any]) -> None:
         self._original = original
+        functools.update_wrapper(self, original)  # inspect.signature(model.forward) keeps working
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.depth:

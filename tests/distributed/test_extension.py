@@ -84,6 +84,15 @@ class ScaledTanh(st.DFunction):
         return inner, inner, None
 
 
+class _TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, x: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return torch.nn.functional.linear(self.emb(x), self.emb.weight)
+
+
 def _extension(rank: int, world: int) -> dict[str, object]:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.pytorch_utils import Conv1D
@@ -143,6 +152,15 @@ def _extension(rank: int, world: int) -> dict[str, object]:
     except ValueError as exc:
         out["mha_refused"] = str(exc)
 
+    # Code that reads a split parameter directly (fx cannot trace it: **kwargs) fails loudly.
+    tied = _TiedHead()
+    st.shard_model(tied, composite(**{"emb.weight": single_split(0, ranks)}), src_rank=0)
+    try:
+        tied(torch.tensor([[1, 2, 3]]))
+        out["direct_use"] = None
+    except RuntimeError as exc:
+        out["direct_use"] = str(exc)
+
     # A DFunction on ShardedTensors.
     full = torch.arange(40.0).reshape(10, 4) / 10
     rows = st.shard_tensor(full if rank == 0 else None, single_split(0, ranks))
@@ -181,6 +199,12 @@ def test_transformer_encoder_layer_by_heads(ext_runs):
         assert out["encoder_comm"] == {"all_reduce": 2}
         assert out["encoder_bad_grads"] == []
         assert "split its heads: in_proj_weight with single_split(0, ranks * 3)" in out["mha_refused"]
+
+
+def test_direct_use_of_a_split_parameter_fails_loudly(ext_runs):
+    for out in ext_runs:
+        assert "parameter 'emb.weight' of module 'emb' (Embedding) is split across ranks, but the model's code uses " \
+               "it directly in linear()" in out["direct_use"]
 
 
 def test_dfunction_on_sharded_tensors(ext_runs):
