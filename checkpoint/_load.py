@@ -42,6 +42,7 @@ from . import _comm
 from ._format import (
     METADATA_FILE,
     CheckpointError,
+    CheckpointMetadata,
     SavedShard,
     TensorEntry,
     _read_metadata,
@@ -51,6 +52,7 @@ from ._format import (
     resolve,
     verify_checksum,
 )
+from ._hf import KeyMap, apply_key_map, find_hf, read_hf_metadata
 from ._progress import progress
 
 __all__ = ["load"]
@@ -154,7 +156,7 @@ class _Reader:
         mapping = mmap.mmap(fd, end - first, access=mmap.ACCESS_READ, offset=first)
         try:
             region = memoryview(mapping)[start - first:]
-            if task.whole:
+            if task.whole and task.shard.checksum:  # files of other tools carry none
                 verify_checksum(region, task.shard.checksum, file=task.path, tensor=task.name)
             source = _view(region, task.entry.dtype).reshape(task.shard.dims)
             _copy(task.dest, source[inner])
@@ -218,7 +220,7 @@ def _execute(task: _Task, reader: _Reader) -> None:
         start = base + sum(r * s for r, s in zip(rel, strides)) * item
         buffer = direct if direct is not None else memoryview(bytearray(task.nbytes))
         reader.readinto(task, start, buffer)
-        if task.whole:
+        if task.whole and shard.checksum:  # files of other tools carry none
             verify_checksum(buffer, shard.checksum, file=task.path, tensor=task.name)
         if direct is None:
             _copy(task.dest, _view(buffer, dtype).reshape(dims))
@@ -271,13 +273,20 @@ def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
-         quiet: bool | None = None) -> dict[str, Any]:
+         key_map: KeyMap | None = None, quiet: bool | None = None) -> dict[str, Any]:
     """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
 
     A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
     its local shards, only the bytes of the saved regions that overlap it (fsspec range reads).
     A plain tensor receives the full tensor (in place); a ``None`` entry is replaced by a new
     CPU tensor. Non-tensor values replace the entry. Nested dicts match dotted names.
+
+    ``path`` may also be a Hugging Face safetensors checkpoint: one ``.safetensors`` file, or a
+    folder with ``model.safetensors.index.json`` (or a single ``model.safetensors``) and no
+    ``shardkit.json``. Each rank then parses every file's header once and reads only the byte
+    ranges of its own blocks, so ``shard_model(model, spec, init=False)`` followed by
+    ``load(model.state_dict(), hf_folder)`` never holds the full model anywhere. Such files
+    carry no checksums: their bytes are checked for length only.
 
     Args:
         state_dict: the (possibly nested) state_dict to fill, e.g. ``model.state_dict()`` of the
@@ -288,7 +297,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         strict: names in the state_dict but not in the checkpoint (missing) or the other way
             round (unexpected) are an error; with ``False`` they are skipped.
         cast: allow a target dtype other than the saved one (values are converted like
-            ``Tensor.copy_``); without it a dtype difference is an error.
+            ``Tensor.copy_``, e.g. a bfloat16 file into float32 parameters); without it a dtype
+            difference is an error.
+        key_map: renames the checkpoint's tensors before they are matched with the
+            state_dict: a dict (names it lacks stay as they are) or a callable taking a
+            checkpoint name and returning the state_dict name, or ``None`` to skip the tensor
+            (e.g. ``lambda k: "model." + k`` to add a prefix).
         quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large loads.
 
     Returns:
@@ -308,7 +322,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     """
     failure: BaseException | None = None
     try:
-        _load(state_dict, path, storage_options, strict, cast, quiet, process_group)
+        _load(state_dict, path, storage_options, strict, cast, key_map, quiet, process_group)
     except Exception as exc:
         failure = exc
     reports = _comm.all_gather_json(None if failure is None else f"{type(failure).__name__}: {failure}",
@@ -323,11 +337,11 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 
 def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None,
-          strict: bool, cast: bool, quiet: bool | None, process_group: _comm.ProcessGroup) -> None:
+          strict: bool, cast: bool, key_map: KeyMap | None, quiet: bool | None,
+          process_group: _comm.ProcessGroup) -> None:
     rank, _ = _comm.rank_and_world(process_group)
     fs, root = resolve(path, storage_options)
-    metadata = _read_metadata(fs, root)
-    source = posixpath.join(root, METADATA_FILE)
+    metadata, root, source = _read_source(fs, root, key_map)
     leaves = list(flatten_state_dict(state_dict))
     names = {name for name, *_ in leaves}
     saved = set(metadata.tensors) | set(metadata.values)
@@ -375,6 +389,19 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
                 bar.update(task.nbytes)
     finally:
         reader.close()
+
+
+def _read_source(fs: fsspec.AbstractFileSystem, root: str, key_map: KeyMap | None
+                 ) -> tuple[CheckpointMetadata, str, str]:
+    """``(metadata, folder of the data files, path to name in messages)`` of a shardkit or Hugging Face checkpoint."""
+    found = find_hf(fs, root)
+    if found is not None:
+        folder, files, source = found
+        metadata = read_hf_metadata(fs, folder, files, source)
+    else:
+        folder, source = root, posixpath.join(root, METADATA_FILE)
+        metadata = _read_metadata(fs, root)
+    return apply_key_map(metadata, key_map, source=source), folder, source
 
 
 def _plan_tensor(name: str, entry: TensorEntry, value: Any, root: str) -> list[_Task]:

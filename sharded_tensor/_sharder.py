@@ -334,7 +334,7 @@ class _Initializers:
     def __init__(self, model: nn.Module, init: InitArg) -> None:
         self.init = init
         self.owner: dict[int, nn.Module] = {}
-        if init is None:
+        if init is None or init is False:  # with False, buffers on meta still need the model's init
             def visit(module: nn.Module, owner: nn.Module | None) -> None:
                 if hasattr(module, "_init_weights") and hasattr(module, "config"):
                     owner = module
@@ -349,7 +349,7 @@ class _Initializers:
 
     def for_module(self, module: nn.Module) -> Callable[[], object] | None:
         """The call that initializes ``module``'s own parameters and buffers, or ``None``."""
-        if callable(self.init):
+        if callable(self.init) and self.init is not False:
             fn = self.init
             return lambda: fn(module)
         owner = self.owner.get(id(module))
