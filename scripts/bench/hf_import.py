@@ -1,0 +1,236 @@
+"""Pretrained Hugging Face weights into a tensor-parallel model: shardkit against PyTorch's two paths.
+
+A Llama folder of about 2 GiB of fp32 weights (8 safetensors files and an index, written once
+by transformers' ``save_pretrained`` from random weights and kept in a cache folder) is
+loaded onto 2 Gloo ranks with the decoder layers tensor-parallel (q/k/v/gate/up split on
+output features, o/down on input features, the rest whole), three ways, each in fresh
+processes:
+
+- **shardkit**: meta model, ``st.shard_model(model, spec, init=False)``,
+  ``checkpoint.load(model.state_dict(), folder)`` (each rank reads its blocks' byte ranges);
+- **from_pretrained**: ``LlamaForCausalLM.from_pretrained(folder)`` on every rank, then
+  ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``;
+- **dcp_hf**: meta model, ``parallelize_module``, ``to_empty(device="cpu")``, then
+  ``torch.distributed.checkpoint.load`` with ``HuggingFaceStorageReader``.
+
+Time runs from the model's construction until every rank holds its weights (slowest rank);
+memory is each rank's peak RSS growth over the same span, against the bytes of the
+parameters it holds. Every way's logits on one batch are compared with the first way's.
+
+    python scripts/bench/hf_import.py                 # 2 GiB, 3 repetitions
+    python scripts/bench/hf_import.py --quick         # ~100 MiB, 1 repetition
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import ROOT, machine  # noqa: E402
+
+MiB = 1 << 20
+WAYS = ("shardkit", "from_pretrained", "dcp_hf")
+
+
+def _config(quick: bool) -> Any:
+    from transformers import LlamaConfig
+    if quick:
+        return LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
+                           use_cache=False)
+    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                       num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=128, use_cache=False)
+
+
+def _folder(quick: bool) -> Path:
+    """The pretrained folder, written once."""
+    import torch
+    from transformers import LlamaForCausalLM
+    folder = Path(os.environ.get("SHARDKIT_BENCH_CACHE", tempfile.gettempdir())) / (
+        "shardkit-hf-llama-quick" if quick else "shardkit-hf-llama-2g")
+    if (folder / "model.safetensors.index.json").exists():
+        return folder
+    config = _config(quick)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(folder, max_shard_size=total // 8 + (1 << 20))
+    return folder
+
+
+def _names(layers: int) -> tuple[list[str], list[str]]:
+    cols, rows = [], []
+    for i in range(layers):
+        cols += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        cols += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj")]
+        rows += [f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"]
+    return cols, rows
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def _load(way: str, folder: Path, world: int, quick: bool) -> Any:
+    import torch
+    from transformers import LlamaForCausalLM
+    config = _config(quick)
+    cols, rows = _names(config.num_hidden_layers)
+    if way == "shardkit":
+        import checkpoint
+        import sharded_tensor as st
+        from sharding import composite, single_split
+        ranks = [f"rank:{r}/cpu" for r in range(world)]
+        spec = composite(**{n: single_split(0, ranks) for n in cols}, **{n: single_split(1, ranks) for n in rows})
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        st.shard_model(model, spec, init=False)
+        checkpoint.load(model.state_dict(), folder)
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {**{n: ColwiseParallel() for n in cols}, **{n: RowwiseParallel() for n in rows}}
+    if way == "from_pretrained":
+        model = LlamaForCausalLM.from_pretrained(folder)
+        return parallelize_module(model, mesh, plan)
+    import torch.distributed.checkpoint as dcp
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    parallelize_module(model, mesh, plan)
+    model.to_empty(device="cpu")
+    rotary = model.model.rotary_emb  # to_empty left its buffers uninitialized: recompute them
+    fresh = _rotary(config)
+    for name, buffer in rotary.named_buffers():
+        buffer.copy_(getattr(fresh, name))
+    state = model.state_dict()
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+    model.load_state_dict(state)
+    return model
+
+
+def _rotary(config: Any) -> Any:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    return LlamaRotaryEmbedding(config)
+
+
+def _local_bytes(model: Any) -> int:
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _rank(rank: int, world: int, store: str, way: str, folder: str, quick: bool, out: Any) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=30))
+    try:
+        # Imports are not what is measured: every way's modules are loaded before the clock.
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.tensor.parallel  # noqa: F401
+        from transformers import LlamaForCausalLM  # noqa: F401
+
+        import checkpoint  # noqa: F401
+        import sharded_tensor  # noqa: F401
+        dist.barrier()
+        before = _reset_peak()
+        start = time.perf_counter()
+        model = _load(way, Path(folder), world, quick)
+        elapsed = time.perf_counter() - start
+        peak = _status("VmHWM") - before
+        dist.barrier()
+        x = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logits = model(x).logits
+            if hasattr(logits, "full_tensor"):
+                logits = logits.full_tensor()
+        out.put((rank, {"seconds": elapsed, "peak_growth": peak, "local_bytes": _local_bytes(model),
+                        "logits": logits[0, :4, :8].tolist()}))
+    except BaseException as exc:
+        import traceback
+        out.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_once(way: str, world: int, folder: Path, quick: bool) -> list[dict[str, Any]]:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank, args=(r, world, str(Path(tmp) / "store"), way, str(folder), quick, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, dict[str, Any]] = {}
+        while len(results) < world:
+            rank, result = out.get(timeout=3600)
+            results[rank] = result
+            if "error" in result:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{way} failed on rank {rank}:\n{result['error']}")
+        for p in procs:
+            p.join()
+    return [results[r] for r in range(world)]
+
+
+def main() -> None:
+    import torch
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    world = 2
+    folder = _folder(args.quick)
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    runs: dict[str, list[list[dict[str, Any]]]] = {w: [] for w in WAYS}
+    for rep in range(args.repeat):
+        for way in WAYS[rep % len(WAYS):] + WAYS[:rep % len(WAYS)]:  # rotate the order
+            runs[way].append(measure_once(way, world, folder, args.quick))
+    report: dict[str, Any] = {"benchmark": "hf_import", "machine": machine(), "world": world,
+                              "folder_bytes": sum((folder / f).stat().st_size for f in files), "files": len(files)}
+    reference = torch.tensor(runs["shardkit"][0][0]["logits"])
+    for way in WAYS:
+        walls = sorted(max(r["seconds"] for r in run) for run in runs[way])
+        peaks = [max(run[i]["peak_growth"] for run in runs[way]) for i in range(world)]
+        local = [runs[way][0][i]["local_bytes"] for i in range(world)]
+        report[way] = {"seconds": round(statistics.median(walls), 2), "seconds_all_runs": [round(w, 2) for w in walls],
+                       "peak_growth_mib": [round(p / MiB) for p in peaks],
+                       "local_mib": [round(b / MiB) for b in local],
+                       "peak_over_local": [round(p / b, 2) for p, b in zip(peaks, local)],
+                       "same_logits": all(torch.allclose(torch.tensor(run[0]["logits"]), reference, atol=1e-4)
+                                          for run in runs[way])}
+    faster = min(report["from_pretrained"]["seconds"], report["dcp_hf"]["seconds"])
+    report["time_ratio_vs_faster_torch_path"] = round(report["shardkit"]["seconds"] / faster, 3)
+    report["time_goal_met"] = report["time_ratio_vs_faster_torch_path"] <= 0.6
+    report["memory_goal_met"] = all(r <= 1.1 for r in report["shardkit"]["peak_over_local"])
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
