@@ -88,9 +88,9 @@ class ShardedMultiheadAttention(_registry.ShardedModule):
             raise ValueError(msg)
         embed, head = mha.embed_dim, mha.head_dim
         world = len(next(iter(layouts.values())).boxes)
-        hint = (f"split its heads: in_proj_weight with single_split(0, ranks * 3) (each rank named three times, "
-                f"for its rows of q, k and v), out_proj.weight with single_split(1, ranks), the biases whole "
-                f"(in_proj_bias may be split like in_proj_weight)")
+        hint = ("split its heads: in_proj_weight with single_split(0, ranks * 3) (each rank named three times, "
+                "for its rows of q, k and v), out_proj.weight with single_split(1, ranks), the biases whole "
+                "(in_proj_bias may be split like in_proj_weight)")
         w = layouts.get("in_proj_weight")
         out = layouts.get("out_proj.weight")
         if w is None or w.kind != "split" or w.dim != 0 or out is None or out.kind != "split" or out.dim != 1 \

@@ -123,7 +123,8 @@ class ShardedCall:
     def split_input(self, x: torch.Tensor, intervals: Intervals) -> torch.Tensor:
         """This rank's slice of ``x`` along the last dimension (as it arrives when already split so)."""
         split = _regions.split_of(x)
-        if split is not None and split.dim == x.dim() - 1 and split.intervals == intervals and split.group is self.group:
+        if (split is not None and split.dim == x.dim() - 1 and split.intervals == intervals
+                and split.group is self.group):
             return x
         return scatter(_regions.to_replicated(x), -1, intervals, self.group)
 

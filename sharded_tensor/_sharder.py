@@ -89,7 +89,8 @@ class ShardedParameter:
                 tensors[i] = local[box_slices(shard.region, offsets)]
                 continue
             where = self.layout.local_region(rank, shard.region)
-            tensors[i] = local if where == ((0,) * local.dim(), tuple(local.shape)) else local[box_slices(where, (0,) * local.dim())]
+            whole = where == ((0,) * local.dim(), tuple(local.shape))
+            tensors[i] = local if whole else local[box_slices(where, (0,) * local.dim())]
         metadata = self.metadata
         if local.dtype != metadata.dtype:  # e.g. model.double() after sharding
             metadata = ShardedTensorMetadata(metadata.shards, metadata.size, local.dtype)
@@ -394,10 +395,11 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
       ``_init_weights`` for every module below it (as ``from_config`` does, tied weights
       staying tied), else each module's ``reset_parameters()``, else the root's
       ``init_weights()``; or by ``init(module)`` for each module when ``init`` is a callable;
-      or not at all with ``init=False`` (for a ``checkpoint.load`` that follows). Fills use
-      the distributions of the global tensors (fans from the global shapes). With ``seed``, every value depends only on ``seed``, the
-      parameter's name and the init rule, never on the layout or the world size (a
-      counter-based generator computes each rank's block). Without ``seed``, rank 0 draws
+      or not at all with ``init=False`` (for a ``checkpoint.load`` that follows; buffers on
+      the meta device still get the model's init). Fills use the distributions of the global
+      tensors (fans from the global shapes). With ``seed``, every value depends only on
+      ``seed``, the parameter's name and the init rule, never on the layout or the world size
+      (a counter-based generator computes each rank's block). Without ``seed``, rank 0 draws
       one and each block is drawn from an ordinary (faster) generator seeded from it and the
       block's place: replicas agree, but values differ between layouts;
     * with ``src_rank``, the model on that rank is the source of truth: each rank receives only
