@@ -14,6 +14,8 @@ from sharded_tensor._memory import empty_for_fill
 from sharded_tensor._plan import Piece, box_slices, plan_reshard
 from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
+from ._dtensor import dtensor_views
+
 __all__ = ["collect_state_dict"]
 
 
@@ -71,6 +73,7 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
         msg = f"dst={dst!r} is outside the process group of {world} ranks; use a rank in 0..{world - 1}."
         raise ValueError(msg)
 
+    state_dict, _ = dtensor_views(state_dict, process_group)
     sharded = list(_sharded_entries(state_dict))
     for name, value in sharded:
         _check_group(name, value, process_group)

@@ -39,6 +39,7 @@ from sharded_tensor import ShardedTensor
 from sharded_tensor._plan import RegionIndex, box_slices
 
 from . import _comm
+from ._dtensor import dtensor_views
 from ._format import (
     METADATA_FILE,
     CheckpointError,
@@ -308,7 +309,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     """
     failure: BaseException | None = None
     try:
-        _load(state_dict, path, storage_options, strict, cast, quiet, process_group)
+        views, restore = dtensor_views(state_dict, process_group)
+        _load(views, path, storage_options, strict, cast, quiet, process_group)
+        restore()
     except Exception as exc:
         failure = exc
     reports = _comm.all_gather_json(None if failure is None else f"{type(failure).__name__}: {failure}",
@@ -339,8 +342,13 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
                    f"the state_dict); pass strict=False to load only what matches.")
             raise CheckpointError(msg, missing=missing, unexpected=unexpected)
     tasks: list[_Task] = []
+    scalars: list[tuple[Any, Any, type, torch.Tensor]] = []
     for name, parent, key, value in leaves:
         if name in metadata.values:
+            if _is_scalar_tensor(value) and _is_number(metadata.values[name]):
+                # Optimizer steps: a number in shardkit's optimizer state, a 0-dim tensor in torch's.
+                value.fill_(metadata.values[name])
+                continue
             if isinstance(value, (torch.Tensor, ShardedTensor)):
                 msg = (f"checkpoint {source!r} holds a non-tensor value for {name!r}, but the state_dict has a "
                        f"{type(value).__name__} there.")
@@ -350,6 +358,10 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
         entry = metadata.tensors.get(name)
         if entry is None:
             continue
+        if _is_number(value) and len(entry.size) == 0:
+            tensor = torch.empty((), dtype=entry.dtype)
+            scalars.append((parent, key, type(value), tensor))
+            value = tensor
         if value is None:
             value = torch.empty(entry.size, dtype=entry.dtype)
             parent[key] = value  # type: ignore[index]
@@ -375,6 +387,16 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
                 bar.update(task.nbytes)
     finally:
         reader.close()
+    for parent, key, kind, tensor in scalars:
+        parent[key] = kind(tensor.item())
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_scalar_tensor(value: Any) -> bool:
+    return type(value) is torch.Tensor and value.dim() == 0
 
 
 def _plan_tensor(name: str, entry: TensorEntry, value: Any, root: str) -> list[_Task]:

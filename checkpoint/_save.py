@@ -36,6 +36,7 @@ import torch
 from sharded_tensor import ShardedTensor
 
 from . import _comm
+from ._dtensor import dtensor_views
 from ._format import (
     METADATA_FILE,
     Checksum,
@@ -364,6 +365,7 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
         >>> # rank r writes ckpt/data-<id>-r0000r.safetensors; rank 0 then writes ckpt/shardkit.json
     """
     rank, world = _comm.rank_and_world(process_group)
+    state_dict, _ = dtensor_views(state_dict, process_group)
     fs, root = resolve(path, storage_options)
     problem: Exception | None = None
     plan = _Plan()

@@ -122,6 +122,15 @@ def _mesh_ranks(mesh: DeviceMesh, group: _comm.ProcessGroup, where: str) -> torc
     _, world = _comm.rank_and_world(group)
     if group is not None and dist.is_initialized():
         ranks = torch.tensor([dist.get_group_rank(group, int(r)) for r in ranks.flatten()]).reshape(ranks.shape)
+    for axis in range(ranks.dim()):
+        steps = ranks.movedim(axis, -1).diff(dim=-1) if ranks.shape[axis] > 1 else None
+        if steps is not None and bool((steps <= 0).any()):
+            msg = (f"{where}: the device mesh {mesh.mesh.tolist()} lists ranks in decreasing order along mesh "
+                   f"axis {axis}; DTensor's collectives follow each axis's process group, whose ranks are "
+                   f"sorted, so such a mesh order has no consistent DTensor layout. Build the mesh with "
+                   f"increasing ranks along every axis, and reshard the ShardedTensor so that its blocks "
+                   f"follow that order.")
+            raise ValueError(msg)
     flat = sorted(int(r) for r in ranks.flatten())
     if flat[-1] >= world or flat[0] < 0 or len(set(flat)) != len(flat):
         msg = (f"{where}: the device mesh holds ranks {flat}, which are not distinct ranks of the process "
