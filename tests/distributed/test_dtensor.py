@@ -169,6 +169,15 @@ def _fsdp2(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, _optim(model)
 
 
+def _snapshot(state: object) -> object:
+    """A deep copy of a collected state_dict (plain CPU tensors in it share the live parameters)."""
+    if isinstance(state, dict):
+        return {key: _snapshot(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_snapshot(value) for value in state]
+    return state.clone() if isinstance(state, torch.Tensor) else state
+
+
 def _phase_fsdp2_start(rank: int, world: int, root: str) -> tuple[list[float], dict | None]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -191,12 +200,12 @@ def _phase_shardkit(rank: int, world: int, root: str) -> tuple[list[float], dict
     with torch.device("meta"):
         model = _model()
     st.shard_model(model, composite(**{"0": single_split(1, ranks), "1": single_split(0, ranks),
-                                       "3.weight": single_split(1, ranks)}), init=False)
+                                       "3.weight": single_split(1, ranks)}), seed=5)
     optim = _optim(model)
     state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 0}
     checkpoint.load(state, f"{root}/fsdp2")
     st.load_optim_state_dict(model, optim, state["optim"])
-    loaded = checkpoint.collect_state_dict(state)
+    loaded = _snapshot(checkpoint.collect_state_dict(state))
     first = state["step"]
     losses = _train(model, optim, range(first, first + STEPS[1]))
     state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": first + STEPS[1]}
@@ -214,8 +223,8 @@ def _phase_fsdp2_resume(rank: int, world: int, root: str) -> tuple[list[float], 
     state = {"model": msd, "optim": osd, "step": 0}
     checkpoint.load(state, f"{root}/shardkit")
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
-    loaded = checkpoint.collect_state_dict({"model": get_state_dict(model, optim)[0],
-                                            "optim": get_state_dict(model, optim)[1]})
+    msd, osd = get_state_dict(model, optim)
+    loaded = _snapshot(checkpoint.collect_state_dict({"model": msd, "optim": osd}))
     first = state["step"]
     return _train(model, optim, range(first, first + STEPS[2])), loaded
 
