@@ -39,6 +39,7 @@ from sharded_tensor import ShardedTensor
 from sharded_tensor._plan import RegionIndex, box_slices
 
 from . import _comm
+from ._dcp import is_dcp_checkpoint, load_dcp
 from ._dtensor import dtensor_views
 from ._format import (
     METADATA_FILE,
@@ -279,6 +280,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     its local shards, only the bytes of the saved regions that overlap it (fsspec range reads).
     A plain tensor receives the full tensor (in place); a ``None`` entry is replaced by a new
     CPU tensor. Non-tensor values replace the entry. Nested dicts match dotted names.
+    ``DTensor`` entries (FSDP2, ``parallelize_module``, ``get_state_dict``) are filled in place
+    like ``ShardedTensor``s of their layout.
+
+    A folder written by ``torch.distributed.checkpoint.save`` (DCP: ``.metadata`` plus
+    ``.distcp`` files) is detected and read with torch's ``FileSystemReader``, into any layout.
+    DCP's ``.metadata`` is pickled: load only DCP folders you trust.
 
     Args:
         state_dict: the (possibly nested) state_dict to fill, e.g. ``model.state_dict()`` of the
@@ -310,7 +317,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     failure: BaseException | None = None
     try:
         views, restore = dtensor_views(state_dict, process_group)
-        _load(views, path, storage_options, strict, cast, quiet, process_group)
+        if is_dcp_checkpoint(path, storage_options):
+            load_dcp(views, path, strict=strict, cast=cast)
+        else:
+            _load(views, path, storage_options, strict, cast, quiet, process_group)
         restore()
     except Exception as exc:
         failure = exc

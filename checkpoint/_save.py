@@ -330,7 +330,8 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
     """Save a (sharded) state_dict to a checkpoint folder. Collective.
 
     Every rank of ``process_group`` calls it with a state_dict of the same structure. Each
-    rank writes the regions of ``ShardedTensor`` entries it holds; a region held by several
+    rank writes the regions of ``ShardedTensor`` entries it holds (``DTensor`` entries count as
+    the ShardedTensor of their layout, without a copy); a region held by several
     ranks (replicas) is written once, by one of its holders, with the writing spread over
     them. A plain ``torch.Tensor`` (the same on every rank) is written once. Non-tensor
     values (None, bool, int, float, str, lists/dicts of them) are stored as JSON. Nested

@@ -265,3 +265,86 @@ def test_fsdp2_to_shardkit_and_back_trains_like_an_uninterrupted_run(tmp_path: P
     losses = start + middle + end
     assert len(losses) == len(reference)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+
+
+# -- DCP folders -------------------------------------------------------------------------------------
+
+
+def _phase_dcp_save(rank: int, world: int, root: str) -> dict | None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import checkpoint
+
+    model, optim = _fsdp2(seed=0)
+    _train(model, optim, range(2))
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd, "step": 2}
+    dcp.save(state, checkpoint_id=f"{root}/dcp")
+    return _snapshot(checkpoint.collect_state_dict(state))
+
+
+def _phase_dcp_import(rank: int, world: int, root: str) -> dict | None:
+    import checkpoint
+    import sharded_tensor as st
+    from sharding import composite, single_split
+
+    ranks = [f"rank:{r}/cpu" for r in range(world)]
+    with torch.device("meta"):
+        model = _model()
+    st.shard_model(model, composite(**{"0": single_split(0, ranks), "3": single_split(0, ranks)}), seed=3)
+    optim = _optim(model)
+    state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 0}
+    checkpoint.load(state, f"{root}/dcp")  # detected as DCP from the folder
+    st.load_optim_state_dict(model, optim, state["optim"])
+    assert state["step"] == 2 and state["optim"]["param_groups"][0]["lr"] == 1e-2
+    return _snapshot(checkpoint.collect_state_dict(state))
+
+
+def _phase_dcp_export_load(rank: int, world: int, root: str) -> dict | None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import checkpoint
+
+    mesh1 = init_device_mesh("cpu", (world,))
+    meta = checkpoint.read_metadata(f"{root}/converted")
+    state = {name: distribute_tensor(torch.zeros(entry.size, dtype=entry.dtype), mesh1, [Shard(entry.size.index(
+        max(entry.size)))]) if len(entry.size) else torch.zeros((), dtype=entry.dtype)
+        for name, entry in meta.tensors.items()}
+    dcp.load(state, checkpoint_id=f"{root}/exported")
+    return _snapshot(checkpoint.collect_state_dict(state))
+
+
+def test_dcp_folders_import_convert_export(tmp_path: Path):
+    from safetensors.torch import load_file
+
+    import checkpoint
+
+    root = str(tmp_path)
+    saved, *_ = run_distributed(_phase_dcp_save, 4, root, timeout=240)
+    imported, _ = run_distributed(_phase_dcp_import, 2, root, timeout=240)
+    expected = _tensors(saved)
+    assert len(expected) == 3 * 5
+    got = _tensors(imported)
+    for name, value in expected.items():
+        assert torch.equal(value, got[name]), name
+    assert imported["optim"]["state"]["1.weight"]["step"] == 2  # a 0-dim tensor in DCP, a number in shardkit
+
+    # One process: DCP -> shardkit checkpoint and -> safetensors; shardkit -> DCP, read back by dcp.load.
+    checkpoint.convert(f"{root}/dcp", f"{root}/converted", from_format="dcp")
+    full = {}
+    meta = checkpoint.read_metadata(f"{root}/converted")
+    full = checkpoint.load({name: None for name in meta.tensors}, f"{root}/converted", strict=False)
+    for name, value in expected.items():
+        assert torch.equal(full[name], value), name
+    assert meta.values["step"] == 2 and meta.values["optim.param_groups"][0]["lr"] == 1e-2
+    checkpoint.convert(f"{root}/dcp", f"{root}/model.safetensors", from_format="dcp", to_format="safetensors")
+    flat = load_file(f"{root}/model.safetensors")
+    for name, value in expected.items():
+        assert torch.equal(flat[name], value), name
+    checkpoint.convert(f"{root}/converted", f"{root}/exported", to_format="dcp")
+    exported, *_ = run_distributed(_phase_dcp_export_load, 2, root, timeout=240)
+    for name, value in expected.items():
+        assert torch.equal(exported[name], value), name
