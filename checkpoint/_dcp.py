@@ -34,7 +34,7 @@ from sharded_tensor import ShardedTensor
 from . import _comm
 from ._format import METADATA_FILE, CheckpointError, flatten_state_dict, resolve
 
-__all__ = ["is_dcp_checkpoint", "load_dcp", "convert"]
+__all__ = ["convert", "is_dcp_checkpoint", "load_dcp"]
 
 _DCP_METADATA = ".metadata"
 
@@ -116,13 +116,16 @@ def load_dcp(state_dict: dict[str, Any], path: str | os.PathLike[str], *, strict
 
     Called by ``checkpoint.load`` on every rank, inside its all-ranks error report; local only.
     """
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+    )
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import (
         _create_read_item_for_byteio,
         create_read_items_for_chunk_list,
     )
-    from torch.distributed.checkpoint.metadata import MetadataIndex
 
     source = os.fspath(path)
     reader, metadata = _reader(path)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["from_dtensor", "to_dtensor", "dtensor_layout", "is_dtensor"]
+__all__ = ["dtensor_layout", "from_dtensor", "is_dtensor", "to_dtensor"]
 
 
 def is_dtensor(value: object) -> bool:

@@ -57,7 +57,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.distributed._launch import run_distributed  # noqa: E402
+from tests.distributed._launch import run_distributed
 
 GB = 1e9
 

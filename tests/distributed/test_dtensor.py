@@ -22,7 +22,13 @@ def _full(*shape: int) -> torch.Tensor:
 def _check_conversions(rank: int, world: int, root: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import (
+        DTensor,
+        Partial,
+        Replicate,
+        Shard,
+        distribute_tensor,
+    )
     from torch.distributed.tensor.placement_types import _StridedShard
 
     import checkpoint
@@ -184,7 +190,7 @@ def _phase_fsdp2_start(rank: int, world: int, root: str) -> tuple[list[float], d
     import checkpoint
 
     model, optim = _fsdp2(seed=0)
-    losses = _train(model, optim, range(0, STEPS[0]))
+    losses = _train(model, optim, range(STEPS[0]))
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd, "step": STEPS[0]}
     checkpoint.save(state, f"{root}/fsdp2")
