@@ -34,6 +34,8 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
       pieces while the others arrive, into memory committed in one step rather than page by
       page as it is first written (see ``sharded_tensor._memory``); shards on another device
       go through ``gather`` and the result is moved to the CPU.
+    - A ``DTensor`` (FSDP2, ``get_state_dict``) is gathered like the ``ShardedTensor`` of its
+      layout (``st.from_dtensor``, no copy).
     - A plain ``torch.Tensor`` on ``dst`` is detached and moved to the CPU; like
       ``Module.state_dict()``, a tensor that already is on the CPU is returned as is (it
       shares storage with the caller's; ``clone()`` it to keep a snapshot).

@@ -293,7 +293,6 @@ def to_dtensor(tensor: ShardedTensor, device_mesh: DeviceMesh, placements: Seque
                    f"single_split(0, [f'rank:{{r}}/cpu' for r in mesh ranks]) for [Shard(0)], or use "
                    f"full_tensor().")
             raise ValueError(msg)
-    rank, _ = _comm.rank_and_world(tensor.process_group)
     local_shards = tensor.local_shards()
     if local_shards:
         local = local_shards[0].tensor
