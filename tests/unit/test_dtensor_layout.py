@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
@@ -33,3 +37,29 @@ def test_layout_matches_dtensor(shape, mesh_shape, placements):
 def test_layout_example_uneven_last_shard():
     layout = dtensor_layout((10, 4), (4,), [Shard(0)])
     assert [layout[(r,)] for r in range(4)] == [((0, 0), (3, 4)), ((3, 0), (3, 4)), ((6, 0), (3, 4)), ((9, 0), (1, 4))]
+
+
+@hst.composite
+def _cases(draw: hst.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], list[object]]:
+    ndim = draw(hst.integers(1, 3))
+    shape = tuple(draw(hst.lists(hst.integers(0, 13), min_size=ndim, max_size=ndim)))
+    mesh_shape = tuple(draw(hst.lists(hst.integers(1, 4), min_size=1, max_size=3)))
+    placements = [draw(hst.sampled_from([Replicate(), *(Shard(d) for d in range(ndim))])) for _ in mesh_shape]
+    return shape, mesh_shape, placements
+
+
+@settings(max_examples=200, deadline=None)
+@given(_cases())
+def test_layout_matches_dtensor_everywhere(case):
+    shape, mesh_shape, placements = case
+    layout = dtensor_layout(shape, mesh_shape, placements)
+    for coord, (offsets, sizes) in layout.items():
+        local_shape, global_offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+        assert tuple(local_shape) == sizes
+        if all(s > 0 for s in sizes):
+            assert tuple(global_offset) == offsets
+    # Blocks of distinct coordinates tile the tensor (replicas aside): every element once per replica set.
+    replicas = 1
+    for axis, p in enumerate(placements):
+        replicas *= 1 if isinstance(p, Shard) else mesh_shape[axis]
+    assert sum(math.prod(s) for _, s in layout.values()) == math.prod(shape) * replicas
