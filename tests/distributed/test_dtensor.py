@@ -266,11 +266,15 @@ def test_fsdp2_to_shardkit_and_back_trains_like_an_uninterrupted_run(tmp_path: P
     for name, value in tensors_b.items():
         assert torch.equal(value, tensors_c[name]), name
 
-    # Losses: FSDP2 averages gradients with a reduce-scatter and shard_model splits matmuls, so
-    # float sums run in another order than in one process: equal to rounding, not bit for bit.
+    # Losses. FSDP2 phase: every rank sees the same batch, and averaging 4 equal gradients is
+    # exact in floating point, so it must match the single process bit for bit. Later phases:
+    # shard_model splits "3.weight" by input features, so that matmul sums its halves in another
+    # order than one process does; the math allows rounding differences there (none show up on
+    # the machine these tests were written on, where all 9 losses are equal bit for bit).
+    assert start == reference[:STEPS[0]]
     losses = start + middle + end
     assert len(losses) == len(reference)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-6, atol=0)
 
 
 # -- DCP folders -------------------------------------------------------------------------------------
