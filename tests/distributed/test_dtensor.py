@@ -124,6 +124,25 @@ def _check_conversions(rank: int, world: int, root: str) -> None:
         assert torch.equal(full["w"], w) and torch.equal(full["nested"]["e"], e) and full["lr"] == 0.5
     else:
         assert full is None
+
+    # A tensor-parallel model (parallelize_module): Shard(0) and Shard(1) weights, loaded back
+    # into a differently parallelized copy.
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 6))
+    reference = {k: v.clone() for k, v in plain.state_dict().items()}
+    tp = parallelize_module(plain, mesh1, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    checkpoint.save(tp.state_dict(), f"{root}/tp")
+    torch.manual_seed(1)
+    other = parallelize_module(nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 6)), mesh1,
+                               {"0": RowwiseParallel(), "2": ColwiseParallel()})
+    checkpoint.load(other.state_dict(), f"{root}/tp")
+    gathered = checkpoint.collect_state_dict(other.state_dict())
+    if rank == 0:
+        assert sorted(gathered) == sorted(reference)
+        for name, value in reference.items():
+            assert torch.equal(gathered[name], value), name
     dist.barrier()
 
 
