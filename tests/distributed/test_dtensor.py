@@ -127,7 +127,11 @@ def _check_conversions(rank: int, world: int, root: str) -> None:
 
     # A tensor-parallel model (parallelize_module): Shard(0) and Shard(1) weights, loaded back
     # into a differently parallelized copy.
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 6))
