@@ -186,7 +186,7 @@ def load_dcp(state_dict: dict[str, Any], path: str | os.PathLike[str], *, strict
 
     for name, parent, key, value in leaves:
         if name in nested:
-            parts = []
+            parts: list[tuple[tuple[Any, ...], tuple[str, Any]]] = []
             for fqn in nested[name]:
                 tail = _tail(paths.get(fqn), fqn, name)
                 if isinstance(saved[fqn], BytesStorageMetadata):
@@ -223,7 +223,7 @@ def load_dcp(state_dict: dict[str, Any], path: str | os.PathLike[str], *, strict
             continue
         if value is None:
             value = new_full(name)
-            parent[key] = value
+            parent[key] = value  # type: ignore[index]
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and len(entry.size) == 0:
             scalar = new_full(name)
             kind = type(value)

@@ -201,7 +201,8 @@ def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) 
     ranks = _mesh_ranks(mesh, process_group, where)
     local = dtensor._local_tensor.detach()
     layout = dtensor_layout(tuple(dtensor.shape), tuple(mesh.shape), spec.placements)
-    shards, mine = [], None
+    shards: list[ShardMetadata] = []
+    mine: int | None = None
     for coord, (offsets, sizes) in layout.items():
         owner = int(ranks[coord])
         if owner == rank:
