@@ -2,9 +2,10 @@
 
 from ._collect import collect_state_dict
 from ._consolidate import consolidate
+from ._dcp import convert
 from ._format import CheckpointError, CheckpointMetadata, read_metadata
 from ._load import load
 from ._save import save
 
-__all__ = ["save", "load", "collect_state_dict", "consolidate", "read_metadata", "CheckpointMetadata",
+__all__ = ["save", "load", "collect_state_dict", "consolidate", "convert", "read_metadata", "CheckpointMetadata",
            "CheckpointError"]

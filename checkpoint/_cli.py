@@ -1,4 +1,4 @@
-"""``python -m checkpoint`` / ``shardkit-checkpoint``: inspect, verify and consolidate checkpoints.
+"""``python -m checkpoint`` / ``shardkit-checkpoint``: inspect, verify, consolidate and convert checkpoints.
 
 Exit status: 0 on success, 1 when the checkpoint is invalid or cannot be read (the error
 message, naming the file and the tensor, goes to stderr), 2 for a usage error.
@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import fsspec
 
 from ._consolidate import _Source, consolidate_files, parse_size
+from ._dcp import convert
 from ._format import (
     CheckpointError,
     CheckpointMetadata,
@@ -35,7 +36,7 @@ __all__ = ["main", "verify", "tensor_layout"]
 PROG = "shardkit-checkpoint"
 
 _DESCRIPTION = """\
-Inspect, verify and consolidate shardkit checkpoints (local folders or fsspec URLs such as
+Inspect, verify, consolidate and convert shardkit checkpoints (local folders or fsspec URLs such as
 s3://bucket/ckpt; pass credentials or an endpoint with --storage-option)."""
 
 _EPILOG = """\
@@ -45,6 +46,9 @@ examples:
   %(prog)s consolidate ckpt model.safetensors
   %(prog)s consolidate ckpt hf-model --max-shard-size 5GB
   %(prog)s consolidate ckpt hf-model --max-shard-size 5GB --include model --strip-prefix model
+  %(prog)s convert --from dcp dcp-ckpt ckpt
+  %(prog)s convert --from dcp --to safetensors dcp-ckpt model.safetensors
+  %(prog)s convert --to dcp ckpt dcp-ckpt
 
 exit status: 0 success, 1 invalid or unreadable checkpoint, 2 usage error."""
 
@@ -131,6 +135,19 @@ def _parser() -> argparse.ArgumentParser:
                       help="remove this prefix from the exported names, e.g. 'model' turns model.fc.weight "
                            "into fc.weight (for load_state_dict or from_pretrained)")
     cons.add_argument("-q", "--quiet", action="store_true", help="no progress bar (also: environment SHARDKIT_QUIET=1)")
+    conv = commands.add_parser(
+        "convert", parents=[common], help="convert between shardkit checkpoints and torch.distributed.checkpoint (DCP) folders",
+        description="Convert a DCP folder (written by torch.distributed.checkpoint.save) into a shardkit checkpoint "
+                    "or one .safetensors file, or a shardkit checkpoint into a DCP folder that dcp.load reads. "
+                    "Runs in one process; the whole checkpoint passes through memory once. Reading a DCP folder "
+                    "unpickles its .metadata file (DCP's format): convert only DCP folders you trust. shardkit's "
+                    "own format never uses pickle.")
+    conv.add_argument("path", metavar="SRC", help="source folder (a DCP folder must be local)")
+    conv.add_argument("output", metavar="DST", help="destination folder, or .safetensors file with --to safetensors")
+    conv.add_argument("--from", dest="from_format", choices=("shardkit", "dcp"), default="shardkit",
+                      help="format of SRC (default: shardkit)")
+    conv.add_argument("--to", dest="to_format", choices=("shardkit", "dcp", "safetensors"), default=None,
+                      help="format of DST (default: shardkit when --from dcp, else dcp)")
     return parser
 
 
@@ -143,6 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect(args.path, options, as_json=args.json, out=sys.stdout)
         if args.command == "verify":
             return _verify_cmd(args.path, options, quiet=args.quiet, out=sys.stdout)
+        if args.command == "convert":
+            to_format = args.to_format or ("shardkit" if args.from_format == "dcp" else "dcp")
+            convert(args.path, args.output, from_format=args.from_format, to_format=to_format)
+            print(f"wrote {args.output} ({to_format})", file=sys.stdout)
+            return 0
         return _consolidate_cmd(args.path, args.output, args.max_shard_size, options, quiet=args.quiet,
                                 include=args.include, strip_prefix=args.strip_prefix, out=sys.stdout)
     except (CheckpointError, OSError, ValueError) as exc:

@@ -14,6 +14,8 @@ from sharded_tensor._memory import empty_for_fill
 from sharded_tensor._plan import Piece, box_slices, plan_reshard
 from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
+from ._dtensor import dtensor_views
+
 __all__ = ["collect_state_dict"]
 
 
@@ -32,6 +34,8 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
       pieces while the others arrive, into memory committed in one step rather than page by
       page as it is first written (see ``sharded_tensor._memory``); shards on another device
       go through ``gather`` and the result is moved to the CPU.
+    - A ``DTensor`` (FSDP2, ``get_state_dict``) is gathered like the ``ShardedTensor`` of its
+      layout (``st.from_dtensor``, no copy).
     - A plain ``torch.Tensor`` on ``dst`` is detached and moved to the CPU; like
       ``Module.state_dict()``, a tensor that already is on the CPU is returned as is (it
       shares storage with the caller's; ``clone()`` it to keep a snapshot).
@@ -71,6 +75,7 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
         msg = f"dst={dst!r} is outside the process group of {world} ranks; use a rank in 0..{world - 1}."
         raise ValueError(msg)
 
+    state_dict, _ = dtensor_views(state_dict, process_group)
     sharded = list(_sharded_entries(state_dict))
     for name, value in sharded:
         _check_group(name, value, process_group)

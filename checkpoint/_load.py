@@ -39,6 +39,8 @@ from sharded_tensor import ShardedTensor
 from sharded_tensor._plan import RegionIndex, box_slices
 
 from . import _comm
+from ._dcp import is_dcp_checkpoint, load_dcp
+from ._dtensor import dtensor_views
 from ._format import (
     METADATA_FILE,
     CheckpointError,
@@ -280,6 +282,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     its local shards, only the bytes of the saved regions that overlap it (fsspec range reads).
     A plain tensor receives the full tensor (in place); a ``None`` entry is replaced by a new
     CPU tensor. Non-tensor values replace the entry. Nested dicts match dotted names.
+    ``DTensor`` entries (FSDP2, ``parallelize_module``, ``get_state_dict``) are filled in place
+    like ``ShardedTensor``s of their layout.
+
+    A folder written by ``torch.distributed.checkpoint.save`` (DCP: ``.metadata`` plus
+    ``.distcp`` files) is detected and read with torch's ``FileSystemReader``, into any layout.
+    DCP's ``.metadata`` is pickled: load only DCP folders you trust.
 
     ``path`` may also be a Hugging Face safetensors checkpoint: one ``.safetensors`` file, or a
     folder with ``model.safetensors.index.json`` (or a single ``model.safetensors``) and no
@@ -322,7 +330,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     """
     failure: BaseException | None = None
     try:
-        _load(state_dict, path, storage_options, strict, cast, key_map, quiet, process_group)
+        views, restore = dtensor_views(state_dict, process_group)
+        if is_dcp_checkpoint(path, storage_options):
+            load_dcp(views, path, strict=strict, cast=cast)
+        else:
+            _load(views, path, storage_options, strict, cast, key_map, quiet, process_group)
+        restore()
     except Exception as exc:
         failure = exc
     reports = _comm.all_gather_json(None if failure is None else f"{type(failure).__name__}: {failure}",
@@ -353,8 +366,13 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
                    f"the state_dict); pass strict=False to load only what matches.")
             raise CheckpointError(msg, missing=missing, unexpected=unexpected)
     tasks: list[_Task] = []
+    scalars: list[tuple[Any, Any, type, torch.Tensor]] = []
     for name, parent, key, value in leaves:
         if name in metadata.values:
+            if _is_scalar_tensor(value) and _is_number(metadata.values[name]):
+                # Optimizer steps: a number in shardkit's optimizer state, a 0-dim tensor in torch's.
+                value.fill_(metadata.values[name])
+                continue
             if isinstance(value, (torch.Tensor, ShardedTensor)):
                 msg = (f"checkpoint {source!r} holds a non-tensor value for {name!r}, but the state_dict has a "
                        f"{type(value).__name__} there.")
@@ -364,6 +382,10 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
         entry = metadata.tensors.get(name)
         if entry is None:
             continue
+        if _is_number(value) and len(entry.size) == 0:
+            tensor = torch.empty((), dtype=entry.dtype)
+            scalars.append((parent, key, type(value), tensor))
+            value = tensor
         if value is None:
             value = torch.empty(entry.size, dtype=entry.dtype)
             parent[key] = value  # type: ignore[index]
@@ -389,6 +411,16 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
                 bar.update(task.nbytes)
     finally:
         reader.close()
+    for parent, key, kind, tensor in scalars:
+        parent[key] = kind(tensor.item())
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_scalar_tensor(value: Any) -> bool:
+    return type(value) is torch.Tensor and value.dim() == 0
 
 
 def _read_source(fs: fsspec.AbstractFileSystem, root: str, key_map: KeyMap | None

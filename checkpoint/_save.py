@@ -36,6 +36,7 @@ import torch
 from sharded_tensor import ShardedTensor
 
 from . import _comm
+from ._dtensor import dtensor_views
 from ._format import (
     METADATA_FILE,
     Checksum,
@@ -329,7 +330,8 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
     """Save a (sharded) state_dict to a checkpoint folder. Collective.
 
     Every rank of ``process_group`` calls it with a state_dict of the same structure. Each
-    rank writes the regions of ``ShardedTensor`` entries it holds; a region held by several
+    rank writes the regions of ``ShardedTensor`` entries it holds (``DTensor`` entries count as
+    the ShardedTensor of their layout, without a copy); a region held by several
     ranks (replicas) is written once, by one of its holders, with the writing spread over
     them. A plain ``torch.Tensor`` (the same on every rank) is written once. Non-tensor
     values (None, bool, int, float, str, lists/dicts of them) are stored as JSON. Nested
@@ -364,6 +366,7 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
         >>> # rank r writes ckpt/data-<id>-r0000r.safetensors; rank 0 then writes ckpt/shardkit.json
     """
     rank, world = _comm.rank_and_world(process_group)
+    state_dict, _ = dtensor_views(state_dict, process_group)
     fs, root = resolve(path, storage_options)
     problem: Exception | None = None
     plan = _Plan()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,11 @@ from sharding._metadata import check_tiling
 
 from . import _comm
 from ._reshard import redistribute
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["Shard", "ShardedTensor"]
 
@@ -292,6 +298,38 @@ class ShardedTensor:
              for r in range(world)], self.shape, self.dtype)
         tensors = redistribute(self._local_by_index(), self._metadata, target, rank=self._rank, group=self._group)
         return tensors[self._rank]
+
+    def to_dtensor(self, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None) -> DTensor:
+        """The ``DTensor`` on ``device_mesh`` with this layout, sharing the local shard (no copy, no communication).
+
+        Each mesh rank must hold exactly one block, the one DTensor's rules give its mesh
+        coordinate (``Shard(d)`` splits like ``torch.chunk``, mesh axes apply left to right;
+        ``Replicate`` means every rank along that axis holds the same block). With
+        ``placements=None`` they are inferred from the layout (``Replicate`` preferred where
+        both fit, e.g. on an axis of size 1). The DTensor's local tensor is this rank's shard.
+
+        Args:
+            device_mesh: the ``DeviceMesh``; its ranks are ranks of this tensor's process group.
+            placements: one ``Shard``/``Replicate`` per mesh axis, or ``None`` to infer them.
+
+        Returns:
+            A ``DTensor`` of the same global size and dtype.
+
+        Raises:
+            ValueError: the layout has no DTensor equivalent on this mesh (several blocks on a
+                rank, blocks not split like ``torch.chunk``, a mesh order that does not fit), or
+                does not match ``placements``; the message shows the layout and how to reshard.
+
+        Example:
+            >>> # 4 ranks, (10, 4) split by rows 3/3/3/1 -> DTensor with [Shard(0)]
+            >>> t = st.zeros(10, 4, sharding_spec=single_split(0, [f"rank:{r}/cpu" for r in range(4)]))  # doctest: +SKIP
+            >>> dt = t.to_dtensor(init_device_mesh("cpu", (4,)))  # doctest: +SKIP
+            >>> dt.placements  # doctest: +SKIP
+            (Shard(dim=0),)
+        """
+        from ._dtensor import to_dtensor
+
+        return to_dtensor(self, device_mesh, placements)
 
     # -- torch.save / torch.load(weights_only=True) -----------------------------------------
 

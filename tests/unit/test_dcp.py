@@ -1,0 +1,85 @@
+"""DCP folders in one process: checkpoint.load detects them, convert and the CLI go both ways, bit for bit."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+import checkpoint
+from checkpoint._cli import main
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"model": {"w": torch.randn(5, 4, generator=g), "b": torch.randn(4, generator=g).to(torch.bfloat16)},
+            "optim": {"state": {"w": {"step": torch.tensor(4.0), "exp_avg": torch.randn(5, 4, generator=g)}},
+                      "param_groups": [{"lr": 0.5, "betas": (0.9, 0.99), "params": ["w"]}]},
+            "epoch": 3}
+
+
+def _dcp_save(state: dict, path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+
+
+def test_load_detects_a_dcp_folder_and_fills_every_kind_of_entry(tmp_path: Path):
+    state = _state()
+    _dcp_save(state, tmp_path / "dcp")
+    target = {"model": {"w": torch.zeros(5, 4), "b": None},
+              "optim": {"state": {"w": {"step": 0, "exp_avg": torch.zeros(5, 4)}}, "param_groups": None},
+              "epoch": 0}
+    w = target["model"]["w"]
+    checkpoint.load(target, tmp_path / "dcp")
+    assert target["model"]["w"] is w and torch.equal(w, state["model"]["w"])
+    assert torch.equal(target["model"]["b"], state["model"]["b"]) and target["model"]["b"].dtype == torch.bfloat16
+    assert target["optim"]["state"]["w"]["step"] == 4 and isinstance(target["optim"]["state"]["w"]["step"], int)
+    assert torch.equal(target["optim"]["state"]["w"]["exp_avg"], state["optim"]["state"]["w"]["exp_avg"])
+    assert target["optim"]["param_groups"] == [{"lr": 0.5, "betas": (0.9, 0.99), "params": ["w"]}]
+    assert target["epoch"] == 3
+
+
+def test_dcp_mismatches_are_clear(tmp_path: Path):
+    _dcp_save(_state(), tmp_path / "dcp")
+    with pytest.raises(checkpoint.CheckpointError, match=r"missing=\['extra'\].*unexpected=\['epoch'"):
+        checkpoint.load({"extra": None, "model": {"w": None, "b": None}}, tmp_path / "dcp")
+    with pytest.raises(checkpoint.CheckpointError, match=r"'model.w' .* size \(5, 4\).* size \(4, 5\)"):
+        checkpoint.load({"model": {"w": torch.zeros(4, 5)}}, tmp_path / "dcp", strict=False)
+    with pytest.raises(checkpoint.CheckpointError, match="pass cast=True"):
+        checkpoint.load({"model": {"w": torch.zeros(5, 4, dtype=torch.float64)}}, tmp_path / "dcp", strict=False)
+
+
+def test_cli_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    state = _state()
+    _dcp_save(state, tmp_path / "dcp")
+    assert main(["convert", "--from", "dcp", str(tmp_path / "dcp"), str(tmp_path / "ckpt")]) == 0
+    meta = checkpoint.read_metadata(tmp_path / "ckpt")
+    assert sorted(meta.tensors) == ["model.b", "model.w", "optim.state.w.exp_avg", "optim.state.w.step"]
+    assert meta.values == {"epoch": 3, "optim.param_groups": [{"lr": 0.5, "betas": [0.9, 0.99], "params": ["w"]}]}
+    full = checkpoint.load({name: None for name in meta.tensors}, tmp_path / "ckpt", strict=False)
+    assert torch.equal(full["model.w"], state["model"]["w"]) and torch.equal(full["model.b"], state["model"]["b"])
+
+    assert main(["convert", "--from", "dcp", "--to", "safetensors", str(tmp_path / "dcp"),
+                 str(tmp_path / "m.safetensors")]) == 0
+    flat = load_file(str(tmp_path / "m.safetensors"))
+    assert torch.equal(flat["optim.state.w.exp_avg"], state["optim"]["state"]["w"]["exp_avg"])
+
+    assert main(["convert", "--to", "dcp", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    back = {"model": {"w": torch.zeros(5, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}, "epoch": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "back")), no_dist=True)
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["epoch"] == 3
+
+
+def test_convert_refuses_unsupported_pairs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(ValueError, match="use checkpoint.consolidate"):
+        checkpoint.convert(tmp_path, tmp_path / "x", to_format="safetensors")
+    assert main(["convert", "--from", "dcp", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
+    assert "error" in capsys.readouterr().err
