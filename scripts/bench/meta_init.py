@@ -22,7 +22,8 @@ rank. Time is wall seconds from the start of model construction until every rank
 initialized parameters (the slowest rank), with each rank's CPU seconds over the same span;
 ``phases`` splits the time on rank 0. Growth is ``VmHWM`` minus the resident size before
 construction. Each model then computes a short forward (finite logits), and
-``distinct_random_blocks`` checks that the ranks' blocks of a weight hold different values.
+``distinct_random_blocks`` checks that the ranks' blocks of a weight hold different values,
+``replicas_agree`` that every rank holds the same ``lm_head`` (whole on every rank).
 
 Usage::
 
@@ -162,11 +163,17 @@ def _rank(rank: int, world: int, store: str, method: str, dims: dict[str, int], 
             everyone = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(everyone, mine)
             distinct = len({tuple(t.tolist()) for t in everyone}) == world
+            # lm_head is whole on every rank: do the replicas hold the same values?
+            head = _local(model.lm_head.weight)[0, :64].double().contiguous()
+            heads = [torch.empty_like(head) for _ in range(world)]
+            dist.all_gather(heads, head)
+            replicas_agree = all(torch.equal(heads[0], h) for h in heads)
             std = float(_local(model.model.layers[0].mlp.down_proj.weight).std())
             norm_ones = bool((_local(model.model.norm.weight) == 1).all())
         out.put((rank, {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before,
                         "shard_bytes": _local_bytes(model), "phases": phases,
                         "output_finite": bool(torch.isfinite(logits).all()), "distinct_blocks": distinct,
+                        "replicas_agree": replicas_agree,
                         "weight_std": std, "norm_ones": norm_ones}))
     except BaseException as exc:
         import traceback
@@ -218,6 +225,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "memory_goal_met": all(p <= 1.2 * r["shard_bytes"] + 200 * MiB for p, r in zip(peaks, ranks)),
         "output_finite": all(r["output_finite"] for run in runs for r in run["ranks"]),
         "distinct_random_blocks": all(r["distinct_blocks"] for run in runs for r in run["ranks"]),
+        # False would mean the ranks hold different values for one replicated parameter.
+        "replicas_agree": all(r["replicas_agree"] for run in runs for r in run["ranks"]),
         "down_proj_std": round(statistics.median(r["weight_std"] for run in runs for r in run["ranks"]), 4),
         "norm_weights_ones": all(r["norm_ones"] for run in runs for r in run["ranks"]),
     }
