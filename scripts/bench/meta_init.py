@@ -1,0 +1,284 @@
+"""Benchmark: a transformers Llama built on meta, tensor-parallel on 4 Gloo ranks, initialized by its own init.
+
+Not a test; prints JSON. ``shard_model.py`` measures plain MLP blocks whose modules
+initialize themselves with ``reset_parameters()``; here the model is a transformers
+``LlamaForCausalLM`` (about 2 GiB of fp32 parameters by default), whose initialization is
+the model's own ``_init_weights`` (normal(0, 0.02) weights, zero biases, ones for RMSNorm,
+the rotary buffer computed). Each way runs in its own fresh set of processes, so every
+rank's peak resident memory (``VmHWM``, reset with ``/proc/self/clear_refs`` once the process
+is warm) measures that way alone:
+
+* ``shardkit_meta``: build on meta, ``st.shard_model(model, spec)``: each rank allocates its
+  blocks and the model's ``_init_weights`` fills them (an ordinary generator per block);
+* ``shardkit_meta_seeded``: the same with ``seed=0`` (values independent of the layout);
+* ``torch_parallelize_module``: PyTorch's own path: build on meta, ``parallelize_module``
+  (``ColwiseParallel`` / ``RowwiseParallel``, and ``RowwiseParallel`` for the embedding split
+  on the vocabulary) on a 1-D CPU mesh, ``to_empty(device="cpu")``, then the model's own
+  ``initialize_weights()``, which runs ``_init_weights`` on the DTensor parameters.
+
+The layout is the same in all ways: q/k/v/gate/up split on output features, o/down on input
+features, the embedding split on the vocabulary, ``lm_head`` and the norms whole on every
+rank. Time is wall seconds from the start of model construction until every rank holds its
+initialized parameters (the slowest rank), with each rank's CPU seconds over the same span;
+``phases`` splits the time on rank 0. Growth is ``VmHWM`` minus the resident size before
+construction. Each model then computes a short forward (finite logits), and
+``distinct_random_blocks`` checks that the ranks' blocks of a weight hold different values,
+``replicas_agree`` that every rank holds the same ``lm_head`` (whole on every rank).
+
+Usage::
+
+    python scripts/bench/meta_init.py                      # ~2 GiB, 4 ranks, 3 fresh runs per way
+    python scripts/bench/meta_init.py --hidden 256 --layers 2 --intermediate 704 --vocab 1024 --repeat 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shard_model import _reset_peak, _status  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MiB = 1 << 20
+METHODS = ("shardkit_meta", "shardkit_meta_seeded", "torch_parallelize_module")
+
+
+def _config(hidden: int, layers: int, intermediate: int, vocab: int, heads: int) -> Any:
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                       max_position_embeddings=2048, tie_word_embeddings=False, use_cache=False)
+
+
+def _names(layers: int) -> tuple[list[str], list[str]]:
+    cols, rows = [], []
+    for i in range(layers):
+        cols += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        cols += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj")]
+        rows += [f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"]
+    return cols, rows
+
+
+def _meta_model(config: Any) -> Any:
+    import torch
+    from transformers import LlamaForCausalLM
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def _shardkit(config: Any, world: int, seed: int | None, phases: dict[str, float]) -> Any:
+    import sharded_tensor as st
+    from sharding import composite, single_split
+
+    t0 = time.perf_counter()
+    model = _meta_model(config)
+    ranks = [f"rank:{r}/cpu" for r in range(world)]
+    col, row = single_split(0, ranks), single_split(1, ranks)
+    cols, rows = _names(config.num_hidden_layers)
+    spec = composite(**{n: col for n in cols}, **{n: row for n in rows}, **{"model.embed_tokens": col})
+    t1 = time.perf_counter()
+    st.shard_model(model, spec, seed=seed)
+    phases["build_meta"] = t1 - t0
+    phases["shard_model"] = time.perf_counter() - t1
+    return model
+
+
+def _torch_path(config: Any, world: int, phases: dict[str, float]) -> Any:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    t0 = time.perf_counter()
+    mesh = init_device_mesh("cpu", (world,))
+    model = _meta_model(config)
+    cols, rows = _names(config.num_hidden_layers)
+    plan = {**{n: ColwiseParallel() for n in cols}, **{n: RowwiseParallel() for n in rows},
+            "model.embed_tokens": RowwiseParallel()}
+    t1 = time.perf_counter()
+    parallelize_module(model, mesh, plan)
+    t2 = time.perf_counter()
+    model.to_empty(device="cpu")
+    t3 = time.perf_counter()
+    with torch.no_grad():
+        model.initialize_weights()
+    phases.update(build_meta=t1 - t0, parallelize_module=t2 - t1, to_empty=t3 - t2,
+                  initialize_weights=time.perf_counter() - t3)
+    return model
+
+
+def _local(p: Any) -> Any:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _local_bytes(model: Any) -> int:
+    return sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+
+
+def _rank(rank: int, world: int, store: str, method: str, dims: dict[str, int], out: Any) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=30))
+    try:
+        def run(config: Any, phases: dict[str, float]) -> Any:
+            if method == "torch_parallelize_module":
+                return _torch_path(config, world, phases)
+            return _shardkit(config, world, 0 if method == "shardkit_meta_seeded" else None, phases)
+
+        # Warm up on a tiny Llama: imports and one-time set-up are not what is measured.
+        warm = run(_config(64, 1, 128, 256, 4), {})
+        warm(torch.zeros(1, 4, dtype=torch.long))
+        del warm
+        config = _config(**dims)
+        dist.barrier()
+        before = _reset_peak()
+        phases: dict[str, float] = {}
+        start, cpu_start = time.perf_counter(), time.process_time()
+        model = run(config, phases)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        peak = _status("VmHWM")
+        dist.barrier()
+        with torch.no_grad():
+            logits = model(torch.arange(8).reshape(1, 8) % config.vocab_size).logits
+            logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+            mine = _local(model.model.layers[0].self_attn.q_proj.weight)[0, :64].double().contiguous()
+            everyone = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(everyone, mine)
+            distinct = len({tuple(t.tolist()) for t in everyone}) == world
+            # lm_head is whole on every rank: do the replicas hold the same values?
+            head = _local(model.lm_head.weight)[0, :64].double().contiguous()
+            heads = [torch.empty_like(head) for _ in range(world)]
+            dist.all_gather(heads, head)
+            replicas_agree = all(torch.equal(heads[0], h) for h in heads)
+            std = float(_local(model.model.layers[0].mlp.down_proj.weight).std())
+            norm_ones = bool((_local(model.model.norm.weight) == 1).all())
+        out.put((rank, {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before,
+                        "shard_bytes": _local_bytes(model), "phases": phases,
+                        "output_finite": bool(torch.isfinite(logits).all()), "distinct_blocks": distinct,
+                        "replicas_agree": replicas_agree,
+                        "weight_std": std, "norm_ones": norm_ones}))
+    except BaseException as exc:
+        import traceback
+
+        out.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_once(method: str, world: int, dims: dict[str, int]) -> dict[str, Any]:
+    """Run one way in ``world`` fresh processes; per-rank figures."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank, args=(r, world, str(Path(tmp) / "store"), method, dims, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, dict[str, Any]] = {}
+        while len(results) < world:
+            rank, result = out.get(timeout=3600)
+            results[rank] = result
+            if "error" in result:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{method} failed on rank {rank}:\n{result['error']}")
+        for p in procs:
+            p.join()
+    return {"ranks": [results[r] for r in range(world)]}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over repeats of the slowest rank's wall time and of each rank's CPU time."""
+    ranks = runs[0]["ranks"]
+    walls = sorted(max(r["seconds"] for r in run["ranks"]) for run in runs)
+    cpus = [statistics.median(run["ranks"][i]["cpu_seconds"] for run in runs) for i in range(len(ranks))]
+    peaks = [max(run["ranks"][i]["peak_growth"] for run in runs) for i in range(len(ranks))]
+    phase_names = runs[0]["ranks"][0]["phases"]
+    return {
+        "seconds": round(statistics.median(walls), 2),
+        "seconds_all_runs": [round(w, 2) for w in walls],
+        "cpu_seconds": [round(c, 2) for c in cpus],
+        "phases_rank0": {k: round(statistics.median(run["ranks"][0]["phases"][k] for run in runs), 2)
+                         for k in phase_names},
+        "peak_growth_mib": [round(p / MiB) for p in peaks],
+        "shard_mib": [round(r["shard_bytes"] / MiB) for r in ranks],
+        "goal_mib": [round((1.2 * r["shard_bytes"] + 200 * MiB) / MiB) for r in ranks],
+        "memory_goal_met": all(p <= 1.2 * r["shard_bytes"] + 200 * MiB for p, r in zip(peaks, ranks)),
+        "output_finite": all(r["output_finite"] for run in runs for r in run["ranks"]),
+        "distinct_random_blocks": all(r["distinct_blocks"] for run in runs for r in run["ranks"]),
+        # False would mean the ranks hold different values for one replicated parameter.
+        "replicas_agree": all(r["replicas_agree"] for run in runs for r in run["ranks"]),
+        "down_proj_std": round(statistics.median(r["weight_std"] for run in runs for r in run["ranks"]), 4),
+        "norm_weights_ones": all(r["norm_ones"] for run in runs for r in run["ranks"]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--world", type=int, default=4, help="Gloo ranks")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--repeat", type=int, default=3, help="fresh runs per way (medians are reported)")
+    args = parser.parse_args()
+    dims = {"hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate,
+            "vocab": args.vocab, "heads": args.heads}
+    h, i, v = args.hidden, args.intermediate, args.vocab
+    params = args.layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
+    report: dict[str, Any] = {
+        "benchmark": "meta_init",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                 "torch": __import__("torch").__version__,
+                 "transformers": __import__("transformers").__version__},
+        "model": {**dims, "params": params, "fp32_gib": round(params * 4 / (1 << 30), 3),
+                  "layout": "q/k/v/gate/up dim 0, o/down dim 1, embed_tokens dim 0 (vocabulary); "
+                            "lm_head and norms whole on every rank"},
+        "world": args.world,
+        "load_average_before": os.getloadavg(),
+        "results": {},
+    }
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+    for k in range(args.repeat):
+        # Rotate the order so that changing load on a shared machine hits every way alike.
+        order = args.methods[k % len(args.methods):] + args.methods[:k % len(args.methods)]
+        for method in order:
+            runs[method].append(measure_once(method, args.world, dims))
+    for method in args.methods:
+        report["results"][method] = summarize(runs[method])
+    report["load_average_after"] = os.getloadavg()
+    results = report["results"]
+    if "torch_parallelize_module" in results:
+        torch_seconds = results["torch_parallelize_module"]["seconds"]
+        torch_cpu = statistics.mean(results["torch_parallelize_module"]["cpu_seconds"])
+        report["vs_torch"] = {m: {"wall": round(r["seconds"] / torch_seconds, 2),
+                                  "cpu": round(statistics.mean(r["cpu_seconds"]) / torch_cpu, 2)}
+                              for m, r in results.items()}
+    text = json.dumps(report, indent=2)
+    print(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text))
+
+
+if __name__ == "__main__":
+    main()
