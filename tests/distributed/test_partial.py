@@ -25,7 +25,7 @@ from tests.unit.test_plan import sizes, specs
 pytestmark = pytest.mark.distributed
 
 CASES_PER_SPAWN = 16
-SPAWN_SETTINGS = settings(max_examples=1, deadline=None, phases=[Phase.explicit, Phase.generate],
+SPAWN_SETTINGS = settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.generate],
                           suppress_health_check=list(HealthCheck))
 _FOLD = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}
 
