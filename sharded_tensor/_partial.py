@@ -61,12 +61,13 @@ def redistribute_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetad
 
 
 def _split_over(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:
-    """A plain layout splitting the longest dimension over the holders of a partial layout."""
+    """A plain layout splitting the first dimension with room (else the longest) over the holders of a partial layout."""
     size = tuple(metadata.size)
     devices = [s.device for s in sorted(metadata.shards, key=lambda s: s.rank)]  # type: ignore[arg-type, return-value]
     if not size:
         return ShardedTensorMetadata([ShardMetadata((), (), devices[0])], size, metadata.dtype)
-    dim = max(range(len(size)), key=lambda d: size[d])
+    longest = max(range(len(size)), key=lambda d: size[d])
+    dim = next((d for d, n in enumerate(size) if n >= len(devices)), longest)  # contiguous chunks when it can
     shards = [ShardMetadata(tuple(start if d == dim else 0 for d in range(len(size))),
                             tuple(length if d == dim else n for d, n in enumerate(size)), device)
               for device, (start, length) in zip(devices, chunk_bounds(size[dim], len(devices)))]

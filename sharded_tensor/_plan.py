@@ -375,7 +375,7 @@ def reduce_layout(src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> Sha
     every other partial value of the block and reduces them. A ``dst`` region held by one
     rank is reduced there: ``dst`` itself is returned when all its regions are, so a split
     target is a plain reduce-scatter. A region held by several ranks (a replica) is cut
-    along its longest dimension into one chunk per holder, preferring holders that have a
+    along its first dimension long enough (else its longest) into one chunk per holder, preferring holders that have a
     partial value, so that reducing costs each rank its share and the chunks then reach the
     other holders as in an all-gather: the bandwidth-optimal all-reduce, in two steps.
 
@@ -392,7 +392,9 @@ def reduce_layout(src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> Sha
     shards: list[ShardMetadata] = []
     for region, ((offsets, dims), holders) in enumerate(zip(regions.boxes, regions.holders)):
         reducers = [r for r in holders if r in have] or holders
-        dim = max(range(len(dims)), key=lambda d: dims[d]) if dims else 0
+        # The first dimension with a row for every reducer: contiguous chunks, no packing.
+        longest = max(range(len(dims)), key=lambda d: dims[d]) if dims else 0
+        dim = next((d for d, n in enumerate(dims) if n >= len(reducers)), longest)
         if len(reducers) == 1 or not dims or dims[dim] < 2:
             shards.append(ShardMetadata(offsets, dims, device_of[(region, reducers[0])]))
             continue

@@ -318,8 +318,8 @@ class ShardedTensor:
     def reduced(self) -> ShardedTensor:
         """A new ShardedTensor with the reduced values of this partial one, split over its holders. Collective.
 
-        This tensor is left as it is. The split is along the longest dimension, over the
-        holding ranks in order (one reduce-scatter); a tensor without partial values comes
+        This tensor is left as it is. The split is along the first dimension with a row for
+        every holder (else the longest), over the holding ranks in order (one reduce-scatter); a tensor without partial values comes
         back as a copy in its own layout.
 
         Example:
