@@ -107,10 +107,11 @@ def _reduce_partials(state_dict: Mapping[str, Any], reduce_partial: bool) -> dic
     partials = [(name, value) for name, _, _, value in flatten_state_dict(state_dict)
                 if isinstance(value, ShardedTensor) and value.sharding_metadata().partial is not None]
     if partials and not reduce_partial:
-        names = [f"{name!r} (partial({value.sharding_metadata().partial}))" for name, value in partials]
-        msg = (f"checkpoint.save: {', '.join(names)} hold(s) partial values pending a reduction, not the "
-               f"tensor; reshard to a plain layout first (e.g. t.reshard(single_split(0, ranks)) or "
-               f"DevicePlacement('cpu')), or pass reduce_partial=True to save the reduced values.")
+        names = ", ".join(f"{name!r} (partial({value.sharding_metadata().partial}))" for name, value in partials)
+        what = f"entry {names} holds" if len(partials) == 1 else f"entries {names} hold"
+        msg = (f"checkpoint.save: {what} partial values pending a reduction, not a tensor; reshard to a "
+               f"plain layout first (e.g. t.reshard(single_split(0, ranks)) or DevicePlacement('cpu')), or pass "
+               f"reduce_partial=True to save the reduced values.")
         raise ValueError(msg)
     return {id(value): value.reduced() for _, value in partials}
 

@@ -221,7 +221,7 @@ def test_partial_named_transitions_bytes_and_checkpoints(world, tmp_path):
         assert found["kept_reference_untouched"] is True
         assert found["torch_save"] is True
         assert "partial(max) rank " + ",".join(str(r) for r in range(world)) in found["picture"]
-        assert found["refused"] is not None and "'w' (partial(sum))" in found["refused"] \
+        assert found["refused"] is not None and "entry 'w' (partial(sum)) holds" in found["refused"] \
             and "reshard" in found["refused"] and "reduce_partial=True" in found["refused"]
         assert found["left_as_is"] is True and found["loaded"] is True and found["collected"] is True
         assert found["load_into_partial"] is not None and "partial values" in found["load_into_partial"]
