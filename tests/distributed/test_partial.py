@@ -166,6 +166,12 @@ def _named(rank: int, world: int, tmp: str) -> dict[str, object]:
         assert all(torch.equal(s.tensor, _region(ref, s.metadata)) for s in t.local_shards()), name
         found[name] = comm.bytes_sent
         found[name + "_mine"] = sum(s.metadata.numel for s in t.local_shards())
+    # Partial sums on other holders: reduced onto a split over them, then spread again.
+    t = _partial_tensor(rank, parts, "sum", size)
+    t.reshard(partial(ranks[1:3]))
+    found["other_holders"] = (t.sharding_metadata().ranks == tuple(range(1, min(3, world)))
+                              and torch.equal(t.full_tensor(), ref)
+                              and len(t.local_shards()) == (1 if 1 <= rank < 3 else 0))
     # All-reduce in place: the memory of the partial value is kept when nothing else refers to it.
     t = _partial_tensor(rank, parts, "sum", size)
     address = t.local_shard().data_ptr()
@@ -218,6 +224,7 @@ def test_partial_named_transitions_bytes_and_checkpoints(world, tmp_path):
         for name in ("rows", "cols", "uneven"):
             assert found[name] == (numel - found[name + "_mine"]) * itemsize, (name, rank, found)
         assert found["in_place"] is True
+        assert found["other_holders"] is True
         assert found["kept_reference_untouched"] is True
         assert found["torch_save"] is True
         assert "partial(max) rank " + ",".join(str(r) for r in range(world)) in found["picture"]
