@@ -31,7 +31,13 @@ from sharding._specs import chunk_bounds
 
 from . import _comm
 from ._memory import _ALONE, _storage_users, empty_for_fill
-from ._plan import box_slices, keeper_layout, partial_holders, plan_reduce, reduce_layout
+from ._plan import (
+    box_slices,
+    keeper_layout,
+    partial_holders,
+    plan_reduce,
+    reduce_layout,
+)
 from ._reshard import _direct_or_staged, _Staging, redistribute
 
 __all__ = ["redistribute_partial"]
@@ -152,7 +158,7 @@ def reduce_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, d
             for i in plan.reduces:
                 out[i].div_(len(holders))
         pending.wait()
-        del parts, recvs, sends, packs, mine
+        del parts, recvs, sends, packs
     if target.shards == dst.shards:
         for i, shard in dst.shards_on(rank):
             if i not in out:

@@ -18,7 +18,14 @@ from hypothesis import strategies as hst
 
 import checkpoint
 import sharded_tensor as st
-from sharding import DevicePlacement, PartialSpec, ShardMetadata, partial, single_split, spec_from_dict
+from sharding import (
+    DevicePlacement,
+    PartialSpec,
+    ShardMetadata,
+    partial,
+    single_split,
+    spec_from_dict,
+)
 from tests.distributed._launch import run_distributed
 from tests.unit.test_plan import sizes, specs
 
