@@ -86,7 +86,8 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
     # One tensor at a time: each allocates only its own full tensor (on dst), and the
     # pack/receive buffers are one scratch area reused from tensor to tensor.
     for _, value in sharded:
-        if all(s.device.device.type == "cpu" for s in value.sharding_metadata().shards):
+        metadata = value.sharding_metadata()
+        if metadata.partial is None and all(s.device.device.type == "cpu" for s in metadata.shards):
             full = _gather_cpu(value, dst, rank, scratch)
         else:
             full = value.gather(dst)

@@ -393,6 +393,11 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
             msg = (f"checkpoint {source!r} holds a tensor for {name!r}, but the state_dict has "
                    f"{type(value).__name__} {value!r} there; put a tensor (or None) under that name.")
             raise CheckpointError(msg)
+        if isinstance(value, ShardedTensor) and value.sharding_metadata().partial is not None:
+            msg = (f"cannot load {name!r} from {source!r} into a ShardedTensor holding partial values "
+                   f"(partial({value.sharding_metadata().partial})): every holder would get the whole tensor; "
+                   f"reshard it to a plain layout (a split or DevicePlacement) before loading.")
+            raise ValueError(msg)
         if tuple(value.shape) != tuple(entry.size):
             msg = (f"tensor {name!r} in {source!r} has size {tuple(entry.size)}, but the state_dict's "
                    f"{type(value).__name__} has size {tuple(value.shape)}; load into a tensor of the saved size.")

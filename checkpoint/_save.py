@@ -98,11 +98,33 @@ def _region_key(name: str, box: Box, size: torch.Size) -> str:
     return f"{name}@{','.join(str(o) for o in box[0])}"
 
 
-def _plan(state_dict: Mapping[str, Any], rank: int, world: int) -> _Plan:
+def _reduce_partials(state_dict: Mapping[str, Any], reduce_partial: bool) -> dict[int, ShardedTensor]:
+    """Reduced copies of the partial ``ShardedTensor`` entries, by ``id`` of the entry. Collective when any.
+
+    Partial values are not the tensor: saving them as regions would store one holder's share.
+    Refused unless ``reduce_partial``; then each is reduced into a split over its holders (a
+    reduce-scatter), leaving the caller's tensor as it was.
+    """
+    partials = [(name, value) for name, _, _, value in flatten_state_dict(state_dict)
+                if isinstance(value, ShardedTensor) and value.sharding_metadata().partial is not None]
+    if partials and not reduce_partial:
+        names = ", ".join(f"{name!r} (partial({value.sharding_metadata().partial}))" for name, value in partials)
+        what = f"entry {names} holds" if len(partials) == 1 else f"entries {names} hold"
+        msg = (f"checkpoint.save: {what} partial values pending a reduction, not a tensor; reshard to a "
+               f"plain layout first (e.g. t.reshard(single_split(0, ranks)) or DevicePlacement('cpu')), or pass "
+               f"reduce_partial=True to save the reduced values.")
+        raise ValueError(msg)
+    return {id(value): value.reduced() for _, value in partials}
+
+
+def _plan(state_dict: Mapping[str, Any], rank: int, world: int,
+          replace: Mapping[int, ShardedTensor] | None = None) -> _Plan:
     """Pure: what is saved and who writes which region. Identical on every rank for equal layouts."""
     plan = _Plan()
     load = [0] * world  # bytes assigned per rank, for greedy balancing
     for name, _, _, value in flatten_state_dict(state_dict):
+        if replace:
+            value = replace.get(id(value), value)
         if isinstance(value, ShardedTensor):
             metadata = value.sharding_metadata()
             size, dtype = metadata.size, metadata.dtype
@@ -326,7 +348,7 @@ def _error_text(exc: BaseException) -> str:
 
 def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
          storage_options: Mapping[str, Any] | None = None, timeout: float = DEFAULT_TIMEOUT,
-         quiet: bool | None = None) -> None:
+         quiet: bool | None = None, reduce_partial: bool = False) -> None:
     """Save a (sharded) state_dict to a checkpoint folder. Collective.
 
     Every rank of ``process_group`` calls it with a state_dict of the same structure. Each
@@ -352,11 +374,14 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
             that crashed or hangs makes the others raise ``CheckpointError`` within this time
             (at once when its connection closes).
         quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large saves.
+        reduce_partial: save ``ShardedTensor`` entries holding partial values (``PartialSpec``)
+            as their reduced values (one reduce-scatter each; the entries are left as they
+            are). Without it such entries are refused.
 
     Raises:
         TypeError: an entry is neither a tensor, a ``ShardedTensor`` nor JSON data (names the key).
-        ValueError: the ranks' state_dicts differ in structure, or a layout names ranks outside
-            the process group.
+        ValueError: the ranks' state_dicts differ in structure, a layout names ranks outside
+            the process group, or an entry holds partial values and ``reduce_partial`` is not set.
         CheckpointError: another rank failed or did not finish; nothing was committed.
         OSError: the storage failed (from fsspec), on the rank where it happened.
 
@@ -371,7 +396,7 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
     problem: Exception | None = None
     plan = _Plan()
     try:
-        plan = _plan(state_dict, rank, world)
+        plan = _plan(state_dict, rank, world, _reduce_partials(state_dict, reduce_partial))
         _hook("planned")
         # prepare: rank 0 makes the folder and the generation id; everyone checks the structure.
         generation = _prepare(fs, root) if rank == 0 else ""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "gather_json", "broadcast_json", "all_gather_tensor", "CollectiveError",
-           "broadcast_int", "all_reduce", "barrier", "ProcessGroup"]
+           "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
 """A ``torch.distributed.ProcessGroup``; ``None`` means the default group."""
@@ -114,12 +114,29 @@ def _pieces(wire: torch.Tensor) -> list[torch.Tensor]:
 class PendingExchange:
     """Transfers posted by ``start_exchange`` or ``send_ready``; ``wait()`` returns once all are complete."""
 
-    __slots__ = ("_works", "_group", "_posted")
+    __slots__ = ("_works", "_group", "_posted", "_recv_works")
 
     def __init__(self, group: ProcessGroup) -> None:
         self._works: list[Any] = []
         self._group = group
         self._posted: dict[int, int] = {}
+        self._recv_works: dict[int, list[Any]] | None = {}
+
+    def wait_recv(self, peer: int) -> None:
+        """Wait until the message from ``peer`` has arrived (others may still be in flight).
+
+        Lets a caller use messages in a fixed order as they come, e.g. to reduce partial
+        values in rank order while later ones are still on the wire. Where the backend gives
+        one handle for the whole batch (NCCL), this waits for everything.
+        """
+        if self._recv_works is None:
+            self.wait()
+            return
+        done = self._recv_works.pop(peer, [])
+        for work in done:
+            work.wait()
+        # A Gloo work must be waited for once only (a second wait waits for another message).
+        self._works = [w for w in self._works if all(w is not d for d in done)]
 
     def send_ready(self, peer: int, message: torch.Tensor, ready: int) -> None:
         """Send the pieces of ``message`` that lie within its first ``ready`` bytes and are not sent yet.
@@ -157,15 +174,23 @@ def start_exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.
     """
     pending = PendingExchange(group)
     ops = []
+    recv_peers = []
     for peer, tensor in recvs.items():
         for k, piece in enumerate(_pieces(_wire(tensor))):
             ops.append(dist.P2POp(dist.irecv, piece, _global(group, peer), group, tag=k))
+            recv_peers.append(peer)
     for peer, tensor in sends.items():
         for k, piece in enumerate(_pieces(_wire(tensor))):
             ops.append(dist.P2POp(dist.isend, piece, _global(group, peer), group, tag=k))
         _record("send/recv", tensor.numel() * tensor.element_size())
     if ops:
-        pending._works.extend(dist.batch_isend_irecv(ops))
+        works = dist.batch_isend_irecv(ops)
+        pending._works.extend(works)
+        if len(works) == len(ops):  # one handle per operation (Gloo): receives can be waited for by peer
+            for peer, work in zip(recv_peers, works):
+                pending._recv_works.setdefault(peer, []).append(work)  # type: ignore[union-attr]
+        else:
+            pending._recv_works = None
     return pending
 
 
@@ -246,6 +271,28 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "s
     if _initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
         _record("all_reduce", tensor.numel() * tensor.element_size())
+    return tensor
+
+
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def all_reduce_values(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` in place over every rank of the group (``op``: sum, avg, max, min). Collective.
+
+    For a partial tensor held by every rank. ``"avg"`` is a sum divided by the world size
+    on each rank, so it behaves the same on every backend. ``CommCounter`` records the bytes a
+    bandwidth-optimal all-reduce puts on the wire from each rank, 2 (w-1)/w of the tensor
+    (a reduce-scatter then an all-gather; Gloo's ring on CPU sends exactly that).
+    """
+    if not _initialized() or dist.get_world_size(group) == 1:
+        return tensor
+    world = dist.get_world_size(group)
+    reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS.get(op, "SUM"))
+    dist.all_reduce(tensor, op=reduce_op, group=group)
+    _record("all_reduce", 2 * (world - 1) * tensor.numel() // world * tensor.element_size())
+    if op == "avg":
+        tensor.div_(world)
     return tensor
 
 

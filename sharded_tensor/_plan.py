@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sharding import ShardedTensorMetadata
+from sharding import ShardedTensorMetadata, ShardMetadata
 
-__all__ = ["Box", "RegionIndex", "Piece", "ReshardPlan", "plan_reshard", "box_slices"]
+__all__ = ["Box", "RegionIndex", "Piece", "ReshardPlan", "plan_reshard", "box_slices",
+           "ReducePlan", "plan_reduce", "reduce_layout", "keeper_layout", "partial_holders"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offsets, dims)`` of a block of the global tensor."""
@@ -288,6 +289,10 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: i
     if tuple(src.size) != tuple(dst.size):
         msg = f"cannot reshard a tensor of size {tuple(src.size)} into a layout of size {tuple(dst.size)}."
         raise ValueError(msg)
+    if src.partial is not None or dst.partial is not None:
+        msg = ("plan_reshard moves values between plain layouts; a layout with partial values is reduced "
+               "with plan_reduce (see reduce_layout) or made with keeper_layout.")
+        raise ValueError(msg)
     with _cyclic_gc_paused():
         return _plan(src, dst, rank)
 
@@ -353,3 +358,110 @@ def total_traffic(src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> dic
     for r in ranks:
         sent[r] += plan_reshard(src, dst, r).elements_sent()
     return dict(sent)
+
+
+# -- partial tensors: pure planning of reductions -------------------------------------------
+
+
+def partial_holders(metadata: ShardedTensorMetadata) -> tuple[int, ...]:
+    """The ranks holding a partial value, ascending: the order in which values are reduced."""
+    return tuple(sorted({s.rank for s in metadata.shards if s.rank is not None}))
+
+
+def reduce_layout(src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> ShardedTensorMetadata:
+    """Where each block of a partial ``src`` is reduced on its way to the layout ``dst``.
+
+    Returns a layout with one holder per block (no replicas): the reducer, which receives
+    every other partial value of the block and reduces them. A ``dst`` region held by one
+    rank is reduced there: ``dst`` itself is returned when all its regions are, so a split
+    target is a plain reduce-scatter. A region held by several ranks (a replica) is cut
+    along its first dimension long enough (else its longest) into one chunk per holder, preferring holders that have a
+    partial value, so that reducing costs each rank its share and the chunks then reach the
+    other holders as in an all-gather: the bandwidth-optimal all-reduce, in two steps.
+
+    Pure: every rank computes the same layout from the two layouts.
+    """
+    from sharding._specs import chunk_bounds
+
+    regions = _Regions.of(dst)
+    if all(len(h) == 1 for h in regions.holders) and \
+            sum(1 for s in dst.shards if s.numel) == len(regions.boxes):
+        return ShardedTensorMetadata(dst.shards, dst.size, dst.dtype)
+    have = set(partial_holders(src))
+    device_of = {(regions.region_of[i], s.rank): s.device for i, s in enumerate(dst.shards) if i in regions.region_of}
+    shards: list[ShardMetadata] = []
+    for region, ((offsets, dims), holders) in enumerate(zip(regions.boxes, regions.holders)):
+        reducers = [r for r in holders if r in have] or holders
+        # The first dimension with a row for every reducer: contiguous chunks, no packing.
+        longest = max(range(len(dims)), key=lambda d: dims[d]) if dims else 0
+        dim = next((d for d, n in enumerate(dims) if n >= len(reducers)), longest)
+        if len(reducers) == 1 or not dims or dims[dim] < 2:
+            shards.append(ShardMetadata(offsets, dims, device_of[(region, reducers[0])]))
+            continue
+        for reducer, (start, length) in zip(reducers, chunk_bounds(dims[dim], len(reducers))):
+            if length == 0:
+                continue
+            chunk_offsets = tuple(o + start if d == dim else o for d, o in enumerate(offsets))
+            chunk_dims = tuple(length if d == dim else n for d, n in enumerate(dims))
+            shards.append(ShardMetadata(chunk_offsets, chunk_dims, device_of[(region, reducer)]))
+    return ShardedTensorMetadata(shards, dst.size, dst.dtype)
+
+
+@dataclass(slots=True)
+class ReducePlan:
+    """What one rank does to reduce a partial tensor onto a layout with one holder per block.
+
+    ``holders`` are the ranks with a partial value, in reduction order. ``sends[peer]`` lists
+    the blocks (indices into the target's shards) whose partial value this rank sends to their
+    reducer ``peer``; ``recvs[peer]`` the blocks this rank reduces and receives from ``peer``;
+    both sides list a transfer's blocks in the same (ascending) order. ``reduces`` are the
+    blocks this rank reduces.
+    """
+
+    rank: int
+    holders: tuple[int, ...]
+    sends: dict[int, list[int]] = field(default_factory=dict)
+    recvs: dict[int, list[int]] = field(default_factory=dict)
+    reduces: list[int] = field(default_factory=list)
+
+
+def plan_reduce(src: ShardedTensorMetadata, target: ShardedTensorMetadata, rank: int) -> ReducePlan:
+    """Plan ``rank``'s part of reducing the partial ``src`` onto ``target`` (see ``reduce_layout``).
+
+    Every holder sends each block's partial value to the block's reducer, once; nothing else
+    moves. For a target split over the holders this is (k-1)/k of the tensor per rank, the
+    minimum for a reduce-scatter.
+    """
+    holders = partial_holders(src)
+    plan = ReducePlan(rank, holders)
+    for index, shard in enumerate(target.shards):
+        if shard.numel == 0:
+            continue
+        reducer: int = shard.rank  # type: ignore[assignment]
+        if reducer == rank:
+            plan.reduces.append(index)
+            for peer in holders:
+                if peer != rank:
+                    plan.recvs.setdefault(peer, []).append(index)
+        elif rank in holders:
+            plan.sends.setdefault(reducer, []).append(index)
+    return plan
+
+
+def keeper_layout(src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> ShardedTensorMetadata:
+    """For a reshard into a partial sum: which one holder of ``dst`` keeps each block's values.
+
+    The others hold zeros there, so the sum is the tensor. A block stays with a rank that
+    holds it already when that rank is a holder of ``dst`` (the lowest such rank), so going
+    from a replica or from a split over the same ranks moves nothing; other blocks go round
+    robin over the holders. Pure.
+    """
+    source = _Regions.of(src)
+    holders = partial_holders(dst)
+    device_of = {s.rank: s.device for s in dst.shards}
+    shards = []
+    for region, (box, have) in enumerate(zip(source.boxes, source.holders)):
+        keepers = [r for r in have if r in device_of]
+        keeper = keepers[0] if keepers else holders[region % len(holders)]
+        shards.append(ShardMetadata(box[0], box[1], device_of[keeper]))
+    return ShardedTensorMetadata(shards, src.size, src.dtype)

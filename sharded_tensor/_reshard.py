@@ -54,7 +54,14 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
 
     Peak extra memory is this rank's staging buffers (only for blocks that are not contiguous
     on their side), never the whole tensor.
+
+    Either layout may hold partial values (``metadata.partial``): they are then reduced, or
+    made, on the way (``_partial``).
     """
+    if src.partial is not None or dst.partial is not None:
+        from ._partial import redistribute_partial  # imports this module
+
+        return redistribute_partial(local, src, dst, rank=rank, group=group, reuse=reuse)
     plan = plan_reshard(src, dst, rank)
     kept, spans = _blocks_to_keep(plan, local, src, dst) if reuse else ({}, {})
     out = {i: kept[i] if i in kept else empty_for_fill(shard.dims, dst.dtype, shard.device.device)

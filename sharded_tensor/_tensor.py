@@ -12,12 +12,13 @@ import torch
 from sharding import (
     DevicePlacement,
     EnumerableShardingSpec,
+    PartialSpec,
     PlacementSpec,
     RemoteDevice,
     ShardedTensorMetadata,
     ShardMetadata,
 )
-from sharding._metadata import check_tiling
+from sharding._metadata import check_reduce_op, check_tiling
 
 from . import _comm
 from ._reshard import redistribute
@@ -77,8 +78,13 @@ class ShardedTensor:
 
     @classmethod
     def from_local_shards(cls, local_shards: Sequence[Shard], size: Sequence[int] | int, *,
-                          process_group: _comm.ProcessGroup = None, validate: bool = True) -> ShardedTensor:
+                          process_group: _comm.ProcessGroup = None, validate: bool = True,
+                          reduce_op: str | None = None) -> ShardedTensor:
         """Build a ShardedTensor from each rank's ``st.Shard`` objects. Collective.
+
+        With ``reduce_op`` (``"sum"``, ``"avg"``, ``"max"`` or ``"min"``) the shards are
+        partial values pending that reduction, as a row-parallel matmul leaves them: each
+        holding rank passes one full-size shard, and the tensor's layout is a ``PartialSpec``.
 
         Every rank passes its own shards (possibly none) and the same global ``size``. The
         ranks exchange their shard metadata (a few bytes each) so that every rank knows the
@@ -137,11 +143,15 @@ class ShardedTensor:
             msg = "from_local_shards: " + "; ".join(p.rstrip(".") for p in problems) + "."
             raise ValueError(msg)
         dtype = getattr(torch, dtypes[0].removeprefix("torch.")) if dtypes else torch.get_default_dtype()
-        metadata = ShardedTensorMetadata([ShardMetadata.from_dict(s) for s in all_shards], size, dtype)
+        if reduce_op is not None:
+            _check_partial_shards([ShardMetadata.from_dict(s) for s in all_shards], size, reduce_op, dtype)
+        metadata = ShardedTensorMetadata([ShardMetadata.from_dict(s) for s in all_shards], size, dtype, reduce_op)
         # Local shards come first in rank order, so this rank's are a contiguous run.
         start = sum(len(r["shards"]) for r in everyone[:rank])
         tensors = {start + i: shard.tensor for i, shard in enumerate(local_shards)}
-        spec = EnumerableShardingSpec(metadata.shards) if metadata.shards else None
+        spec: PlacementSpec | None = EnumerableShardingSpec(metadata.shards) if metadata.shards else None
+        if reduce_op is not None:
+            spec = PartialSpec([str(s.device) for s in metadata.shards], reduce_op=reduce_op)
         return cls._make(tensors, metadata, spec, rank=rank, group=process_group,
                          requires_grad=any(s["grad"] for s in all_shards))
 
@@ -256,6 +266,12 @@ class ShardedTensor:
         keeps that memory, without a copy; the rest of the old shard's pages are released
         (see the resharding guide).
 
+        From partial values (``PartialSpec``) the reduction happens on the way: an
+        all-reduce for a replica on every rank, a reduce-scatter for a split. Into a
+        ``PartialSpec`` with ``"sum"`` one holder keeps each block and the others hold zeros;
+        with ``"avg"``, ``"max"`` or ``"min"`` every holder keeps the values. Partial values
+        pending one reduction cannot become partial values pending another (``ValueError``).
+
         Example:
             >>> # 4 ranks, (8, 8) split by rows -> split by columns: each rank keeps its 2x2
             >>> # diagonal block and receives three 2x2 blocks.
@@ -281,7 +297,10 @@ class ShardedTensor:
         return self
 
     def gather(self, dst: int = 0) -> torch.Tensor | None:
-        """The full tensor on rank ``dst`` (on its shards' device), ``None`` elsewhere. Collective."""
+        """The full tensor on rank ``dst`` (on its shards' device), ``None`` elsewhere. Collective.
+
+        Partial values are reduced (each holder sends its value to ``dst``).
+        """
         world = self._world()
         if not 0 <= dst < world:
             msg = f"gather(dst={dst!r}) is outside the world of {world} ranks; use 0..{world - 1}."
@@ -291,7 +310,10 @@ class ShardedTensor:
         return tensors.get(0)
 
     def full_tensor(self) -> torch.Tensor:
-        """The full tensor on every rank (on each rank's own device). Collective."""
+        """The full tensor on every rank (on each rank's own device). Collective.
+
+        Partial values are reduced, with one all-reduce when every rank holds one.
+        """
         world = self._world()
         target = ShardedTensorMetadata(
             [ShardMetadata((0,) * self.dim(), tuple(self.shape), RemoteDevice.of(r, self._device_of(r)))
@@ -331,6 +353,25 @@ class ShardedTensor:
 
         return to_dtensor(self, device_mesh, placements)
 
+    def reduced(self) -> ShardedTensor:
+        """A new ShardedTensor with the reduced values of this partial one, split over its holders. Collective.
+
+        This tensor is left as it is. The split is along the first dimension with a row for
+        every holder (else the longest), over the holding ranks in order (one reduce-scatter); a tensor without partial values comes
+        back as a copy in its own layout.
+
+        Example:
+            >>> # 2 ranks, partial sums of a (4, 4) tensor -> rows 0:2 on rank 0, 2:4 on rank 1
+            >>> r = t.reduced()  # doctest: +SKIP
+        """
+        from ._partial import _split_over
+
+        target = _split_over(self._metadata) if self._metadata.partial is not None else self._metadata
+        tensors = redistribute(self._local_by_index(), self._metadata, target, rank=self._rank, group=self._group)
+        spec = EnumerableShardingSpec(target.shards) if self._metadata.partial is not None else self._spec
+        return ShardedTensor._make(tensors, target, spec, rank=self._rank, group=self._group, names=self._names,
+                                   requires_grad=self._requires_grad)
+
     # -- torch.save / torch.load(weights_only=True) -----------------------------------------
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
@@ -368,6 +409,27 @@ def _rebuild_sharded_tensor(header: str, tensors: list[torch.Tensor]) -> Sharded
     names = tuple(data["names"]) if data["names"] is not None else None
     return ShardedTensor._make(dict(zip(indices, tensors)), metadata, spec, rank=saved_rank, group=None,
                                names=names, requires_grad=bool(data.get("requires_grad", False)))
+
+
+def _check_partial_shards(shards: list[ShardMetadata], size: tuple[int, ...], reduce_op: str,
+                          dtype: torch.dtype) -> None:
+    """Partial values: one full-size shard per rank, at least one; the same ``ValueError`` on every rank."""
+    check_reduce_op(reduce_op)
+    if not shards:
+        msg = f"from_local_shards(reduce_op={reduce_op!r}): no rank passed a shard; every holder passes its partial value."
+        raise ValueError(msg)
+    not_full = [str(s.device) for s in shards if s.dims != size or any(s.offsets)]
+    if not_full:
+        msg = (f"from_local_shards(reduce_op={reduce_op!r}): partial values must be full-size (offsets 0, dims "
+               f"{size}), but the shards on {not_full} are not; pass each rank's whole partial result.")
+        raise ValueError(msg)
+    ranks = [s.rank for s in shards]
+    repeated = sorted({r for r in ranks if ranks.count(r) > 1})  # type: ignore[type-var]
+    if repeated:
+        msg = (f"from_local_shards(reduce_op={reduce_op!r}): rank(s) {repeated} pass several partial values; "
+               f"pass one per rank (add them first).")
+        raise ValueError(msg)
+    PartialSpec([str(s.device) for s in shards], reduce_op=reduce_op).build_metadata(size, dtype)  # dtype checks
 
 
 def _build(spec: PlacementSpec, size: Sequence[int], dtype: torch.dtype | None,

@@ -28,7 +28,9 @@ def _holders(metadata: ShardedTensorMetadata, lo: tuple[int, ...]) -> str:
                     if s.numel > 0 and all(o <= x < o + n for x, o, n in zip(lo, s.offsets, s.dims))})
     if not ranks:
         return "-"
-    return "rank " + ",".join(str(r) for r in ranks)
+    holders = "rank " + ",".join(str(r) for r in ranks)
+    # Partial values are not replicas: say which reduction of them the tensor is.
+    return holders if metadata.partial is None else f"partial({metadata.partial}) {holders}"
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -47,6 +49,9 @@ def visualize_sharding(tensor: ShardedTensor | ShardedTensorMetadata, *, file: T
                        all_ranks: bool = False) -> str:
     """Draw which rank holds which block of a 1-D or 2-D tensor; list the shards for more dims.
 
+    Partial values show as ``partial(sum) rank 0,1`` (and ``partial(sum)`` in the title): the
+    tensor is the sum of the holders' values, not a replica.
+
     The picture comes from metadata alone (no communication). It is printed on rank 0 (or on
     every rank with ``all_ranks=True``) and returned on every rank.
 
@@ -62,7 +67,8 @@ def visualize_sharding(tensor: ShardedTensor | ShardedTensorMetadata, *, file: T
     metadata = tensor.sharding_metadata() if isinstance(tensor, ShardedTensor) else tensor
     size = tuple(metadata.size)
     title = (f"size={size} dtype={str(metadata.dtype).removeprefix('torch.')} "
-             f"shards={len(metadata.shards)} ranks={list(metadata.ranks)}")
+             f"shards={len(metadata.shards)} ranks={list(metadata.ranks)}"
+             + ("" if metadata.partial is None else f" partial({metadata.partial})"))
     too_many = any(len(_cuts(metadata, d)) - 1 > _MAX_BLOCKS for d in range(min(len(size), 2)))
     if len(size) == 1 and not too_many:
         cuts = _cuts(metadata, 0)

@@ -7,10 +7,12 @@ from ._specs import (
     DevicePlacement,
     EnumerableShardingSpec,
     MeshShardingSpec,
+    PartialSpec,
     ShardingSpec,
     SingleSplitShardingSpec,
     composite,
     mesh,
+    partial,
     single_split,
     spec_from_dict,
 )
@@ -18,6 +20,6 @@ from ._specs import (
 __all__ = [
     "RemoteDevice", "PlacementSpec", "DevicePlacement", "ShardingSpec",
     "SingleSplitShardingSpec", "MeshShardingSpec", "CompositeShardingSpec", "EnumerableShardingSpec",
-    "single_split", "mesh", "composite", "spec_from_dict",
+    "PartialSpec", "single_split", "mesh", "composite", "partial", "spec_from_dict",
     "ShardMetadata", "ShardedTensorMetadata",
 ]

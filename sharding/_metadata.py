@@ -10,7 +10,19 @@ import torch
 
 from ._placement import RemoteDevice
 
-__all__ = ["ShardMetadata", "ShardedTensorMetadata", "check_tiling"]
+__all__ = ["ShardMetadata", "ShardedTensorMetadata", "check_tiling", "REDUCE_OPS", "check_reduce_op"]
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+"""Reductions a partial tensor may be pending (element-wise, like ``torch.distributed.ReduceOp``)."""
+
+
+def check_reduce_op(reduce_op: object, *, where: str = "reduce_op") -> str:
+    """Return ``reduce_op`` if it names a supported reduction; raise ``ValueError`` otherwise."""
+    if not isinstance(reduce_op, str) or reduce_op not in REDUCE_OPS:
+        msg = (f"{where}={reduce_op!r} is not a supported reduction; use one of "
+               f"{', '.join(repr(op) for op in REDUCE_OPS)}.")
+        raise ValueError(msg)
+    return reduce_op
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,17 +80,25 @@ class ShardMetadata:
 
 @dataclass(frozen=True, slots=True)
 class ShardedTensorMetadata:
-    """The full layout of a sharded tensor: every shard (placement order), size and dtype."""
+    """The full layout of a sharded tensor: every shard (placement order), size and dtype.
+
+    ``partial`` is ``None`` for a tensor whose shards hold its values. For a partial tensor it
+    names the pending reduction (``"sum"``, ``"avg"``, ``"max"`` or ``"min"``): every shard is
+    then full-size, one per holding rank, and the tensor's value is that reduction of the
+    holders' local values (see ``PartialSpec``).
+    """
 
     shards: tuple[ShardMetadata, ...]
     size: torch.Size
     dtype: torch.dtype
+    partial: str | None
 
     def __init__(self, shards: Iterable[ShardMetadata], size: Sequence[int],
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, partial: str | None = None) -> None:
         object.__setattr__(self, "shards", tuple(shards))
         object.__setattr__(self, "size", torch.Size(size))
         object.__setattr__(self, "dtype", dtype if dtype is not None else torch.get_default_dtype())
+        object.__setattr__(self, "partial", None if partial is None else check_reduce_op(partial, where="partial"))
         for i, shard in enumerate(self.shards):
             if not isinstance(shard, ShardMetadata):
                 msg = f"shards[{i}] is {type(shard).__name__} {shard!r}; expected a ShardMetadata."
@@ -99,8 +119,11 @@ class ShardedTensorMetadata:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form (dtype as its short name, e.g. ``"float32"``)."""
-        return {"size": list(self.size), "dtype": str(self.dtype).removeprefix("torch."),
-                "shards": [s.to_dict() for s in self.shards]}
+        data: dict[str, object] = {"size": list(self.size), "dtype": str(self.dtype).removeprefix("torch."),
+                                   "shards": [s.to_dict() for s in self.shards]}
+        if self.partial is not None:  # absent otherwise, so non-partial metadata reads as before
+            data["partial"] = self.partial
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> ShardedTensorMetadata:
@@ -110,10 +133,10 @@ class ShardedTensorMetadata:
             msg = f"unknown dtype {data['dtype']!r} in sharded tensor metadata."
             raise ValueError(msg)
         shards = [ShardMetadata.from_dict(s) for s in data["shards"]]  # type: ignore[attr-defined]
-        return cls(shards, data["size"], dtype)  # type: ignore[arg-type]
+        return cls(shards, data["size"], dtype, data.get("partial"))  # type: ignore[arg-type]
 
     def __reduce__(self) -> tuple[type[ShardedTensorMetadata], tuple[object, ...]]:
-        return (ShardedTensorMetadata, (self.shards, tuple(self.size), self.dtype))
+        return (ShardedTensorMetadata, (self.shards, tuple(self.size), self.dtype, self.partial))
 
 
 def check_tiling(shards: Sequence[ShardMetadata], size: Sequence[int], *, what: str = "shards") -> None:

@@ -13,12 +13,12 @@ from typing import Union
 
 import torch
 
-from ._metadata import ShardedTensorMetadata, ShardMetadata, check_tiling
+from ._metadata import ShardedTensorMetadata, ShardMetadata, check_reduce_op, check_tiling
 from ._placement import PlacementSpec, RemoteDevice
 
 __all__ = [
     "DevicePlacement", "ShardingSpec", "SingleSplitShardingSpec", "MeshShardingSpec", "CompositeShardingSpec",
-    "EnumerableShardingSpec", "single_split", "mesh", "composite", "spec_from_dict",
+    "EnumerableShardingSpec", "PartialSpec", "single_split", "mesh", "composite", "partial", "spec_from_dict",
     "chunk_bounds",
 ]
 
@@ -361,7 +361,90 @@ class EnumerableShardingSpec(PlacementSpec):
         return (EnumerableShardingSpec, (self.shards,))
 
 
-ShardingSpec = Union[DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec]
+@dataclass(frozen=True, slots=True, init=False)
+class PartialSpec(PlacementSpec):
+    """Full-size partial values on several ranks, pending one element-wise reduction.
+
+    Each rank of ``shard_placement`` holds a tensor of the full size, and the tensor's value
+    is the reduction (``reduce_op``: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``) of those
+    local tensors, as a row-parallel matmul leaves it: every rank multiplies its columns of
+    the input by its rows of the weight and holds a full-size partial sum. ``reshard`` to any
+    other layout reduces (an all-reduce for a replica, a reduce-scatter for a split); no data
+    moves until then. A placement without a rank (``"cpu"``) means every rank of the world.
+
+    The same idea as DTensor's ``Partial`` placement, with the holders named explicitly.
+
+    Example:
+        >>> spec = PartialSpec(["rank:0/cpu", "rank:1/cpu"], reduce_op="sum")
+        >>> md = spec.build_metadata((4, 2))
+        >>> [s.dims for s in md.shards], md.partial
+        ([(4, 2), (4, 2)], 'sum')
+    """
+
+    shard_placement: tuple[DevicePlacement, ...]
+    reduce_op: str
+
+    def __init__(self, shard_placement: Sequence[DeviceLike] | DeviceLike, *, reduce_op: str = "sum") -> None:
+        if isinstance(shard_placement, (str, RemoteDevice, DevicePlacement)):
+            shard_placement = [shard_placement]
+        if not isinstance(shard_placement, Iterable):
+            msg = (f"shard_placement must be a list of placements, got {shard_placement!r}; "
+                   f"write e.g. ['rank:0/cpu', 'rank:1/cpu'], or 'cpu' for every rank.")
+            raise TypeError(msg)
+        placements = tuple(as_placement(p, where=f"shard_placement[{i}]") for i, p in enumerate(shard_placement))
+        if not placements:
+            msg = ("PartialSpec shard_placement is empty; name the ranks that hold partial values, "
+                   "e.g. ['rank:0/cpu', 'rank:1/cpu'], or 'cpu' for every rank.")
+            raise ValueError(msg)
+        ranks = [p.device.rank for p in placements if p.device.rank is not None]
+        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
+        if repeated:
+            msg = (f"PartialSpec names rank(s) {repeated} more than once in {[str(p.device) for p in placements]!r}; "
+                   f"each rank holds one partial value, so list each rank once.")
+            raise ValueError(msg)
+        if len(placements) > 1 and any(p.device.rank is None for p in placements):
+            msg = (f"PartialSpec mixes a device without a rank (which means every rank) with other placements "
+                   f"in {[str(p.device) for p in placements]!r}; give either one rankless device or ranked ones.")
+            raise ValueError(msg)
+        object.__setattr__(self, "shard_placement", placements)
+        object.__setattr__(self, "reduce_op", check_reduce_op(reduce_op))
+
+    def build_metadata(self, size: Sequence[int], dtype: torch.dtype | None = None,
+                       names: Sequence[str | None] | None = None, *,
+                       world_size: int | None = None) -> ShardedTensorMetadata:
+        """One full-size shard per holding rank, with ``partial`` set to the pending reduction."""
+        size = _check_size(size)
+        _check_reduce_dtype(self.reduce_op, dtype if dtype is not None else torch.get_default_dtype())
+        shards: list[ShardMetadata] = []
+        for i, placement in enumerate(self.shard_placement):
+            shards += _expand(placement, (0,) * len(size), size, world_size, f"PartialSpec shard_placement[{i}]")
+        return ShardedTensorMetadata(shards, size, dtype, self.reduce_op)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
+        return {"type": "partial", "shard_placement": [str(p.device) for p in self.shard_placement],
+                "reduce_op": self.reduce_op}
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (spec_from_dict, (self.to_dict(),))
+
+
+def _check_reduce_dtype(reduce_op: str, dtype: torch.dtype) -> None:
+    """Refuse reductions that have no meaning for ``dtype`` (before any data exists)."""
+    if dtype == torch.bool and reduce_op in ("sum", "avg"):
+        msg = (f"reduce_op={reduce_op!r} is not defined for dtype=torch.bool; use 'max' (logical or) or "
+               f"'min' (logical and), or convert the values to an integer dtype.")
+        raise ValueError(msg)
+    if reduce_op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        msg = (f"reduce_op='avg' needs a floating-point dtype, got {dtype}; use 'sum' and divide yourself, "
+               f"or convert the values to a floating-point dtype.")
+        raise ValueError(msg)
+    if reduce_op in ("max", "min") and dtype.is_complex:
+        msg = f"reduce_op={reduce_op!r} is not defined for the complex dtype {dtype}; use 'sum' or 'avg'."
+        raise ValueError(msg)
+
+
+ShardingSpec = Union[DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec, PartialSpec]
 """A spec that lays out one tensor."""
 
 _TENSOR_SPECS = (DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec)
@@ -393,6 +476,10 @@ class CompositeShardingSpec(PlacementSpec):
                 raise ValueError(msg)
             if isinstance(value, (str, RemoteDevice)):
                 value = DevicePlacement(value)
+            if isinstance(value, PartialSpec):
+                msg = (f"param_placement[{name!r}] is a PartialSpec; partial values are the pending result of "
+                       f"a computation, not a way to store a parameter. Give it a split, a mesh or a device.")
+                raise TypeError(msg)
             if not isinstance(value, (*_TENSOR_SPECS, CompositeShardingSpec)):
                 msg = (f"param_placement[{name!r}] is {type(value).__name__} {value!r}; expected a sharding "
                        f"spec or a device string.")
@@ -481,6 +568,11 @@ def composite(**kwargs: PlacementSpec | str) -> CompositeShardingSpec:
     return CompositeShardingSpec(kwargs)
 
 
+def partial(shard_placement: Sequence[DeviceLike] | DeviceLike, *, reduce_op: str = "sum") -> PartialSpec:
+    """Helper for ``PartialSpec``: ``partial(["rank:0/cpu", "rank:1/cpu"], reduce_op="max")``; ``partial("cpu")``: every rank."""
+    return PartialSpec(shard_placement, reduce_op=reduce_op)
+
+
 def spec_from_dict(data: Mapping[str, object]) -> PlacementSpec:
     """Rebuild a spec from ``spec.to_dict()``."""
     if not isinstance(data, Mapping) or "type" not in data:
@@ -496,8 +588,10 @@ def spec_from_dict(data: Mapping[str, object]) -> PlacementSpec:
         return MeshShardingSpec(data["shard_placement"])  # type: ignore[arg-type]
     if kind == "enumerable":
         return EnumerableShardingSpec(ShardMetadata.from_dict(s) for s in data["shards"])  # type: ignore[attr-defined]
+    if kind == "partial":
+        return PartialSpec(data["shard_placement"], reduce_op=data.get("reduce_op", "sum"))  # type: ignore[arg-type]
     if kind == "composite":
         return CompositeShardingSpec({k: spec_from_dict(v) for k, v in data["param_placement"].items()})  # type: ignore[attr-defined]
     msg = (f"unknown spec type {kind!r}; expected one of 'device', 'single_split', 'mesh', "
-           f"'enumerable', 'composite'.")
+           f"'enumerable', 'partial', 'composite'.")
     raise ValueError(msg)
