@@ -326,3 +326,50 @@ def test_draw_uniform_is_seeded_bounded_and_uniform(dtype, shape, contiguous):  
     # Every tenth of the range gets its share, within 5 standard deviations of a bin count.
     counts = torch.histc(values, bins=10, min=-0.25, max=0.75)
     assert (counts - n / 10).abs().max() < 5 * math.sqrt(n / 10)
+
+
+# -- which code initializes a meta model ----------------------------------------------------------------
+
+class _Titan(torch.nn.Module):
+    """A torchtitan-style model: plain parameters, one init_weights() for the whole model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(4, 3))
+        self.b = torch.nn.Parameter(torch.empty(3))
+
+    def init_weights(self) -> None:
+        torch.nn.init.normal_(self.w, std=0.5)
+        torch.nn.init.constant_(self.b, 2.0)
+
+
+def test_a_models_init_weights_initializes_it_and_is_layout_invariant_with_seed():
+    with torch.device("meta"):
+        model = _Titan()
+    st.shard_model(model, DevicePlacement("cpu"), seed=3)
+    assert torch.equal(model.b.detach(), torch.full((3,), 2.0))
+    expected = torch.empty(4, 3)
+    _init.fill_normal_(expected, _random.derive_seed(3, "w"), (0, 0), (4, 3), 0.0, 0.5)
+    assert torch.equal(model.w.detach(), expected)
+
+
+def test_init_callable_runs_for_every_module_and_init_false_leaves_parameters_alone():
+    seen = []
+
+    def init(module: torch.nn.Module) -> None:
+        seen.append(type(module).__name__)
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.ones_(module.weight)
+            torch.nn.init.zeros_(module.bias)
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    st.shard_model(model, DevicePlacement("cpu"), init=init)
+    assert seen == ["Linear", "Linear"]
+    assert torch.equal(model[0].weight.detach(), torch.ones(2, 3))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    st.shard_model(model, DevicePlacement("cpu"), init=False)
+    assert model[0].weight.shape == (2, 3) and not model[0].weight.is_meta
+    with pytest.raises(TypeError, match=r"init must be None, False or a callable taking a module, got str"):
+        st.shard_model(torch.nn.Linear(2, 2, device="meta"), DevicePlacement("cpu"), init="normal")
