@@ -140,3 +140,67 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(mem / GiB, 1), "python": platform.python_version(),
             "torch": torch.__version__, "backend": "gloo (TCP on 127.0.0.1)",
             "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+# -- one way per set of fresh processes (memory figures need a process of their own) ---------------
+
+def proc_status(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak() -> int:
+    """Reset ``VmHWM`` to the current resident size (Linux >= 4.0) and return that size."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return proc_status("VmRSS")
+
+
+def local_param_bytes(model: Any) -> int:
+    """Bytes of the parameters this rank holds (a DTensor's local tensor for DTensors)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def llama_tp_names(layers: int) -> tuple[list[str], list[str]]:
+    """Module names of a Llama's tensor-parallel projections: (split on outputs, split on inputs)."""
+    cols, rows = [], []
+    for i in range(layers):
+        cols += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        cols += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj")]
+        rows += [f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"]
+    return cols, rows
+
+
+def run_fresh(target: Callable[..., None], world: int, *args: Any, what: str = "benchmark") -> list[dict[str, Any]]:
+    """Run ``target(rank, world, store_path, *args, queue)`` in ``world`` fresh spawned processes.
+
+    Each rank puts ``(rank, result_dict)`` on the queue (with an ``"error"`` key on failure);
+    returns the results in rank order, or raises with the first failure.
+    """
+    import multiprocessing
+    import tempfile
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=target, args=(r, world, str(Path(tmp) / "store"), *args, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, dict[str, Any]] = {}
+        while len(results) < world:
+            rank, result = out.get(timeout=3600)
+            results[rank] = result
+            if "error" in result:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{what} failed on rank {rank}:\n{result['error']}")
+        for p in procs:
+            p.join()
+    return [results[r] for r in range(world)]

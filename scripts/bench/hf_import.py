@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import ROOT, machine  # noqa: E402
+from _harness import ROOT, llama_tp_names, local_param_bytes, machine, proc_status, reset_peak, run_fresh  # noqa: E402
 
 MiB = 1 << 20
 WAYS = ("shardkit", "from_pretrained", "dcp_hf")
@@ -68,32 +67,11 @@ def _folder(quick: bool) -> Path:
     return folder
 
 
-def _names(layers: int) -> tuple[list[str], list[str]]:
-    cols, rows = [], []
-    for i in range(layers):
-        cols += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-        cols += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj")]
-        rows += [f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"]
-    return cols, rows
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> int:
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmRSS")
-
-
 def _load(way: str, folder: Path, world: int, quick: bool) -> Any:
     import torch
     from transformers import LlamaForCausalLM
     config = _config(quick)
-    cols, rows = _names(config.num_hidden_layers)
+    cols, rows = llama_tp_names(config.num_hidden_layers)
     if way == "shardkit":
         import checkpoint
         import sharded_tensor as st
@@ -132,14 +110,6 @@ def _rotary(config: Any) -> Any:
     return LlamaRotaryEmbedding(config)
 
 
-def _local_bytes(model: Any) -> int:
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
-
-
 def _rank(rank: int, world: int, store: str, way: str, folder: str, quick: bool, out: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     sys.path.insert(0, str(ROOT))
@@ -157,18 +127,18 @@ def _rank(rank: int, world: int, store: str, way: str, folder: str, quick: bool,
         import checkpoint  # noqa: F401
         import sharded_tensor  # noqa: F401
         dist.barrier()
-        before = _reset_peak()
+        before = reset_peak()
         start = time.perf_counter()
         model = _load(way, Path(folder), world, quick)
         elapsed = time.perf_counter() - start
-        peak = _status("VmHWM") - before
+        peak = proc_status("VmHWM") - before
         dist.barrier()
         x = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             logits = model(x).logits
             if hasattr(logits, "full_tensor"):
                 logits = logits.full_tensor()
-        out.put((rank, {"seconds": elapsed, "peak_growth": peak, "local_bytes": _local_bytes(model),
+        out.put((rank, {"seconds": elapsed, "peak_growth": peak, "local_bytes": local_param_bytes(model),
                         "logits": logits[0, :4, :8].tolist()}))
     except BaseException as exc:
         import traceback
@@ -176,27 +146,6 @@ def _rank(rank: int, world: int, store: str, way: str, folder: str, quick: bool,
         raise
     finally:
         dist.destroy_process_group()
-
-
-def measure_once(way: str, world: int, folder: Path, quick: bool) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, world, str(Path(tmp) / "store"), way, str(folder), quick, out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        while len(results) < world:
-            rank, result = out.get(timeout=3600)
-            results[rank] = result
-            if "error" in result:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{way} failed on rank {rank}:\n{result['error']}")
-        for p in procs:
-            p.join()
-    return [results[r] for r in range(world)]
 
 
 def main() -> None:
@@ -211,7 +160,7 @@ def main() -> None:
     runs: dict[str, list[list[dict[str, Any]]]] = {w: [] for w in WAYS}
     for rep in range(args.repeat):
         for way in WAYS[rep % len(WAYS):] + WAYS[:rep % len(WAYS)]:  # rotate the order
-            runs[way].append(measure_once(way, world, folder, args.quick))
+            runs[way].append(run_fresh(_rank, world, way, str(folder), args.quick, what=way))
     report: dict[str, Any] = {"benchmark": "hf_import", "machine": machine(), "world": world,
                               "folder_bytes": sum((folder / f).stat().st_size for f in files), "files": len(files)}
     reference = torch.tensor(runs["shardkit"][0][0]["logits"])

@@ -36,23 +36,23 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shard_model import _reset_peak, _status  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _harness import (  # noqa: E402
+    llama_tp_names,
+    local_param_bytes,
+    proc_status,
+    reset_peak,
+    run_fresh,
+)
 
 MiB = 1 << 20
 METHODS = ("shardkit_meta", "shardkit_meta_seeded", "torch_parallelize_module")
@@ -63,15 +63,6 @@ def _config(hidden: int, layers: int, intermediate: int, vocab: int, heads: int)
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                        max_position_embeddings=2048, tie_word_embeddings=False, use_cache=False)
-
-
-def _names(layers: int) -> tuple[list[str], list[str]]:
-    cols, rows = [], []
-    for i in range(layers):
-        cols += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-        cols += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj")]
-        rows += [f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"]
-    return cols, rows
 
 
 def _meta_model(config: Any) -> Any:
@@ -89,7 +80,7 @@ def _shardkit(config: Any, world: int, seed: int | None, phases: dict[str, float
     model = _meta_model(config)
     ranks = [f"rank:{r}/cpu" for r in range(world)]
     col, row = single_split(0, ranks), single_split(1, ranks)
-    cols, rows = _names(config.num_hidden_layers)
+    cols, rows = llama_tp_names(config.num_hidden_layers)
     spec = composite(**{n: col for n in cols}, **{n: row for n in rows}, **{"model.embed_tokens": col})
     t1 = time.perf_counter()
     st.shard_model(model, spec, seed=seed)
@@ -106,7 +97,7 @@ def _torch_path(config: Any, world: int, phases: dict[str, float]) -> Any:
     t0 = time.perf_counter()
     mesh = init_device_mesh("cpu", (world,))
     model = _meta_model(config)
-    cols, rows = _names(config.num_hidden_layers)
+    cols, rows = llama_tp_names(config.num_hidden_layers)
     plan = {**{n: ColwiseParallel() for n in cols}, **{n: RowwiseParallel() for n in rows},
             "model.embed_tokens": RowwiseParallel()}
     t1 = time.perf_counter()
@@ -123,10 +114,6 @@ def _torch_path(config: Any, world: int, phases: dict[str, float]) -> Any:
 
 def _local(p: Any) -> Any:
     return p.to_local() if hasattr(p, "to_local") else p
-
-
-def _local_bytes(model: Any) -> int:
-    return sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
 
 
 def _rank(rank: int, world: int, store: str, method: str, dims: dict[str, int], out: Any) -> None:
@@ -149,12 +136,12 @@ def _rank(rank: int, world: int, store: str, method: str, dims: dict[str, int], 
         del warm
         config = _config(**dims)
         dist.barrier()
-        before = _reset_peak()
+        before = reset_peak()
         phases: dict[str, float] = {}
         start, cpu_start = time.perf_counter(), time.process_time()
         model = run(config, phases)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        peak = _status("VmHWM")
+        peak = proc_status("VmHWM")
         dist.barrier()
         with torch.no_grad():
             logits = model(torch.arange(8).reshape(1, 8) % config.vocab_size).logits
@@ -171,7 +158,7 @@ def _rank(rank: int, world: int, store: str, method: str, dims: dict[str, int], 
             std = float(_local(model.model.layers[0].mlp.down_proj.weight).std())
             norm_ones = bool((_local(model.model.norm.weight) == 1).all())
         out.put((rank, {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before,
-                        "shard_bytes": _local_bytes(model), "phases": phases,
+                        "shard_bytes": local_param_bytes(model), "phases": phases,
                         "output_finite": bool(torch.isfinite(logits).all()), "distinct_blocks": distinct,
                         "replicas_agree": replicas_agree,
                         "weight_std": std, "norm_ones": norm_ones}))
@@ -182,28 +169,6 @@ def _rank(rank: int, world: int, store: str, method: str, dims: dict[str, int], 
         raise
     finally:
         dist.destroy_process_group()
-
-
-def measure_once(method: str, world: int, dims: dict[str, int]) -> dict[str, Any]:
-    """Run one way in ``world`` fresh processes; per-rank figures."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, world, str(Path(tmp) / "store"), method, dims, out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        while len(results) < world:
-            rank, result = out.get(timeout=3600)
-            results[rank] = result
-            if "error" in result:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{method} failed on rank {rank}:\n{result['error']}")
-        for p in procs:
-            p.join()
-    return {"ranks": [results[r] for r in range(world)]}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -265,7 +230,7 @@ def main() -> None:
         # Rotate the order so that changing load on a shared machine hits every way alike.
         order = args.methods[k % len(args.methods):] + args.methods[:k % len(args.methods)]
         for method in order:
-            runs[method].append(measure_once(method, args.world, dims))
+            runs[method].append({"ranks": run_fresh(_rank, args.world, method, dims, what=method)})
     for method in args.methods:
         report["results"][method] = summarize(runs[method])
     report["load_average_after"] = os.getloadavg()

@@ -32,37 +32,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import local_param_bytes, proc_status, reset_peak, run_fresh  # noqa: E402
 
 MiB = 1 << 20
 METHODS = ("shardkit_meta", "shardkit_meta_seeded", "materialize_then_shard", "torch_parallelize_module")
-
-
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` memory field in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> int:
-    """Reset VmHWM to the current resident size (Linux >= 4.0) and return that size."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmRSS")
 
 
 def build(dim: int, blocks: int) -> Any:
@@ -123,14 +106,6 @@ def _torch_path(world: int, dim: int, blocks: int) -> Any:
     return model
 
 
-def _local_bytes(model: Any) -> int:
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
-
-
 def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int, out: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -149,11 +124,11 @@ def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int,
         warm(torch.randn(2, 64))
         del warm
         dist.barrier()
-        before = _reset_peak()
+        before = reset_peak()
         start, cpu_start = time.perf_counter(), time.process_time()
         model = run(dim, blocks)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        peak = _status("VmHWM")
+        peak = proc_status("VmHWM")
         dist.barrier()
         with torch.no_grad():
             y = model(torch.randn(2, dim))
@@ -164,7 +139,7 @@ def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int,
             everyone = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(everyone, mine)
             distinct = len({tuple(t.tolist()) for t in everyone}) == world
-        out.put((rank, {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before, "shard_bytes": _local_bytes(model),
+        out.put((rank, {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before, "shard_bytes": local_param_bytes(model),
                         "output_finite": bool(torch.isfinite(y if not hasattr(y, "full_tensor") else y.full_tensor()).all()),
                         "distinct_blocks": distinct}))
     except BaseException as exc:
@@ -174,28 +149,6 @@ def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int,
         raise
     finally:
         dist.destroy_process_group()
-
-
-def measure_once(method: str, world: int, dim: int, blocks: int) -> dict[str, Any]:
-    """Run one way in ``world`` fresh processes; per-rank figures."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, world, str(Path(tmp) / "store"), method, dim, blocks, out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        while len(results) < world:
-            rank, result = out.get(timeout=3600)
-            results[rank] = result
-            if "error" in result:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{method} failed on rank {rank}:\n{result['error']}")
-        for p in procs:
-            p.join()
-    return {"ranks": [results[r] for r in range(world)]}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,7 +197,7 @@ def main() -> None:
         # Rotate the order so that changing load on a shared machine hits every way alike.
         order = args.methods[i % len(args.methods):] + args.methods[:i % len(args.methods)]
         for method in order:
-            runs[method].append(measure_once(method, args.world, args.dim, args.blocks))
+            runs[method].append({"ranks": run_fresh(_rank, args.world, method, args.dim, args.blocks, what=method)})
     for method in args.methods:
         report["results"][method] = summarize(runs[method])
     report["load_average_after"] = os.getloadavg()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import launch, machine  # noqa: E402
+from _harness import launch, llama_tp_names, machine  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -36,20 +36,11 @@ def _config(args: Any) -> Any:
                        attn_implementation="sdpa")
 
 
-def _names(layers: int) -> tuple[list[str], list[str]]:
-    cols, rows = [], []
-    for i in range(layers):
-        cols += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-        cols += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj")]
-        rows += [f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"]
-    return cols, rows
-
-
 def _shardkit(model: Any, world: int, layers: int) -> Any:
     import sharded_tensor as st
     from sharding import composite, single_split
     ranks = [f"rank:{r}/cpu" for r in range(world)]
-    cols, rows = _names(layers)
+    cols, rows = llama_tp_names(layers)
     spec = composite(**{n: single_split(0, ranks) for n in cols}, **{n: single_split(1, ranks) for n in rows})
     return st.shard_model(model, spec)
 
@@ -58,7 +49,7 @@ def _dtensor(model: Any, world: int, layers: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     mesh = init_device_mesh("cpu", (world,))
-    cols, rows = _names(layers)
+    cols, rows = llama_tp_names(layers)
     plan = {**{n: ColwiseParallel() for n in cols}, **{n: RowwiseParallel() for n in rows}}
     parallelize_module(model, mesh, plan)
     return model

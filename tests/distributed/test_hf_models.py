@@ -62,12 +62,13 @@ def llama_spec(world: int, *, lm_head: bool = False, q_split: list[int] | None =
     return composite(**parts)
 
 
-def bert_spec(world: int):  # type: ignore[no-untyped-def]
+def bert_spec(world: int, *, prefix: str = "bert.", layers: int = LAYERS):  # type: ignore[no-untyped-def]
+    """BERT layers tensor-parallel: q/k/v and the intermediate split on outputs, their outputs on inputs."""
     ranks = [f"rank:{r}/cpu" for r in range(world)]
     col, row = single_split(0, ranks), single_split(1, ranks)
     parts = {}
-    for i in range(LAYERS):
-        layer = f"bert.encoder.layer.{i}"
+    for i in range(layers):
+        layer = f"{prefix}encoder.layer.{i}"
         for name in ("query", "key", "value"):
             parts[f"{layer}.attention.self.{name}"] = col
         parts[f"{layer}.attention.output.dense.weight"] = row

@@ -31,7 +31,7 @@ _package = pytest.importorskip(
 
 import sharded_tensor as st  # noqa: E402
 from sharded_tensor._sharder import sharded_parameters  # noqa: E402
-from sharding import composite, single_split  # noqa: E402
+from tests.distributed.test_hf_models import bert_spec  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -39,20 +39,6 @@ MODEL_DIR = Path(_package.__file__).resolve().parent / "model"
 LAYERS, HIDDEN, INTERMEDIATE = 6, 384, 1536
 SENTENCES = ["Each rank holds half of every attention head group.",
              "Sharded and unsharded models must agree on real weights, padding included."]
-
-
-def pretrained_bert_spec(world: int):  # type: ignore[no-untyped-def]
-    ranks = [f"rank:{r}/cpu" for r in range(world)]
-    col, row = single_split(0, ranks), single_split(1, ranks)
-    parts = {}
-    for i in range(LAYERS):
-        layer = f"encoder.layer.{i}"
-        for name in ("query", "key", "value"):
-            parts[f"{layer}.attention.self.{name}"] = col
-        parts[f"{layer}.attention.output.dense.weight"] = row
-        parts[f"{layer}.intermediate.dense"] = col
-        parts[f"{layer}.output.dense.weight"] = row
-    return composite(**parts)
 
 
 def _pretrained(rank: int, world: int) -> dict[str, object]:
@@ -67,7 +53,7 @@ def _pretrained(rank: int, world: int) -> dict[str, object]:
         with torch.device("meta"):
             model = BertModel(BertConfig.from_pretrained(str(MODEL_DIR)))
     model.eval()
-    st.shard_model(model, pretrained_bert_spec(world), src_rank=0)
+    st.shard_model(model, bert_spec(world, prefix="", layers=LAYERS), src_rank=0)
 
     out: dict[str, object] = {"missing": list(info["missing_keys"]), "unexpected": list(info["unexpected_keys"])}
     # Local shapes and values of the blocks of layer 3, against the pretrained tensors.
