@@ -204,3 +204,21 @@ def run_fresh(target: Callable[..., None], world: int, *args: Any, what: str = "
         for p in procs:
             p.join()
     return [results[r] for r in range(world)]
+
+
+class PeakGrowth:
+    """Peak RSS growth of this process over a ``with`` block (``VmHWM`` reset first), in ``.growth``."""
+
+    def __enter__(self) -> PeakGrowth:
+        import gc
+
+        gc.collect()
+        try:
+            self.before = reset_peak()
+        except OSError:
+            self.before = proc_status("VmRSS")
+        self.growth = 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.growth = max(0, proc_status("VmHWM") - self.before)

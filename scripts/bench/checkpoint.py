@@ -61,6 +61,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
+from _harness import PeakGrowth  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402 - after the path set-up
 
 GB = 1e9
@@ -68,30 +70,7 @@ GB = 1e9
 
 # -- memory ------------------------------------------------------------------------------------
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class _Peak:
-    """Peak RSS growth of this process over a ``with`` block (VmHWM reset via clear_refs)."""
-
-    def __enter__(self) -> _Peak:
-        gc.collect()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-        self.before = _status("VmRSS")
-        self.growth = 0
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.growth = max(0, _status("VmHWM") - self.before)
+_Peak = PeakGrowth
 
 
 # -- workload ------------------------------------------------------------------------------------

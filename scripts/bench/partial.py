@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 
 from _harness import launch, machine, median, ratio, timed  # noqa: E402
 

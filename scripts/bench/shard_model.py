@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 from _harness import local_param_bytes, proc_status, reset_peak, run_fresh  # noqa: E402
 
 MiB = 1 << 20

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 from _harness import launch, llama_tp_names, machine  # noqa: E402
 
 import torch  # noqa: E402
