@@ -63,12 +63,16 @@ _free: list[mmap.mmap] = []
 _releasing: dict[int, list[Future[None]]] = {}
 
 
-def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                   populate: bool = True) -> torch.Tensor:
     """An uninitialized tensor; a large CPU one on memory that is committed or reused (see above).
 
     Like ``torch.empty``, the contents are undefined (a reused mapping holds old data), so the
     caller must write every element. Elsewhere (other devices, tensors under 8 MiB, platforms
-    without anonymous mappings) this is ``torch.empty``.
+    without anonymous mappings) this is ``torch.empty``. ``populate=False`` leaves a new
+    mapping's pages to be faulted in by the first write: cheaper when that write is the
+    kernel's (a file read straight into the tensor), where committing first would touch
+    every page twice.
     """
     shape = tuple(shape)
     device = torch.device(device)
@@ -79,7 +83,7 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
     buffer = _reuse(nbytes)
     if buffer is None:
         try:
-            buffer = mmap.mmap(-1, nbytes, flags=_FLAGS)
+            buffer = mmap.mmap(-1, nbytes, flags=_FLAGS if populate else _FLAGS & ~getattr(mmap, "MAP_POPULATE", 0))
         except (OSError, ValueError):
             return torch.empty(shape, dtype=dtype, device=device)
     # The storage holds this memoryview for as long as any tensor uses the memory; its end

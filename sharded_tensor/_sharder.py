@@ -567,7 +567,8 @@ def _materialize(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int
                 if entry is None:  # replaced already through another owner
                     continue
                 if entry.new is None:
-                    entry.new = _new_param(entry, rank, group, src_rank, default_device)
+                    entry.new = _new_param(entry, rank, group, src_rank, default_device,
+                                           populate=initializers.init is not False)
                     (to_init if entry.source == "init" else others).append((attr, entry))
                 else:
                     others.append((attr, entry))
@@ -613,7 +614,7 @@ def _broadcast_buffers(model: nn.Module, rank: int, group: _comm.ProcessGroup, s
 
 
 def _new_param(entry: _Entry, rank: int, group: _comm.ProcessGroup, src_rank: int | None,
-               default_device: torch.device) -> nn.Parameter:
+               default_device: torch.device, populate: bool = True) -> nn.Parameter:
     param = entry.param
     shape, dtype = tuple(param.shape), param.dtype
     layout = entry.layout
@@ -626,7 +627,8 @@ def _new_param(entry: _Entry, rank: int, group: _comm.ProcessGroup, src_rank: in
     else:
         device = param.device if not param.is_meta else default_device
     if entry.source == "init":
-        local = empty_for_fill(sizes, dtype, device)
+        # A load fills blocks left uninitialized (init=False) by reading files into them.
+        local = empty_for_fill(sizes, dtype, device, populate=populate)
     elif entry.source == "local":
         with torch.no_grad():
             local = empty_for_fill(sizes, dtype, device)
