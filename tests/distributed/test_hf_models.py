@@ -118,6 +118,13 @@ def _hf_models(rank: int, world: int) -> dict[str, object]:
             sink.append(loss.item())
     out["llama_train"] = (losses, ref_losses)
 
+    # Generation with a key/value cache: the cached keys and values stay split by heads.
+    model.eval()
+    ref.eval()
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    out["generate"] = (model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True).tolist(),
+                       ref.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True).tolist())
+
     # Meta init by the model's own _init_weights, layout-invariant with seed.
     with torch.device("meta"):
         meta = LlamaForCausalLM(_llama_config())
@@ -179,6 +186,12 @@ def test_llama_sharded_equals_unsharded(hf_runs):
         assert out["llama_bad_grads"] == []
         losses, ref_losses = out["llama_train"]
         assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_generation_with_a_cache_matches(hf_runs):
+    for out in hf_runs:
+        got, want = out["generate"]
+        assert got == want
 
 
 def test_decoder_layer_does_two_all_reduces_each_way(hf_runs):
