@@ -56,7 +56,7 @@ from ._format import (
 )
 from ._progress import progress
 
-__all__ = ["save", "DEFAULT_TIMEOUT"]
+__all__ = ["save", "run_plan", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 600.0
 """Seconds a rank waits for the others after writing its data before giving up (``timeout=``)."""
@@ -369,11 +369,29 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
     plan = _Plan()
     try:
         plan = _plan(state_dict, rank, world)
-        _hook("planned")
-        # prepare: rank 0 makes the folder and the generation id; everyone checks the structure.
-        generation = _prepare(fs, root) if rank == 0 else ""
-    except Exception as exc:  # reported to every rank below, so none is left waiting
-        problem, generation = exc, ""
+    except Exception as exc:  # reported to every rank in run_plan, so none is left waiting
+        problem = exc
+    run_plan(plan, problem, fs, root, process_group=process_group, timeout=timeout, quiet=quiet)
+
+
+def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSystem, root: str, *,
+             process_group: _comm.ProcessGroup, timeout: float, quiet: bool | None) -> None:
+    """The phases of ``save`` after planning (prepare, write, exchange, commit, report). Collective.
+
+    ``plan`` holds the tensors this rank writes (``_Region.tensor``): the caller's live tensors
+    for ``save``, staged copies for ``async_save``, which runs this on a background thread
+    with its own process group. ``problem`` is an error raised while planning on this rank;
+    it is reported to every rank before anything is written.
+    """
+    rank, world = _comm.rank_and_world(process_group)
+    generation = ""
+    if problem is None:
+        try:
+            _hook("planned")
+            # prepare: rank 0 makes the folder and the generation id; everyone checks the structure.
+            generation = _prepare(fs, root) if rank == 0 else ""
+        except Exception as exc:  # reported to every rank below, so none is left waiting
+            problem = exc
     digest = hashlib.sha256(json.dumps(plan.signature).encode()).hexdigest()
     hello = {"digest": digest, "generation": generation, "error": None if problem is None else _error_text(problem)}
     try:

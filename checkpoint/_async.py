@@ -1,0 +1,242 @@
+"""``checkpoint.async_save``: stage a snapshot on the training thread, write it on a background thread.
+
+Why this shape:
+
+- **Snapshot, then return.** ``save``'s planning runs on the caller's thread, then each region
+  this rank writes is copied into a staging buffer. Only then does ``async_save`` return, so
+  in-place updates that follow (an optimizer step) never reach the files.
+- **Bounded, reused staging.** A rank stages only the regions it writes (a replica written by
+  another rank is not copied), so staging never exceeds one copy of the rank's local bytes.
+  Buffers are kept between saves and reused when a region keeps its shape and dtype; buffers
+  of regions that disappeared are dropped, so memory does not grow across saves.
+- **One save in flight.** A second ``async_save`` waits for the first (or, with
+  ``if_busy="error"``, refuses), so two saves never interleave and the staging buffers are
+  never overwritten while being written. An error of a background save is raised by
+  ``handle.result()``, or else by the next ``async_save``: it is never lost.
+- **Its own process group.** The background thread runs ``save``'s remaining phases
+  (``_save.run_plan``: prepare, write, exchange, commit, report) whose collectives would
+  otherwise race with the user's collectives on the default group (Gloo and NCCL match
+  collectives by issue order per group). So checkpointing uses a separate Gloo group over
+  the same ranks, created once, on the training thread, by the first ``async_save`` (creating
+  a group is itself collective), and reused. Every wait in it has ``save``'s timeout, so a
+  dead rank makes the others fail with ``CheckpointError`` instead of hanging.
+- **Devices.** Non-CPU tensors are copied to pinned host memory on a side stream, and the
+  stream is synchronized before returning, so the snapshot is complete when the call returns.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+
+from . import _comm
+from ._format import CheckpointError, resolve
+from ._save import DEFAULT_TIMEOUT, _Plan, _plan, run_plan
+
+__all__ = ["async_save", "AsyncSaveHandle"]
+
+
+class AsyncSaveHandle:
+    """The future of one ``async_save``: ``done()`` polls, ``result(timeout)`` waits and raises its error."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        """Whether the background save has finished (committed or failed)."""
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the checkpoint is committed; raise the save's error if it failed.
+
+        Args:
+            timeout: seconds to wait; ``None`` waits until the save ends (its own collective
+                timeouts bound that).
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds (the save goes on).
+            CheckpointError: another rank failed or died; nothing was committed.
+            OSError: the storage failed on this rank.
+
+        Example:
+            >>> handle = checkpoint.async_save(state, "ckpt")  # doctest: +SKIP
+            >>> handle.result(timeout=60)  # doctest: +SKIP
+        """
+        if not self._finished.wait(timeout):
+            msg = (f"async_save to {self.path!r} is still running after timeout={timeout!r} s; "
+                   f"call result() again to keep waiting.")
+            raise TimeoutError(msg)
+        self._reported = True
+        if self._error is not None:
+            raise self._error
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error is not None else "committed")
+        return f"AsyncSaveHandle(path={self.path!r}, {state})"
+
+
+class _Staging:
+    """Host buffers for the regions this rank writes, reused across saves."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, Any], torch.Tensor] = {}
+        self.stream: Any = None
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def stage(self, plan: _Plan, rank: int) -> None:
+        keep: dict[tuple[str, Any], torch.Tensor] = {}
+        device_copies = False
+        for region in plan.regions:
+            if region.writer != rank or region.tensor is None:
+                continue
+            source = region.tensor.detach()
+            key = (region.name, region.box)
+            buffer = self.buffers.pop(key, None)
+            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                buffer = None  # a changed region: free the old buffer before allocating the new one
+                pin = source.device.type != "cpu" and torch.cuda.is_available()
+                buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
+            if source.device.type == "cpu":
+                buffer.copy_(source)
+            else:
+                device_copies = True
+                if source.device.type == "cuda":
+                    if self.stream is None:
+                        self.stream = torch.cuda.Stream(device=source.device)
+                    self.stream.wait_stream(torch.cuda.current_stream(source.device))
+                    with torch.cuda.stream(self.stream):
+                        buffer.copy_(source, non_blocking=True)
+                else:
+                    buffer.copy_(source)
+            keep[key] = buffer
+            region.tensor = buffer
+        if device_copies and self.stream is not None:
+            self.stream.synchronize()
+        self.buffers = keep  # buffers of regions no longer saved are released here
+
+
+_lock = threading.Lock()
+_inflight: AsyncSaveHandle | None = None
+_staging = _Staging()
+_groups: dict[tuple[int, ...], Any] = {}
+
+
+def _staging_bytes() -> int:
+    """Private, for benchmarks and tests: bytes held by the staging buffers now."""
+    return _staging.nbytes()
+
+
+def _checkpoint_group(process_group: _comm.ProcessGroup, timeout: float) -> Any:
+    """The Gloo group background saves communicate on, over the ranks of ``process_group``."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    group = _groups.get(ranks)
+    if group is None:
+        group = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+        _groups[ranks] = group
+    return group
+
+
+def _wait_previous(if_busy: str) -> None:
+    previous = _inflight
+    if previous is None:
+        return
+    if not previous.done() and if_busy == "error":
+        msg = (f"async_save: the previous save to {previous.path!r} is still being written and "
+               f"if_busy='error'; call its handle's result() first, or pass if_busy='wait'.")
+        raise RuntimeError(msg)
+    previous._finished.wait()
+    if previous._error is not None and not previous._reported:
+        previous._reported = True
+        msg = (f"the previous async_save to {previous.path!r} failed (nothing was committed there): "
+               f"{type(previous._error).__name__}: {previous._error}")
+        raise CheckpointError(msg) from previous._error
+
+
+def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
+               process_group: _comm.ProcessGroup = None, storage_options: Mapping[str, Any] | None = None,
+               timeout: float = DEFAULT_TIMEOUT, quiet: bool | None = True,
+               if_busy: Literal["wait", "error"] = "wait",
+               _after: Callable[[], None] | None = None) -> AsyncSaveHandle:
+    """Save like ``checkpoint.save``, writing in the background. Collective.
+
+    Returns once this rank's share of ``state_dict`` is copied into staging buffers: changes
+    made to the tensors after it returns are not saved. The checkpoint has ``save``'s
+    guarantees (complete or absent, checksums, replicas written once, any fsspec storage);
+    it is durable once ``handle.result()`` returns.
+
+    Args:
+        state_dict: as for ``save``.
+        path: the checkpoint folder, a local path or fsspec URL.
+        process_group: as for ``save``; the background writing uses a separate Gloo group
+            over the same ranks (created by the first call; every rank of the default group
+            must make that first call).
+        storage_options: passed to fsspec.
+        timeout: seconds each rank waits for the others in the background phases.
+        quiet: ``False`` shows ``save``'s progress bar.
+        if_busy: ``"wait"`` (default) waits for a save still in flight; ``"error"`` raises
+            ``RuntimeError`` instead.
+
+    Returns:
+        An ``AsyncSaveHandle``: ``done()``, ``result(timeout=None)``.
+
+    Raises:
+        CheckpointError: the previous ``async_save`` failed and its error was not retrieved
+            with ``result()`` (this save is not started).
+        RuntimeError: a save is in flight and ``if_busy="error"``.
+        TypeError, ValueError: as for ``save``, before anything is written.
+
+    Example:
+        >>> handle = checkpoint.async_save({"w": sharded_weight, "step": 10}, "ckpt")  # doctest: +SKIP
+        >>> optimizer.step()  # safe: the snapshot is already staged  # doctest: +SKIP
+        >>> handle.result()  # the checkpoint is committed  # doctest: +SKIP
+    """
+    global _inflight
+    if if_busy not in ("wait", "error"):
+        msg = f"if_busy={if_busy!r} is not an option; use 'wait' or 'error'."
+        raise ValueError(msg)
+    with _lock:
+        _wait_previous(if_busy)
+        group = _checkpoint_group(process_group, timeout)
+        rank, world = _comm.rank_and_world(process_group)
+        fs, root = resolve(path, storage_options)
+        try:
+            plan = _plan(state_dict, rank, world)
+        except Exception as exc:
+            # Tell the other ranks (their background save stops before writing), then raise here.
+            try:
+                run_plan(_Plan(), exc, fs, root, process_group=group, timeout=timeout, quiet=True)
+            except Exception:
+                pass
+            raise
+        plan.values = json.loads(json.dumps(plan.values))  # a snapshot of lists and dicts too
+        _staging.stage(plan, rank)
+        handle = AsyncSaveHandle(os.fspath(path))
+
+        def work() -> None:
+            try:
+                run_plan(plan, None, fs, root, process_group=group, timeout=timeout, quiet=quiet)
+                if _after is not None:
+                    _after()
+            except BaseException as exc:
+                handle._error = exc
+            finally:
+                handle._finished.set()
+
+        _inflight = handle
+        threading.Thread(target=work, name="shardkit-async-save", daemon=False).start()
+        return handle
