@@ -22,7 +22,7 @@ from typing import Any
 
 from . import _comm
 from ._async import AsyncSaveHandle, async_save
-from ._format import METADATA_FILE, CheckpointError, _list_names, resolve
+from ._format import METADATA_FILE, CheckpointError, _list_names, is_local, resolve
 from ._load import load as _load
 from ._save import DEFAULT_TIMEOUT, save as _save
 
@@ -72,10 +72,18 @@ class CheckpointManager:
         self._reading: set[int] = set()
         self._lock = threading.Lock()
         if _comm.rank_and_world(process_group)[0] == 0:
+            # An explicit root folder: some fsspec backends (memory://) list a folder only if
+            # it was created itself, not just folders below it.
+            self._fs.makedirs(self._root, exist_ok=True)
             self._remove_abandoned()
 
     def _path(self, step: int) -> str:
         return posixpath.join(self._root, f"step-{step:010d}")
+
+    def _url(self, step: int) -> str:
+        """The step's folder as ``save`` and ``load`` take it (with the protocol, e.g. ``s3://``)."""
+        path = self._path(step)
+        return path if is_local(self._fs) else self._fs.unstrip_protocol(path)
 
     def _listed(self) -> tuple[list[int], list[int]]:
         """(committed steps, folders without metadata), both ascending."""
@@ -85,7 +93,9 @@ class CheckpointManager:
             if match is None:
                 continue
             step = int(match.group(1))
-            if METADATA_FILE in _list_names(self._fs, posixpath.join(self._root, name)):
+            metadata = posixpath.join(self._root, name, METADATA_FILE)
+            self._fs.invalidate_cache(posixpath.dirname(metadata))
+            if self._fs.exists(metadata):
                 committed.append(step)
             else:
                 partial.append(step)
@@ -164,11 +174,11 @@ class CheckpointManager:
                 self._writing = None
 
         if async_:
-            self._handle = async_save(state_dict, self._path(step), process_group=self._group,
+            self._handle = async_save(state_dict, self._url(step), process_group=self._group,
                                       storage_options=self._options, timeout=self._timeout, _after=after)
             return self._handle
         try:
-            _save(state_dict, self._path(step), process_group=self._group, storage_options=self._options,
+            _save(state_dict, self._url(step), process_group=self._group, storage_options=self._options,
                   timeout=self._timeout)
         except BaseException:
             self._writing = None
@@ -216,7 +226,7 @@ class CheckpointManager:
         with self._lock:
             self._reading.add(chosen)
         try:
-            return _load(state_dict, self._path(chosen), process_group=self._group,
+            return _load(state_dict, self._url(chosen), process_group=self._group,
                          storage_options=self._options, strict=strict)
         finally:
             with self._lock:
