@@ -17,11 +17,12 @@ import os
 import posixpath
 import re
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from . import _comm
-from ._async import AsyncSaveHandle, async_save
+from ._async import AsyncSaveHandle, _checkpoint_group, async_save
 from ._format import METADATA_FILE, CheckpointError, _list_names, is_local, resolve
 from ._load import load as _load
 from ._save import DEFAULT_TIMEOUT, save as _save
@@ -166,16 +167,30 @@ class CheckpointManager:
         self.wait()
         self._writing = step
 
-        def after() -> None:
+        world = _comm.rank_and_world(self._group)[1]
+
+        def after(group: _comm.ProcessGroup) -> None:
+            # Rank 0 applies retention, then tells the others, so that once save (or wait)
+            # returns on any rank, steps() is the same everywhere.
+            problem = None
             try:
                 if rank == 0:
                     self._retain(step)
+            except OSError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
             finally:
                 self._writing = None
+            if world > 1:
+                problem = _comm.broadcast_json(problem, 0, group, timeout=self._timeout,
+                                               what="CheckpointManager.save (retention on rank 0)")
+            if problem is not None:
+                warnings.warn(f"step {step} was committed under {self._root!r}, but deleting older steps "
+                              f"failed on rank 0: {problem}; they are kept.", RuntimeWarning, stacklevel=2)
 
         if async_:
             self._handle = async_save(state_dict, self._url(step), process_group=self._group,
-                                      storage_options=self._options, timeout=self._timeout, _after=after)
+                                      storage_options=self._options, timeout=self._timeout,
+                                      _after=lambda: after(_checkpoint_group(self._group, self._timeout)))
             return self._handle
         try:
             _save(state_dict, self._url(step), process_group=self._group, storage_options=self._options,
@@ -183,7 +198,7 @@ class CheckpointManager:
         except BaseException:
             self._writing = None
             raise
-        after()
+        after(self._group)
         return None
 
     def wait(self) -> None:
