@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -50,6 +51,7 @@ class AsyncSaveHandle:
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._reported = False
+        self._finished_at: float | None = None  # time.perf_counter() at the end (benchmarks)
 
     def done(self) -> bool:
         """Whether the background save has finished (committed or failed)."""
@@ -235,6 +237,7 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
             except BaseException as exc:
                 handle._error = exc
             finally:
+                handle._finished_at = time.perf_counter()
                 handle._finished.set()
 
         _inflight = handle
