@@ -128,6 +128,11 @@ class _Staging:
         self.buffers = keep  # buffers of regions no longer saved are released here
 
 
+_BACKGROUND_PIECE = 16 << 20
+"""Checksum-then-write unit of the background thread: each piece hands the interpreter lock
+to the training thread and must win it back (up to ``sys.getswitchinterval()``, 5 ms), so
+1 MiB pieces made a 256 MiB write wait on the lock hundreds of times."""
+
 _lock = threading.Lock()
 _inflight: AsyncSaveHandle | None = None
 _staging = _Staging()
@@ -231,7 +236,8 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
 
         def work() -> None:
             try:
-                run_plan(plan, None, fs, root, process_group=group, timeout=timeout, quiet=quiet)
+                run_plan(plan, None, fs, root, process_group=group, timeout=timeout, quiet=quiet,
+                         piece_bytes=_BACKGROUND_PIECE)
                 if _after is not None:
                     _after()
             except BaseException as exc:

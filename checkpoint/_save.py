@@ -216,7 +216,8 @@ class _LocalFile:
 
 
 def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Region],
-                     plan: _Plan, generation: str, rank: int, bar: Any) -> tuple[int, list[dict[str, Any]]]:
+                     plan: _Plan, generation: str, rank: int, bar: Any,
+                     piece_bytes: int = _PIECE) -> tuple[int, list[dict[str, Any]]]:
     """Write this rank's regions to one safetensors file; return its size and one record per region."""
     entries, keys = [], []
     for region in regions:
@@ -236,8 +237,8 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
             data = _as_bytes(region.tensor)
             # Checksum each piece right before writing it: the write then reads it from the
             # CPU cache, so checksumming adds no second pass over memory.
-            for first in range(0, len(data), _PIECE):
-                piece = data[first:first + _PIECE]
+            for first in range(0, len(data), piece_bytes):
+                piece = data[first:first + piece_bytes]
                 digest.update(piece)
                 _write_all(handle, piece)
             bar.update(len(data))
@@ -375,13 +376,16 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
 
 
 def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSystem, root: str, *,
-             process_group: _comm.ProcessGroup, timeout: float, quiet: bool | None) -> None:
+             process_group: _comm.ProcessGroup, timeout: float, quiet: bool | None,
+             piece_bytes: int = _PIECE) -> None:
     """The phases of ``save`` after planning (prepare, write, exchange, commit, report). Collective.
 
     ``plan`` holds the tensors this rank writes (``_Region.tensor``): the caller's live tensors
     for ``save``, staged copies for ``async_save``, which runs this on a background thread
     with its own process group. ``problem`` is an error raised while planning on this rank;
-    it is reported to every rank before anything is written.
+    it is reported to every rank before anything is written. ``piece_bytes`` is the
+    checksum-then-write unit: a background thread uses larger pieces, since each piece is a
+    point where it must win the interpreter lock back from the training thread.
     """
     rank, world = _comm.rank_and_world(process_group)
     generation = ""
@@ -425,7 +429,7 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
         if mine:
             with progress(total, "save", rank=rank, quiet=quiet) as bar:
                 nbytes, records = _write_data_file(fs, posixpath.join(root, file_name), mine, plan,
-                                                   generation, rank, bar)
+                                                   generation, rank, bar, piece_bytes)
             report.update(file=file_name, bytes=nbytes, records=records)
         _hook("data_written")
     except Exception as exc:
