@@ -8,7 +8,9 @@ Why this shape:
 - **Bounded, reused staging.** A rank stages only the regions it writes (a replica written by
   another rank is not copied), so staging never exceeds one copy of the rank's local bytes.
   Buffers are kept between saves and reused when a region keeps its shape and dtype; buffers
-  of regions that disappeared are dropped, so memory does not grow across saves.
+  of regions that disappeared are dropped, so memory does not grow across saves. With
+  ``max_staging_bytes`` below the rank's share, one buffer of at most that size is filled
+  and written wave after wave instead (``_Waves``).
 - **One save in flight.** A second ``async_save`` waits for the first (or, with
   ``if_busy="error"``, refuses), so two saves never interleave and the staging buffers are
   never overwritten while being written. An error of a background save is raised by
@@ -91,10 +93,12 @@ class _Staging:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, Any], torch.Tensor] = {}
+        self.wave: torch.Tensor | None = None  # one flat buffer when staging in waves
         self.stream: Any = None
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        waves = 0 if self.wave is None else self.wave.numel()
+        return waves + sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def stage(self, plan: _Plan, rank: int) -> None:
         keep: dict[tuple[str, Any], torch.Tensor] = {}
@@ -126,6 +130,71 @@ class _Staging:
         if device_copies and self.stream is not None:
             self.stream.synchronize()
         self.buffers = keep  # buffers of regions no longer saved are released here
+        self.wave = None
+
+
+class _Waves:
+    """Staging in waves through one buffer of at most ``cap`` bytes (``max_staging_bytes``).
+
+    The training thread copies wave w into the buffer once the background thread has written
+    wave w - 1 (``staged``/``written`` events); the background writer takes each region from
+    the buffer (``get``) and reports it written (``release``). The call returns once the last
+    wave is staged, so the snapshot is still complete when it returns.
+    """
+
+    def __init__(self, regions: list[Any], cap: int, staging: _Staging, handle: AsyncSaveHandle) -> None:
+        self.regions, self.handle = regions, handle
+        sizes = [r.tensor.numel() * r.tensor.element_size() for r in regions]
+        largest = max(sizes)
+        if largest > cap:
+            msg = (f"max_staging_bytes={cap} is smaller than the largest region this rank writes "
+                   f"({largest} bytes, tensor {regions[sizes.index(largest)].name!r}); pass at least {largest}.")
+            raise ValueError(msg)
+        self.wave_of, self.offset, self.last_of_wave = [], [], set()
+        wave, used = 0, 0
+        for i, size in enumerate(sizes):
+            if used + size > cap:
+                self.last_of_wave.add(i - 1)
+                wave, used = wave + 1, 0
+            self.wave_of.append(wave)
+            self.offset.append(used)
+            used += size
+        self.last_of_wave.add(len(sizes) - 1)
+        self.sizes = sizes
+        self.count = wave + 1
+        need = max(sum(s for s, w in zip(sizes, self.wave_of) if w == k) for k in range(self.count))
+        staging.buffers = {}
+        if staging.wave is None or staging.wave.numel() != need:
+            staging.wave = None
+            staging.wave = torch.empty(need, dtype=torch.uint8)
+        self.buffer = staging.wave
+        self.staged = [threading.Event() for _ in range(self.count)]
+        self.written = [threading.Event() for _ in range(self.count)]
+
+    def view(self, i: int) -> torch.Tensor:
+        region = self.regions[i]
+        flat = self.buffer[self.offset[i]:self.offset[i] + self.sizes[i]]
+        return flat.view(region.tensor.dtype).reshape(region.tensor.shape)
+
+    def stage_all(self) -> None:
+        """Training thread: copy every wave in turn; stop early if the background save ended."""
+        for wave in range(self.count):
+            if wave > 0:
+                while not self.written[wave - 1].wait(0.05):
+                    if self.handle.done():
+                        return
+            for i, w in enumerate(self.wave_of):
+                if w == wave:
+                    self.view(i).copy_(self.regions[i].tensor.detach())
+            self.staged[wave].set()
+
+    def get(self, i: int) -> torch.Tensor:
+        self.staged[self.wave_of[i]].wait()
+        return self.view(i)
+
+    def release(self, i: int) -> None:
+        if i in self.last_of_wave:
+            self.written[self.wave_of[i]].set()
 
 
 _BACKGROUND_PIECE = 16 << 20
@@ -177,7 +246,7 @@ def _wait_previous(if_busy: str) -> None:
 def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
                process_group: _comm.ProcessGroup = None, storage_options: Mapping[str, Any] | None = None,
                timeout: float = DEFAULT_TIMEOUT, quiet: bool | None = True,
-               if_busy: Literal["wait", "error"] = "wait",
+               if_busy: Literal["wait", "error"] = "wait", max_staging_bytes: int | None = None,
                _after: Callable[[], None] | None = None) -> AsyncSaveHandle:
     """Save like ``checkpoint.save``, writing in the background. Collective.
 
@@ -197,6 +266,11 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
         quiet: ``False`` shows ``save``'s progress bar.
         if_busy: ``"wait"`` (default) waits for a save still in flight; ``"error"`` raises
             ``RuntimeError`` instead.
+        max_staging_bytes: a cap on staging memory. When this rank's share is larger, it is
+            staged and written in waves through one buffer of at most this size, and the call
+            returns once the last wave is staged (later than without a cap: the training
+            thread waits for all but the last wave to be written). Must be at least the
+            largest single region this rank writes.
 
     Returns:
         An ``AsyncSaveHandle``: ``done()``, ``result(timeout=None)``.
@@ -216,6 +290,10 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
     if if_busy not in ("wait", "error"):
         msg = f"if_busy={if_busy!r} is not an option; use 'wait' or 'error'."
         raise ValueError(msg)
+    if max_staging_bytes is not None and (isinstance(max_staging_bytes, bool) or not isinstance(max_staging_bytes, int)
+                                          or max_staging_bytes < 1):
+        msg = f"max_staging_bytes={max_staging_bytes!r} must be a positive int (bytes) or None (no cap)."
+        raise ValueError(msg)
     with _lock:
         _wait_previous(if_busy)
         group = _checkpoint_group(process_group, timeout)
@@ -231,13 +309,26 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
                 pass
             raise
         plan.values = json.loads(json.dumps(plan.values))  # a snapshot of lists and dicts too
-        _staging.stage(plan, rank)
         handle = AsyncSaveHandle(os.fspath(path))
+        mine = [r for r in plan.regions if r.writer == rank and r.tensor is not None]
+        total = sum(r.tensor.numel() * r.tensor.element_size() for r in mine)
+        waves: _Waves | None = None
+        if max_staging_bytes is not None and total > max_staging_bytes:
+            try:
+                waves = _Waves(mine, max_staging_bytes, _staging, handle)
+            except ValueError as exc:
+                try:
+                    run_plan(_Plan(), exc, fs, root, process_group=group, timeout=timeout, quiet=True)
+                except Exception:
+                    pass
+                raise
+        else:
+            _staging.stage(plan, rank)
 
         def work() -> None:
             try:
                 run_plan(plan, None, fs, root, process_group=group, timeout=timeout, quiet=quiet,
-                         piece_bytes=_BACKGROUND_PIECE)
+                         piece_bytes=_BACKGROUND_PIECE, feed=waves)
                 if _after is not None:
                     _after()
             except BaseException as exc:
@@ -248,4 +339,6 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
 
         _inflight = handle
         threading.Thread(target=work, name="shardkit-async-save", daemon=False).start()
+        if waves is not None:
+            waves.stage_all()
         return handle

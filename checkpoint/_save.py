@@ -217,7 +217,7 @@ class _LocalFile:
 
 def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Region],
                      plan: _Plan, generation: str, rank: int, bar: Any,
-                     piece_bytes: int = _PIECE) -> tuple[int, list[dict[str, Any]]]:
+                     piece_bytes: int = _PIECE, feed: Any = None) -> tuple[int, list[dict[str, Any]]]:
     """Write this rank's regions to one safetensors file; return its size and one record per region."""
     entries, keys = [], []
     for region in regions:
@@ -232,9 +232,10 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
     handle = _LocalFile(path) if is_local(fs) else fs.open(path, "wb")
     with handle:
         _write_all(handle, memoryview(prefix))
-        for region, digest in zip(regions, digests):
-            assert region.tensor is not None and tuple(region.tensor.shape) == region.box[1], region
-            data = _as_bytes(region.tensor)
+        for index, (region, digest) in enumerate(zip(regions, digests)):
+            tensor = region.tensor if feed is None else feed.get(index)
+            assert tensor is not None and tuple(tensor.shape) == region.box[1], region
+            data = _as_bytes(tensor)
             # Checksum each piece right before writing it: the write then reads it from the
             # CPU cache, so checksumming adds no second pass over memory.
             for first in range(0, len(data), piece_bytes):
@@ -242,6 +243,8 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
                 digest.update(piece)
                 _write_all(handle, piece)
             bar.update(len(data))
+            if feed is not None:
+                feed.release(index)
         if isinstance(handle, _LocalFile):
             handle.fsync()
     records = [{"name": r.name, "offsets": list(r.box[0]), "dims": list(r.box[1]), "key": key,
@@ -377,7 +380,7 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
 
 def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSystem, root: str, *,
              process_group: _comm.ProcessGroup, timeout: float, quiet: bool | None,
-             piece_bytes: int = _PIECE) -> None:
+             piece_bytes: int = _PIECE, feed: Any = None) -> None:
     """The phases of ``save`` after planning (prepare, write, exchange, commit, report). Collective.
 
     ``plan`` holds the tensors this rank writes (``_Region.tensor``): the caller's live tensors
@@ -385,7 +388,9 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
     with its own process group. ``problem`` is an error raised while planning on this rank;
     it is reported to every rank before anything is written. ``piece_bytes`` is the
     checksum-then-write unit: a background thread uses larger pieces, since each piece is a
-    point where it must win the interpreter lock back from the training thread.
+    point where it must win the interpreter lock back from the training thread. ``feed``,
+    when given, supplies the tensor of this rank's i-th written region (``feed.get(i)``,
+    which may wait until it is staged) and is told when it is written (``feed.release(i)``).
     """
     rank, world = _comm.rank_and_world(process_group)
     generation = ""
@@ -429,7 +434,7 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
         if mine:
             with progress(total, "save", rank=rank, quiet=quiet) as bar:
                 nbytes, records = _write_data_file(fs, posixpath.join(root, file_name), mine, plan,
-                                                   generation, rank, bar, piece_bytes)
+                                                   generation, rank, bar, piece_bytes, feed)
             report.update(file=file_name, bytes=nbytes, records=records)
         _hook("data_written")
     except Exception as exc:

@@ -1,7 +1,8 @@
 """async_save and CheckpointManager on 4 Gloo ranks: snapshot semantics, retention, crashes.
 
 - every tensor is mutated right after ``async_save`` returns, while user collectives run on
-  the default group during the background write; the files hold the values at the call;
+  the default group during the background write; the files hold the values at the call
+  (also with ``max_staging_bytes``, staged and written in waves);
 - a manager saves steps (sync and async) with retention, and loads under another layout;
 - rank 3 is SIGKILLed while its background write is in progress: the survivors get a
   ``CheckpointError`` from ``result()``/``wait()`` within the timeout, the partial step is
@@ -59,6 +60,16 @@ def _snapshot_and_manager(rank: int, world: int, root: str) -> None:
     loaded = checkpoint.load(_empty(rank, world, dim=1), f"{root}/snap")  # another layout
     assert torch.equal(loaded["w"].full_tensor(), _reference("w", 1))
     assert torch.equal(loaded["b"], _reference("b", 1))
+
+    # 1b. Capped staging: written in waves through a buffer of one region, same snapshot.
+    state = _state(rank, world, 2)
+    handle = checkpoint.async_save(state, f"{root}/waves", timeout=30, max_staging_bytes=12 * 20 * 4)
+    state["w"].local_shard().add_(100.0)
+    state["b"].mul_(-1.0)
+    handle.result(timeout=60)
+    loaded = checkpoint.load(_empty(rank, world), f"{root}/waves")
+    assert torch.equal(loaded["w"].full_tensor(), _reference("w", 2))
+    assert torch.equal(loaded["b"], _reference("b", 2))
 
     # 2. Manager: sync and async saves, retention after each commit.
     manager = checkpoint.CheckpointManager(f"{root}/run", keep_last=2, keep_every=3, timeout=30)

@@ -138,3 +138,24 @@ def test_manager_rejects_bad_options(tmp_path):
         checkpoint.CheckpointManager(tmp_path, keep_last=0)
     with pytest.raises(ValueError, match="step=-1 must be a non-negative int"):
         checkpoint.CheckpointManager(tmp_path).save(-1, {})
+
+
+@pytest.mark.parametrize("cap", [4096, 8192, 8192 + 400], ids=["one-region-per-wave", "w-alone", "w-and-m"])
+def test_staging_cap_writes_in_waves(tmp_path, cap):
+    state = _state(6)  # w: 8192 bytes, m: 400 bytes, ints: 56 bytes
+    expected = {"w": state["w"].clone(), "m": state["opt"]["m"].clone(), "ints": state["ints"].clone()}
+    if cap < 8192:
+        with pytest.raises(ValueError, match="max_staging_bytes=4096 is smaller than the largest region .* 8192"):
+            checkpoint.async_save(state, tmp_path / "ck", max_staging_bytes=cap)
+        return
+    handle = checkpoint.async_save(state, tmp_path / "ck", max_staging_bytes=cap)
+    assert _async._staging_bytes() <= cap
+    state["w"].add_(1.0)
+    state["opt"]["m"].add_(1.0)
+    state["ints"].add_(1)
+    handle.result(timeout=60)
+    loaded = checkpoint.load(_empty(), tmp_path / "ck")
+    assert torch.equal(loaded["w"], expected["w"]) and torch.equal(loaded["opt"]["m"], expected["m"])
+    assert torch.equal(loaded["ints"], expected["ints"])
+    with pytest.raises(ValueError, match="max_staging_bytes=0 must be a positive int"):
+        checkpoint.async_save(state, tmp_path / "ck2", max_staging_bytes=0)
