@@ -176,7 +176,7 @@ class CheckpointManager:
             try:
                 if rank == 0:
                     self._retain(step)
-            except OSError as exc:
+            except Exception as exc:  # reported to every rank below, so none waits for rank 0
                 problem = f"{type(exc).__name__}: {exc}"
             finally:
                 self._writing = None
