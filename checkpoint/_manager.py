@@ -13,13 +13,14 @@ loading. A step is deleted metadata first, so a deletion cut short leaves no hal
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
 import threading
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from . import _comm
 from ._async import AsyncSaveHandle, _checkpoint_group, async_save
@@ -46,6 +47,8 @@ class CheckpointManager:
         root: folder holding one ``step-<n>`` checkpoint per saved step (local path or fsspec URL).
         keep_last: keep the newest this many committed steps; ``None`` keeps all.
         keep_every: also keep every step divisible by this (e.g. 1000); ``None``: none extra.
+        keep_best: also keep the this many steps with the best ``metric`` given to ``save``.
+        best_mode: ``"min"`` (default: lower is better, a loss) or ``"max"``.
         process_group: the group saving and loading (as for ``save``).
         storage_options: passed to fsspec.
         timeout: seconds a rank waits for the others in a save.
@@ -60,10 +63,16 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
-                 keep_every: int | None = None, process_group: _comm.ProcessGroup = None,
+                 keep_every: int | None = None, keep_best: int | None = None,
+                 best_mode: Literal["min", "max"] = "min", process_group: _comm.ProcessGroup = None,
                  storage_options: Mapping[str, Any] | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.keep_last = _positive("keep_last", keep_last)
         self.keep_every = _positive("keep_every", keep_every)
+        self.keep_best = _positive("keep_best", keep_best)
+        if best_mode not in ("min", "max"):
+            msg = f"best_mode={best_mode!r} is not an option; use 'min' (e.g. a loss) or 'max' (e.g. an accuracy)."
+            raise ValueError(msg)
+        self.best_mode = best_mode
         self._group = process_group
         self._options = storage_options
         self._timeout = timeout
@@ -111,8 +120,24 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def _metric_path(self, step: int) -> str:
+        return posixpath.join(self._root, f"step-{step:010d}.metric.json")
+
+    def _metrics(self, steps: list[int]) -> dict[int, float]:
+        found = {}
+        for step in steps:
+            try:
+                found[step] = float(json.loads(self._fs.cat_file(self._metric_path(step)))["metric"])
+            except (FileNotFoundError, KeyError, ValueError):
+                continue
+        return found
+
     def _remove(self, step: int, *, metadata_first: bool) -> None:
         path = self._path(step)
+        try:
+            self._fs.rm_file(self._metric_path(step))
+        except FileNotFoundError:
+            pass
         if metadata_first:
             self._fs.rm_file(posixpath.join(path, METADATA_FILE))
         try:
@@ -128,12 +153,16 @@ class CheckpointManager:
     def _retain(self, new_step: int) -> None:
         """Rank 0, after ``new_step`` committed: delete the steps no policy keeps."""
         self._remove_abandoned_except(new_step)
-        if self.keep_last is None:
-            return
+        if self.keep_last is None and self.keep_best is None:
+            return  # no policy limits the count: keep every step
         steps = self.steps()
-        keep = set(steps[-self.keep_last:]) | {new_step, steps[-1]}
+        keep = {new_step, steps[-1]} | (set(steps[-self.keep_last:]) if self.keep_last is not None else set())
         if self.keep_every is not None:
             keep |= {s for s in steps if s % self.keep_every == 0}
+        if self.keep_best is not None:
+            metrics = self._metrics(steps)
+            ranked = sorted(metrics, key=lambda s: metrics[s] if self.best_mode == "min" else -metrics[s])
+            keep |= set(ranked[:self.keep_best])
         with self._lock:
             keep |= self._reading
             doomed = [s for s in steps if s not in keep]
@@ -145,7 +174,8 @@ class CheckpointManager:
             if partial != step:
                 self._remove(partial, metadata_first=False)
 
-    def save(self, step: int, state_dict: Mapping[str, Any], *, async_: bool = False) -> AsyncSaveHandle | None:
+    def save(self, step: int, state_dict: Mapping[str, Any], *, async_: bool = False,
+             metric: float | None = None) -> AsyncSaveHandle | None:
         """Save ``state_dict`` as step ``step``; then apply retention. Collective.
 
         Args:
@@ -153,6 +183,8 @@ class CheckpointManager:
             state_dict: as for ``checkpoint.save``.
             async_: ``True`` returns once a snapshot is staged (``checkpoint.async_save``) and
                 writes in the background; ``False`` returns once committed.
+            metric: a number ranking this step for ``keep_best`` (recorded by rank 0 next to the
+                step once it is committed).
 
         Returns:
             The ``AsyncSaveHandle`` when ``async_``, else ``None``.
@@ -162,6 +194,10 @@ class CheckpointManager:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             msg = f"step={step!r} must be a non-negative int."
+            raise ValueError(msg)
+        if metric is not None and (isinstance(metric, bool) or not isinstance(metric, (int, float))
+                                   or metric != metric):
+            msg = f"metric={metric!r} must be a number (not NaN) or None."
             raise ValueError(msg)
         rank = _comm.rank_and_world(self._group)[0]
         self.wait()
@@ -175,6 +211,8 @@ class CheckpointManager:
             problem = None
             try:
                 if rank == 0:
+                    if metric is not None:
+                        self._fs.pipe_file(self._metric_path(step), json.dumps({"metric": metric}).encode())
                     self._retain(step)
             except Exception as exc:  # reported to every rank below, so none waits for rank 0
                 problem = f"{type(exc).__name__}: {exc}"

@@ -159,3 +159,17 @@ def test_staging_cap_writes_in_waves(tmp_path, cap):
     assert torch.equal(loaded["ints"], expected["ints"])
     with pytest.raises(ValueError, match="max_staging_bytes=0 must be a positive int"):
         checkpoint.async_save(state, tmp_path / "ck2", max_staging_bytes=0)
+
+
+def test_manager_keeps_best_by_metric(tmp_path):
+    manager = checkpoint.CheckpointManager(tmp_path, keep_last=1, keep_best=2, best_mode="min")
+    losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.1, 5: 0.8, 6: 0.7}
+    for step, loss in losses.items():
+        manager.save(step, {"x": torch.full((3,), float(step))}, async_=step % 2 == 0, metric=loss)
+    manager.wait()
+    assert manager.steps() == [2, 4, 6]  # the two lowest losses, and the latest
+    assert sorted(p.name for p in tmp_path.glob("*.metric.json")) == [f"step-{s:010d}.metric.json" for s in (2, 4, 6)]
+    with pytest.raises(ValueError, match="metric=nan must be a number"):
+        manager.save(7, {}, metric=float("nan"))
+    with pytest.raises(ValueError, match="best_mode='best' is not an option"):
+        checkpoint.CheckpointManager(tmp_path, best_mode="best")
