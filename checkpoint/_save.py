@@ -57,7 +57,7 @@ from ._format import (
 )
 from ._progress import progress
 
-__all__ = ["save", "DEFAULT_TIMEOUT"]
+__all__ = ["save", "run_plan", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 600.0
 """Seconds a rank waits for the others after writing its data before giving up (``timeout=``)."""
@@ -239,7 +239,8 @@ class _LocalFile:
 
 
 def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Region],
-                     plan: _Plan, generation: str, rank: int, bar: Any) -> tuple[int, list[dict[str, Any]]]:
+                     plan: _Plan, generation: str, rank: int, bar: Any,
+                     piece_bytes: int = _PIECE, feed: Any = None) -> tuple[int, list[dict[str, Any]]]:
     """Write this rank's regions to one safetensors file; return its size and one record per region."""
     entries, keys = [], []
     for region in regions:
@@ -254,16 +255,19 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
     handle = _LocalFile(path) if is_local(fs) else fs.open(path, "wb")
     with handle:
         _write_all(handle, memoryview(prefix))
-        for region, digest in zip(regions, digests):
-            assert region.tensor is not None and tuple(region.tensor.shape) == region.box[1], region
-            data = _as_bytes(region.tensor)
+        for index, (region, digest) in enumerate(zip(regions, digests)):
+            tensor = region.tensor if feed is None else feed.get(index)
+            assert tensor is not None and tuple(tensor.shape) == region.box[1], region
+            data = _as_bytes(tensor)
             # Checksum each piece right before writing it: the write then reads it from the
             # CPU cache, so checksumming adds no second pass over memory.
-            for first in range(0, len(data), _PIECE):
-                piece = data[first:first + _PIECE]
+            for first in range(0, len(data), piece_bytes):
+                piece = data[first:first + piece_bytes]
                 digest.update(piece)
                 _write_all(handle, piece)
             bar.update(len(data))
+            if feed is not None:
+                feed.release(index)
         if isinstance(handle, _LocalFile):
             handle.fsync()
     records = [{"name": r.name, "offsets": list(r.box[0]), "dims": list(r.box[1]), "key": key,
@@ -397,11 +401,34 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
     plan = _Plan()
     try:
         plan = _plan(state_dict, rank, world, _reduce_partials(state_dict, reduce_partial))
-        _hook("planned")
-        # prepare: rank 0 makes the folder and the generation id; everyone checks the structure.
-        generation = _prepare(fs, root) if rank == 0 else ""
-    except Exception as exc:  # reported to every rank below, so none is left waiting
-        problem, generation = exc, ""
+    except Exception as exc:  # reported to every rank in run_plan, so none is left waiting
+        problem = exc
+    run_plan(plan, problem, fs, root, process_group=process_group, timeout=timeout, quiet=quiet)
+
+
+def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSystem, root: str, *,
+             process_group: _comm.ProcessGroup, timeout: float, quiet: bool | None,
+             piece_bytes: int = _PIECE, feed: Any = None) -> None:
+    """The phases of ``save`` after planning (prepare, write, exchange, commit, report). Collective.
+
+    ``plan`` holds the tensors this rank writes (``_Region.tensor``): the caller's live tensors
+    for ``save``, staged copies for ``async_save``, which runs this on a background thread
+    with its own process group. ``problem`` is an error raised while planning on this rank;
+    it is reported to every rank before anything is written. ``piece_bytes`` is the
+    checksum-then-write unit: a background thread uses larger pieces, since each piece is a
+    point where it must win the interpreter lock back from the training thread. ``feed``,
+    when given, supplies the tensor of this rank's i-th written region (``feed.get(i)``,
+    which may wait until it is staged) and is told when it is written (``feed.release(i)``).
+    """
+    rank, world = _comm.rank_and_world(process_group)
+    generation = ""
+    if problem is None:
+        try:
+            _hook("planned")
+            # prepare: rank 0 makes the folder and the generation id; everyone checks the structure.
+            generation = _prepare(fs, root) if rank == 0 else ""
+        except Exception as exc:  # reported to every rank below, so none is left waiting
+            problem = exc
     digest = hashlib.sha256(json.dumps(plan.signature).encode()).hexdigest()
     hello = {"digest": digest, "generation": generation, "error": None if problem is None else _error_text(problem)}
     try:
@@ -437,7 +464,7 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
             # The bar counts the whole save (every rank's bytes), advanced by rank 0's share.
             with progress(everyone_total, "save", rank=rank, quiet=quiet, share=total) as bar:
                 nbytes, records = _write_data_file(fs, posixpath.join(root, file_name), mine, plan,
-                                                   generation, rank, bar)
+                                                   generation, rank, bar, piece_bytes, feed)
             report.update(file=file_name, bytes=nbytes, records=records)
         _hook("data_written")
     except Exception as exc:

@@ -9,10 +9,11 @@ This script is its own driver: started without torchrun's environment, it runs
 0. a single-process reference: the same small language model, unsharded, trained with plain
    PyTorch for 2 x ``--steps`` steps;
 1. ``torchrun`` with ``--nproc`` ranks: declare a composite spec (one spec per parameter),
-   shard the model straight from the meta device, train ``--steps`` steps, save a sharded
-   checkpoint (model, optimizer state, step);
-2. ``torchrun`` with half as many ranks and another spec: load the checkpoint into the new
-   layout, train ``--steps`` more steps, collect the full state_dict on rank 0, save the
+   shard the model straight from the meta device, train ``--steps`` steps while a
+   ``CheckpointManager`` saves a sharded checkpoint (model, optimizer state, step) every few
+   steps in the background, keeping the last two;
+2. ``torchrun`` with half as many ranks and another spec: resume from the manager's latest
+   step in the new layout, train ``--steps`` more steps, collect the full state_dict on rank 0, save the
    model's weights as a sharded checkpoint;
 3. offline, in one process: consolidate those weights into a Hugging Face style safetensors
    folder and load it into a plain PyTorch model.
@@ -27,6 +28,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -269,7 +271,8 @@ def describe_spec(report: Report, model: nn.Module) -> None:
 
 
 def train(args: argparse.Namespace, report: Report, model: nn.Module, optim: torch.optim.Optimizer,
-          device: torch.device, first: int, reference: list[float]) -> None:
+          device: torch.device, first: int, reference: list[float],
+          after_step: Callable[[int], None] | None = None) -> None:
     """Train steps ``first .. first + steps - 1`` and compare every loss with the reference."""
     worst = 0.0
     for step in range(first, first + args.steps):
@@ -281,6 +284,8 @@ def train(args: argparse.Namespace, report: Report, model: nn.Module, optim: tor
         ops = ", ".join(f"{n} {op}" for op, n in sorted(comm.counts.items()))
         report.say(f"    step {step}: loss {loss:.4f} (reference {reference[step]:.4f}) in {elapsed * 1000:.0f} ms; "
                    f"rank 0 sent {kib(comm.bytes_sent)} in {ops}")
+        if after_step is not None:
+            after_step(step)
     report.check(worst <= LOSS_TOL, f"losses match the reference within {LOSS_TOL} (largest difference {worst:.1e})")
 
 
@@ -293,17 +298,31 @@ def train_phase(args: argparse.Namespace, report: Report, ranks: list[str], devi
     report.say("    blocks.0.fc1.weight:")
     report.table(st.visualize_sharding(model.state_dict()["blocks.0.fc1.weight"], file=io.StringIO()))
 
-    report.say(f"\n[2] train {args.steps} steps with torch.optim.SGD on the local shards")
+    every = max(1, args.steps // 2)
+    report.say(f"\n[2] train {args.steps} steps with torch.optim.SGD on the local shards; every {every} "
+               f"step(s) a CheckpointManager saves (model, optimizer state, step) in the background")
     optim = make_optimizer(model)
-    train(args, report, model, optim, device, 0, reference)
+    root = args.out / "checkpoints"
+    manager = checkpoint.CheckpointManager(str(root), keep_last=2)
+    blocked: list[float] = []
 
-    path = args.out / "checkpoint"
-    report.say(f"\n[3] save a sharded checkpoint (model, optimizer state, step) to {path}")
-    state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": args.steps}
-    dist.barrier()
-    _, elapsed = timed(lambda: checkpoint.save(state, str(path), quiet=True))
+    def save_every(step: int) -> None:
+        done = step + 1
+        if done % every == 0 or done == args.steps:
+            state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": done}
+            _, seconds = timed(lambda: manager.save(done, state, async_=True))
+            blocked.append(seconds)
+
+    train(args, report, model, optim, device, 0, reference, after_step=save_every)
+    _, waited = timed(manager.wait)
+
+    path = root / f"step-{args.steps:010d}"
+    report.say(f"\n[3] the manager's checkpoints under {root}: steps {manager.steps()} (keep_last=2)")
+    report.say(f"    each save held training for {max(blocked) * 1000:.0f} ms at most (the snapshot); "
+               f"the last one finished writing {waited:.2f} s after training ended")
+    report.check(manager.latest_step() == args.steps, "the latest committed step is the last one trained")
     meta = checkpoint.read_metadata(str(path))
-    report.say(f"    {len(meta.tensors)} tensors, {kib(meta.nbytes)} of data in {elapsed:.2f} s, "
+    report.say(f"    step {args.steps}: {len(meta.tensors)} tensors, {kib(meta.nbytes)} of data, "
                f"one file per rank (replicated tensors written once):")
     for name, nbytes in sorted(meta.files.items()):
         report.say(f"      {name}  {kib(nbytes)}")
@@ -319,14 +338,16 @@ def resume_phase(args: argparse.Namespace, report: Report, ranks: list[str], dev
     report.say("    blocks.0.fc1.weight, now split on its other dimension:")
     report.table(st.visualize_sharding(model.state_dict()["blocks.0.fc1.weight"], file=io.StringIO()))
 
-    path = args.out / "checkpoint"
-    report.say(f"\n[5] load {path}, saved by {checkpoint.read_metadata(str(path)).world_size} ranks, "
-               f"into the new layout")
+    manager = checkpoint.CheckpointManager(str(args.out / "checkpoints"), keep_last=2)
+    latest = manager.latest_step()
+    path = args.out / "checkpoints" / f"step-{latest:010d}"
+    report.say(f"\n[5] resume from the manager's latest step ({latest}), saved by "
+               f"{checkpoint.read_metadata(str(path)).world_size} ranks, into the new layout")
     optim = make_optimizer(model)
     state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 0}
     dist.barrier()
     with st.CommCounter() as comm:
-        _, elapsed = timed(lambda: checkpoint.load(state, str(path), quiet=True))
+        _, elapsed = timed(lambda: manager.load(state))
         model.load_state_dict(state["model"])
         st.load_optim_state_dict(model, optim, state["optim"])
     report.say(f"    loaded in {elapsed:.2f} s: each rank read only the byte ranges of its own blocks; "
@@ -407,6 +428,8 @@ def drive(args: argparse.Namespace) -> int:
         return 2
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
+    # A fresh run: the train phase must not resume from the steps of an earlier demo.
+    shutil.rmtree(args.out / "checkpoints", ignore_errors=True)
     print(f"shardkit demo: {first} ranks, then {second}, on {args.device}; output in {args.out}", flush=True)
     run_reference(args)
     for nproc, phase in ((first, "train"), (second, "resume")):

@@ -126,3 +126,26 @@ def test_two_ranks_save_load_and_consolidate(s3: S3, tmp_path: Path) -> None:
     checkpoint.consolidate(url, str(out), storage_options=s3.storage_options)
     got, full = load_file(str(out)), _full()
     assert all(torch.equal(got[k], full[k]) for k in full)
+
+
+def test_manager_async_on_s3(s3: S3) -> None:
+    root = s3.url("managed")
+    manager = checkpoint.CheckpointManager(root, keep_last=2, storage_options=s3.storage_options)
+    states = {}
+    for step in (1, 2, 3):
+        states[step] = {"w": torch.randn(40, 8), "step": step}
+        handle = manager.save(step, states[step], async_=True)
+        reference = states[step]["w"].clone()
+        states[step]["w"].add_(1.0)  # after staging: never reaches S3
+        states[step]["w"] = reference
+        assert handle is not None
+    manager.wait()
+    assert manager.steps() == [2, 3] and manager.latest_step() == 3
+    for step in (2, 3):
+        got = manager.load({"w": torch.zeros(40, 8), "step": None}, step=step)
+        assert torch.equal(got["w"], states[step]["w"]) and got["step"] == step
+    # A step abandoned midway (data, no metadata) is not listed and is removed by the next manager.
+    s3.filesystem().pipe_file(s3.url("managed/step-0000000009/data-00000000-r00000.safetensors")[5:], b"x")
+    assert manager.steps() == [2, 3]
+    assert checkpoint.CheckpointManager(root, storage_options=s3.storage_options).steps() == [2, 3]
+    assert not s3.filesystem().exists(s3.url("managed/step-0000000009")[5:])
