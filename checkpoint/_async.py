@@ -38,9 +38,10 @@ from typing import Any, Literal
 
 import torch
 
-from . import _comm
-from ._format import CheckpointError, resolve
+from _shardkit import comm as _comm
+
 from ._dtensor import dtensor_views
+from ._format import CheckpointError, resolve
 from ._save import DEFAULT_TIMEOUT, _Plan, _plan, _reduce_partials, run_plan
 
 __all__ = ["async_save", "AsyncSaveHandle"]

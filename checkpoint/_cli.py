@@ -22,9 +22,9 @@ from ._dcp import convert
 from ._format import (
     CheckpointError,
     CheckpointMetadata,
+    TensorEntry,
     _read_metadata,
     member,
-    TensorEntry,
     read_safetensors_header,
     resolve,
     safetensors_dtype,

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from _shardkit import comm as _comm
+from _shardkit.memory import empty_for_fill
 from sharded_tensor import ShardedTensor
-from sharded_tensor import _comm
-from sharded_tensor._memory import empty_for_fill
 from sharded_tensor._plan import Piece, box_slices, plan_reshard
 from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
@@ -32,7 +32,7 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
       plan): each rank sends its pieces straight to ``dst`` (a replicated region once), which
       receives them into place in the full tensor. For CPU shards ``dst`` copies its own
       pieces while the others arrive, into memory committed in one step rather than page by
-      page as it is first written (see ``sharded_tensor._memory``); shards on another device
+      page as it is first written (see ``_shardkit.memory``); shards on another device
       go through ``gather`` and the result is moved to the CPU.
     - A ``DTensor`` (FSDP2, ``get_state_dict``) is gathered like the ``ShardedTensor`` of its
       layout (``st.from_dtensor``, no copy).

@@ -32,9 +32,9 @@ import fsspec
 import torch
 
 from ._format import (
-    Checksum,
     CheckpointError,
     CheckpointMetadata,
+    Checksum,
     SavedShard,
     TensorEntry,
     _read_metadata,

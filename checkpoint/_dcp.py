@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 import torch
 
+from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
 
-from . import _comm
 from ._format import METADATA_FILE, CheckpointError, flatten_state_dict, resolve
 
 __all__ = ["convert", "is_dcp_checkpoint", "load_dcp"]

@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from _shardkit import comm as _comm
 from sharded_tensor._dtensor import from_dtensor, is_dtensor
-
-from . import _comm
 
 __all__ = ["dtensor_views"]
 

@@ -46,7 +46,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from sharding import ShardMetadata
-from sharding._metadata import check_tiling
+from sharding.layout import check_tiling
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",

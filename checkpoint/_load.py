@@ -1,7 +1,7 @@
 """``checkpoint.load``: fill a state_dict in place, for its current layout, reading only needed bytes.
 
 For every local target block (a ``ShardedTensor``'s local shard, or a whole plain tensor),
-the saved regions that overlap it come from ``sharded_tensor._plan.RegionIndex`` (the same
+the saved regions that overlap it come from ``sharding.layout.RegionIndex`` (the same
 overlap search the reshard planner uses). Each overlap is then read in one of three ways,
 chosen from where its bytes sit inside the saved region (row-major):
 
@@ -35,10 +35,10 @@ from typing import Any
 import fsspec
 import torch
 
+from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
-from sharded_tensor._plan import RegionIndex, box_slices
+from sharding.layout import RegionIndex, box_slices
 
-from . import _comm
 from ._dcp import is_dcp_checkpoint, load_dcp
 from ._dtensor import dtensor_views
 from ._format import (

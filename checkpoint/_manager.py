@@ -22,11 +22,13 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from . import _comm
+from _shardkit import comm as _comm
+
 from ._async import AsyncSaveHandle, _checkpoint_group, async_save
 from ._format import METADATA_FILE, CheckpointError, _list_names, is_local, resolve
 from ._load import load as _load
-from ._save import DEFAULT_TIMEOUT, save as _save
+from ._save import DEFAULT_TIMEOUT
+from ._save import save as _save
 
 __all__ = ["CheckpointManager"]
 

@@ -33,15 +33,16 @@ from typing import Any
 import fsspec
 import torch
 
+from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
+from sharding.layout import Box
 
-from . import _comm
 from ._dtensor import dtensor_views
 from ._format import (
     METADATA_FILE,
-    Checksum,
     CheckpointError,
     CheckpointMetadata,
+    Checksum,
     SavedShard,
     TensorEntry,
     _list_names,
@@ -65,9 +66,6 @@ DEFAULT_TIMEOUT = 600.0
 _test_hook: Callable[[str], None] | None = None
 """Private, for tests only: called with each phase name ("planned", "data_written",
 "before_commit", "committed") on every rank, so a test can crash a rank at a chosen point."""
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
 
 def _hook(phase: str) -> None:
     if _test_hook is not None:

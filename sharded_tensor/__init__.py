@@ -1,18 +1,23 @@
 """The metadata-first ShardedTensor: creation, resharding, gathering."""
 
-from . import _attention  # noqa: F401 - registers nn.MultiheadAttention
+from _shardkit.comm import CommCounter
 
-from ._comm import CommCounter
-from ._dfunction import DFunction, LayoutDecision, register_layout_rule
 from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
 from ._dtensor import from_dtensor
-from ._optim import load_optim_state_dict, optim_state_dict
-from ._parallel import ParamLayout
-from ._regions import loss_parallel
-from ._registry import ShardedCall, ShardedModule, register_sharded_module
-from ._sharder import shard_model, shard_parameter
+from ._model import attention as _attention  # noqa: F401 - registers nn.MultiheadAttention
+from ._model.dfunction import DFunction, LayoutDecision, register_layout_rule
+from ._model.optim import load_optim_state_dict, optim_state_dict
+from ._model.parallel import ParamLayout
+from ._model.regions import loss_parallel
+from ._model.registry import ShardedCall, ShardedModule, register_sharded_module
+from ._model.sharder import shard_model, shard_parameter
+from ._model.training import (
+    all_reduce_grads,
+    clip_grad_norm_,
+    get_state_dict,
+    set_state_dict,
+)
 from ._tensor import Shard, ShardedTensor
-from ._training import all_reduce_grads, clip_grad_norm_, get_state_dict, set_state_dict
 from ._visualize import visualize_sharding
 
 __all__ = [

@@ -6,11 +6,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from _shardkit import comm as _comm
+from _shardkit.memory import empty_for_fill
 from sharding import PlacementSpec, RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
-from . import _comm
-from ._init import fill_normal_, fill_uniform_
-from ._memory import empty_for_fill
+from ._fill import fill_normal_, fill_uniform_
 from ._reshard import redistribute
 from ._tensor import ShardedTensor, _build
 

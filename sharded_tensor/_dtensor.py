@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from _shardkit import comm as _comm
 from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
-from . import _comm
 from ._tensor import ShardedTensor
 
 if TYPE_CHECKING:

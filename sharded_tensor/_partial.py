@@ -26,11 +26,11 @@ import sys
 
 import torch
 
+from _shardkit import comm as _comm
+from _shardkit.memory import _ALONE, _storage_users, empty_for_fill
 from sharding import ShardedTensorMetadata, ShardMetadata
-from sharding._specs import chunk_bounds
+from sharding.layout import chunk_bounds
 
-from . import _comm
-from ._memory import _ALONE, _storage_users, empty_for_fill
 from ._plan import (
     box_slices,
     keeper_layout,

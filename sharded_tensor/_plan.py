@@ -6,135 +6,19 @@ same two layouts, so the sides of every transfer agree on sizes and order withou
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import gc
 import math
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-
 from sharding import ShardedTensorMetadata, ShardMetadata
+from sharding.layout import Box, RegionIndex, box_slices
 
 __all__ = ["Box", "RegionIndex", "Piece", "ReshardPlan", "plan_reshard", "box_slices",
            "ReducePlan", "plan_reduce", "reduce_layout", "keeper_layout", "partial_holders"]
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-"""``(offsets, dims)`` of a block of the global tensor."""
-
-
-def box_slices(box: Box, origin: Sequence[int]) -> tuple[slice, ...]:
-    """Index a shard whose first element sits at global ``origin`` to get the block ``box``."""
-    offsets, dims = box
-    return tuple(slice(o - s, o - s + n) for o, n, s in zip(offsets, dims, origin))
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """The common block of two boxes, or ``None`` when they share no element."""
-    offsets, dims = [], []
-    for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1]):
-        lo, hi = max(ao, bo), min(ao + an, bo + bn)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        dims.append(hi - lo)
-    return tuple(offsets), tuple(dims)
-
-
-class RegionIndex:
-    """Find which of a set of non-overlapping boxes meet a query box, in about log time.
-
-    The boxes' cut points split every dimension into intervals; a grid over those intervals
-    records which box owns each cell, so a query only looks at the cells it spans. Building
-    the grid is vectorized (one ``searchsorted`` per dimension and one scatter), so an index
-    over thousands of boxes costs milliseconds.
-    """
-
-    def __init__(self, boxes: Sequence[Box], size: Sequence[int]) -> None:
-        self.boxes = list(boxes)
-        ndim = len(size)
-        live = [i for i, (_, dims) in enumerate(self.boxes) if 0 not in dims]
-        self._lo: torch.Tensor | None = None
-        self._hi: torch.Tensor | None = None
-        if not live or ndim == 0:
-            self._cuts: list[list[int]] = [[0, int(n)] for n in size]
-            self._grid = torch.full((1,) * ndim, live[-1] if live else -1, dtype=torch.int64)
-            return
-        if len(live) <= _SMALL:
-            self._build_small(live, size)
-            return
-        # Corners of every box (empty ones too, so rows are indexed by box id).
-        self._lo = torch.tensor([offsets for offsets, _ in self.boxes], dtype=torch.int64).reshape(-1, ndim)
-        self._hi = self._lo + torch.tensor([dims for _, dims in self.boxes], dtype=torch.int64).reshape(-1, ndim)
-        ids = torch.tensor(live, dtype=torch.int64)
-        lo, hi = self._lo[ids].T.contiguous(), self._hi[ids].T.contiguous()
-        bounds = torch.tensor([[0, int(n)] for n in size], dtype=torch.int64)
-        cuts = [torch.unique(torch.cat([bounds[d], lo[d], hi[d]])) for d in range(ndim)]
-        self._cuts = [c.tolist() for c in cuts]
-        cell_lo = torch.stack([torch.searchsorted(cuts[d], lo[d]) for d in range(ndim)], dim=1)
-        cell_hi = torch.stack([torch.searchsorted(cuts[d], hi[d]) for d in range(ndim)], dim=1)
-        self._grid = torch.full(tuple(len(c) - 1 for c in self._cuts), -1, dtype=torch.int64)
-        single = ((cell_hi - cell_lo) == 1).all(dim=1)
-        # Regular layouts (splits, meshes) give one cell per box: a single scatter fills the grid.
-        # Identical boxes (replicas) keep the last one, as a loop assigning in order would.
-        strides = torch.tensor(self._grid.stride(), dtype=torch.int64)
-        flat = (cell_lo[single] * strides).sum(dim=1)
-        self._grid.view(-1).scatter_reduce_(0, flat, ids[single], reduce="amax")
-        for k in (~single).nonzero().flatten().tolist():
-            cells = tuple(slice(a, b) for a, b in zip(cell_lo[k].tolist(), cell_hi[k].tolist()))
-            self._grid[cells].clamp_(min=int(ids[k]))
-
-    def _build_small(self, live: list[int], size: Sequence[int]) -> None:
-        # A few boxes: plain Python beats the fixed cost of a dozen tensor operations.
-        boxes = self.boxes
-        self._cuts = [sorted({0, int(size[d]), *(boxes[i][0][d] for i in live),
-                              *(boxes[i][0][d] + boxes[i][1][d] for i in live)}) for d in range(len(size))]
-        position = [{c: k for k, c in enumerate(cut)} for cut in self._cuts]
-        self._grid = torch.full(tuple(len(c) - 1 for c in self._cuts), -1, dtype=torch.int64)
-        for i in live:  # in order, so the last of identical boxes wins
-            offsets, dims = boxes[i]
-            self._grid[tuple(slice(position[d][o], position[d][o + n])
-                             for d, (o, n) in enumerate(zip(offsets, dims)))] = i
-
-    def overlapping(self, query: Box) -> list[tuple[int, Box]]:
-        """``(box id, common block)`` for every box sharing an element with ``query``, by id."""
-        offsets, dims = query
-        if 0 in dims:
-            return []
-        cells = []
-        for d, cut in enumerate(self._cuts):
-            lo = bisect.bisect_right(cut, offsets[d]) - 1
-            hi = bisect.bisect_left(cut, offsets[d] + dims[d])
-            cells.append(slice(max(lo, 0), hi))
-        found = self._grid[tuple(cells)]
-        if found.numel() > 1:
-            found = found.unique()
-            found = found[found >= 0]
-        ids = found.reshape(-1).tolist()
-        if len(ids) > 16 and self._lo is not None and self._hi is not None:
-            # Many boxes (e.g. every shard of another split): intersect them all at once.
-            start = torch.tensor(offsets, dtype=torch.int64)
-            low = torch.maximum(self._lo[found], start)
-            high = torch.minimum(self._hi[found], start + torch.tensor(dims, dtype=torch.int64))
-            return [(box_id, (tuple(o), tuple(n))) for box_id, o, n in zip(ids, low.tolist(), (high - low).tolist())
-                    if min(n) > 0]
-        result = []
-        boxes = self.boxes
-        for box_id in ids:
-            if box_id < 0:
-                continue
-            common = intersect(boxes[box_id], query)
-            if common is not None:
-                result.append((box_id, common))
-        return result
-
-
-# Up to this many boxes an index is built in plain Python; beyond, vectorized.
-_SMALL = 64
-
 
 class _Regions:
     """Distinct regions of a layout and, for each, who holds it."""
@@ -381,7 +265,7 @@ def reduce_layout(src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> Sha
 
     Pure: every rank computes the same layout from the two layouts.
     """
-    from sharding._specs import chunk_bounds
+    from sharding.layout import chunk_bounds
 
     regions = _Regions.of(dst)
     if all(len(h) == 1 for h in regions.holders) and \

@@ -25,10 +25,10 @@ from collections.abc import Iterator
 
 import torch
 
+from _shardkit import comm as _comm
+from _shardkit.memory import empty_for_fill, release_outside, sole_owner
 from sharding import ShardedTensorMetadata
 
-from . import _comm
-from ._memory import empty_for_fill, release_outside, sole_owner
 from ._plan import Piece, ReshardPlan, box_slices, plan_reshard
 
 __all__ = ["redistribute"]

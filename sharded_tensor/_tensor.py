@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from _shardkit import comm as _comm
 from sharding import (
     DevicePlacement,
     EnumerableShardingSpec,
@@ -18,9 +19,8 @@ from sharding import (
     ShardedTensorMetadata,
     ShardMetadata,
 )
-from sharding._metadata import check_reduce_op, check_tiling
+from sharding.layout import check_reduce_op, check_tiling
 
-from . import _comm
 from ._reshard import redistribute
 
 if TYPE_CHECKING:

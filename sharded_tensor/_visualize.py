@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from _shardkit import comm as _comm
 from sharding import ShardedTensorMetadata
 
-from . import _comm
 from ._tensor import ShardedTensor
 
 __all__ = ["visualize_sharding"]

@@ -9,21 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from ._placement import RemoteDevice
+from .layout import check_reduce_op
 
-__all__ = ["ShardMetadata", "ShardedTensorMetadata", "check_tiling", "REDUCE_OPS", "check_reduce_op"]
-
-REDUCE_OPS = ("sum", "avg", "max", "min")
-"""Reductions a partial tensor may be pending (element-wise, like ``torch.distributed.ReduceOp``)."""
-
-
-def check_reduce_op(reduce_op: object, *, where: str = "reduce_op") -> str:
-    """Return ``reduce_op`` if it names a supported reduction; raise ``ValueError`` otherwise."""
-    if not isinstance(reduce_op, str) or reduce_op not in REDUCE_OPS:
-        msg = (f"{where}={reduce_op!r} is not a supported reduction; use one of "
-               f"{', '.join(repr(op) for op in REDUCE_OPS)}.")
-        raise ValueError(msg)
-    return reduce_op
-
+__all__ = ["ShardMetadata", "ShardedTensorMetadata"]
 
 @dataclass(frozen=True, slots=True)
 class ShardMetadata:
@@ -137,50 +125,3 @@ class ShardedTensorMetadata:
 
     def __reduce__(self) -> tuple[type[ShardedTensorMetadata], tuple[object, ...]]:
         return (ShardedTensorMetadata, (self.shards, tuple(self.size), self.dtype, self.partial))
-
-
-def check_tiling(shards: Sequence[ShardMetadata], size: Sequence[int], *, what: str = "shards") -> None:
-    """Raise ``ValueError`` unless the distinct regions of ``shards`` tile ``size`` exactly.
-
-    Shards with identical regions are replicas and allowed; partial overlaps and gaps are not.
-    """
-    size = tuple(size)
-    ndim = len(size)
-    for i, s in enumerate(shards):
-        if len(s.offsets) != ndim:
-            msg = (f"{what}[{i}] has {len(s.offsets)} dimensions but the tensor has {ndim} "
-                   f"(size={size!r}).")
-            raise ValueError(msg)
-        for d in range(ndim):
-            if s.offsets[d] + s.dims[d] > size[d] or (s.offsets[d] > size[d]):
-                msg = (f"{what}[{i}] (offsets={s.offsets!r}, dims={s.dims!r}) reaches past the tensor's "
-                       f"size {size!r} along dimension {d}; shards must lie inside the tensor.")
-                raise ValueError(msg)
-    regions: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-    for i, s in enumerate(shards):
-        if s.numel > 0:
-            regions.setdefault(s.region, i)
-    numel = math.prod(size)
-    if numel == 0:
-        return
-    # Count coverage on the grid of all cut points: one cell per piece of every region, so
-    # regular layouts cost one increment per region.
-    cuts = [sorted({0, size[d], *(o[d] for o, _ in regions), *(o[d] + n[d] for o, n in regions)})
-            for d in range(ndim)]
-    index = [{c: k for k, c in enumerate(cut)} for cut in cuts]
-    grid_shape = tuple(len(c) - 1 for c in cuts)
-    cover = torch.zeros(grid_shape, dtype=torch.int32)
-    for (offsets, dims) in regions:
-        cell = tuple(slice(index[d][offsets[d]], index[d][offsets[d] + dims[d]]) for d in range(ndim))
-        cover[cell] += 1
-    if bool((cover == 1).all()):
-        return
-    bad = (cover != 1).nonzero()[0].tolist()
-    where = tuple(cuts[d][bad[d]] for d in range(ndim))
-    problem = "overlap" if int(cover[tuple(bad)]) > 1 else "leave a gap"
-    owners = [f"{what}[{i}] (offsets={o!r}, dims={n!r})" for (o, n), i in regions.items()
-              if all(o[d] <= where[d] < o[d] + n[d] for d in range(ndim))]
-    msg = (f"{what} {problem} at element {where!r} of a tensor of size {size!r}"
-           + (f" (covered by {', '.join(owners)})" if owners else " (no shard covers it)")
-           + "; shards must cover every element exactly once (identical regions are replicas).")
-    raise ValueError(msg)

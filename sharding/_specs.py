@@ -13,8 +13,9 @@ from typing import Union
 
 import torch
 
-from ._metadata import ShardedTensorMetadata, ShardMetadata, check_reduce_op, check_tiling
+from ._metadata import ShardedTensorMetadata, ShardMetadata
 from ._placement import PlacementSpec, RemoteDevice
+from .layout import check_reduce_op, check_tiling, chunk_bounds
 
 __all__ = [
     "DevicePlacement", "ShardingSpec", "SingleSplitShardingSpec", "MeshShardingSpec", "CompositeShardingSpec",
@@ -67,16 +68,6 @@ def as_placement(value: object, *, where: str) -> DevicePlacement:
     msg = (f"{where} must be a device string, RemoteDevice or DevicePlacement, got "
            f"{type(value).__name__} {value!r}; write e.g. 'rank:0/cpu'.")
     raise TypeError(msg)
-
-
-def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each of ``parts`` chunks of ``n``, like ``torch.chunk``.
-
-    chunk = ceil(n / parts); chunk i covers ``[min(i*chunk, n), min((i+1)*chunk, n))``, so
-    trailing chunks may be empty (offset clamped to ``n``).
-    """
-    chunk = -(-n // parts) if parts else 0
-    return [(min(i * chunk, n), min((i + 1) * chunk, n) - min(i * chunk, n)) for i in range(parts)]
 
 
 def _check_size(size: Sequence[int]) -> tuple[int, ...]:

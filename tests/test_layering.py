@@ -5,8 +5,8 @@ that do not exist yet are skipped (layering: nothing to scan; API: ``importorski
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import importlib
 import types

@@ -47,7 +47,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, queue: Any,
     try:
         result = fn(rank, world, *args)
         queue.put((rank, result, None))
-    except BaseException as exc:  # report, then re-raise so the spawn fails loudly
+    except BaseException:  # report, then re-raise so the spawn fails loudly
         import traceback
         queue.put((rank, None, traceback.format_exc()))
         raise

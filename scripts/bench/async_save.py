@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util  # noqa: E402
 import json
 import os
 import shutil
@@ -36,8 +37,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-import importlib.util  # noqa: E402
 
 _HERE = Path(__file__).resolve().parent
 # This folder's checkpoint.py (a benchmark) must not shadow the checkpoint package.

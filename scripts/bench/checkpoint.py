@@ -63,6 +63,7 @@ if str(ROOT) not in sys.path:
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 from _harness import PeakGrowth  # noqa: E402
+
 from tests.distributed._launch import run_distributed  # noqa: E402 - after the path set-up
 
 GB = 1e9
@@ -117,8 +118,7 @@ def _ours_state_dict(cfg: dict[str, int], spec, fill: str):  # type: ignore[no-u
 
 def _dcp_state_dict(cfg: dict[str, int], mesh, dim: int, fill: str):  # type: ignore[no-untyped-def]
     import torch
-    from torch.distributed.tensor import Shard, distribute_tensor  # noqa: F401
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: F401
 
     world, rank = mesh.size(), mesh.get_local_rank()
     sd = {}
@@ -229,7 +229,10 @@ def _check_equal_ours(saved: dict[str, Any], loaded: dict[str, Any]) -> None:
 def _dcp_full_state_dict(sd: dict[str, Any]) -> Any:
     """DCP's way to a full state dict on rank 0: get_model_state_dict on DTensor parameters."""
     import torch
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     model = torch.nn.Module()
     for name, value in sd.items():

@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
-from _harness import ROOT, llama_tp_names, local_param_bytes, machine, proc_status, reset_peak, run_fresh  # noqa: E402
+from _harness import (  # noqa: E402
+    ROOT,
+    llama_tp_names,
+    local_param_bytes,
+    machine,
+    proc_status,
+    reset_peak,
+    run_fresh,
+)
 
 MiB = 1 << 20
 WAYS = ("shardkit", "from_pretrained", "dcp_hf")
@@ -84,7 +92,11 @@ def _load(way: str, folder: Path, world: int, quick: bool) -> Any:
         checkpoint.load(model.state_dict(), folder)
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
     mesh = init_device_mesh("cpu", (world,))
     plan = {**{n: ColwiseParallel() for n in cols}, **{n: RowwiseParallel() for n in rows}}
     if way == "from_pretrained":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: what a large new CPU buffer costs, four ways. Prints JSON.
 
-Not a test. Why ``sharded_tensor._memory`` allocates as it does: for a buffer that is about
+Not a test. Why ``_shardkit.memory`` allocates as it does: for a buffer that is about
 to be filled, the memory behind it can cost more than the fill. Each way allocates
 ``--count`` buffers of ``--mib`` MiB one after another in a fresh process (keeping them all,
 so every one is new memory) and times allocation plus one ``fill_``:

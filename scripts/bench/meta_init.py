@@ -92,7 +92,11 @@ def _shardkit(config: Any, world: int, seed: int | None, phases: dict[str, float
 def _torch_path(config: Any, world: int, phases: dict[str, float]) -> Any:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     t0 = time.perf_counter()
     mesh = init_device_mesh("cpu", (world,))

@@ -49,10 +49,9 @@ from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 
-from _harness import launch, machine, median, ratio, timed  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _harness import launch, machine, median, ratio, timed  # noqa: E402
 
 import sharded_tensor as st  # noqa: E402
 import sharding as sh  # noqa: E402

@@ -8,7 +8,7 @@ For 2 and 4 Gloo ranks (spawned here, TCP on 127.0.0.1) and fp32 tensors of 4096
 so that machine noise hits all of them alike:
 
 - ``ours``: ``t.reshard(spec)``, the whole user call (metadata, plan, pack, wire, unpack).
-  Large buffers freed by the previous repetition are reused (``sharded_tensor._memory``), as in
+  Large buffers freed by the previous repetition are reused (``_shardkit.memory``), as in
   a training loop that reshards every step.
 - ``ours_cold``: the same call with that cache emptied first, so every new buffer is fresh
   memory from the OS, as in a process's first reshard (reported, not a goal).
@@ -55,14 +55,13 @@ from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 
-from _harness import launch, machine, median, ratio, timed  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _harness import launch, machine, median, ratio, timed  # noqa: E402
 
 import sharded_tensor as st  # noqa: E402
 import sharding as sh  # noqa: E402
-from sharded_tensor._memory import empty_cache  # noqa: E402
+from _shardkit.memory import empty_cache  # noqa: E402
 from sharded_tensor._plan import plan_reshard, total_traffic  # noqa: E402
 
 TRANSITIONS = ("dim0_to_dim1", "dim0_to_replicate", "replicate_to_dim0", "even_to_uneven", "mesh_to_dim1")
@@ -92,7 +91,7 @@ def _layouts(name: str, world: int, n: int) -> tuple[Any, Any, Any]:
 
 def _lower_bound_total(src: Any, dst: Any) -> int:
     """Elements that must cross the wire: per destination rank, what it needs and does not hold."""
-    from sharded_tensor._plan import intersect
+    from sharding.layout import intersect
 
     total = 0
     for rank in {s.rank for s in dst.shards}:

@@ -48,9 +48,8 @@ from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 
-from _harness import machine  # noqa: E402
-
 import torch  # noqa: E402
+from _harness import machine  # noqa: E402
 
 import sharding as sh  # noqa: E402
 from sharded_tensor import _plan  # noqa: E402

@@ -88,7 +88,11 @@ def _shardkit(world: int, dim: int, blocks: int, meta: bool, seed: int | None = 
 def _torch_path(world: int, dim: int, blocks: int) -> Any:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):

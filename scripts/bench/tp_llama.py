@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
-from _harness import launch, llama_tp_names, machine  # noqa: E402
-
 import torch  # noqa: E402
+from _harness import launch, llama_tp_names, machine  # noqa: E402
 
 
 def _config(args: Any) -> Any:
@@ -47,7 +46,11 @@ def _shardkit(model: Any, world: int, layers: int) -> Any:
 
 def _dtensor(model: Any, world: int, layers: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
     mesh = init_device_mesh("cpu", (world,))
     cols, rows = llama_tp_names(layers)
     plan = {**{n: ColwiseParallel() for n in cols}, **{n: RowwiseParallel() for n in rows}}
@@ -63,8 +66,9 @@ def _comm_dtensor(fn: Any) -> dict[str, Any]:
 
 
 def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
-    import sharded_tensor as st
     from transformers import LlamaForCausalLM
+
+    import sharded_tensor as st
     config = _config(args)
     torch.manual_seed(0)
     base = LlamaForCausalLM(config)

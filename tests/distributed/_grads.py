@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sharded_tensor._sharder import sharded_parameters
+from sharded_tensor._model.sharder import sharded_parameters
 
 __all__ = ["local_grad_mismatches"]
 

@@ -17,7 +17,6 @@ import shutil
 import signal
 import time
 import zlib
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +27,13 @@ import torch.distributed as dist
 import checkpoint
 import sharded_tensor as st
 from checkpoint import CheckpointError, _save
-from sharding import DevicePlacement, EnumerableShardingSpec, ShardMetadata, mesh, single_split
+from sharding import (
+    DevicePlacement,
+    EnumerableShardingSpec,
+    ShardMetadata,
+    mesh,
+    single_split,
+)
 from tests.distributed._launch import DistributedTestError, run_distributed
 
 pytestmark = pytest.mark.distributed

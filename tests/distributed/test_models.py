@@ -17,7 +17,6 @@ rank and returns what the parent compares with a reference computed here, in one
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch

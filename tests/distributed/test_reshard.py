@@ -13,12 +13,11 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as hst
 
 import sharded_tensor as st
-from sharded_tensor._memory import wait_for_releases
+from _shardkit.memory import wait_for_releases
 from sharded_tensor._plan import plan_reshard
 from sharding import DevicePlacement, ShardMetadata, mesh, single_split, spec_from_dict
 from tests.distributed._launch import run_distributed

@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 import checkpoint
 import sharded_tensor as st

@@ -15,7 +15,12 @@ import torch
 import torch.distributed as dist
 
 import sharded_tensor as st
-from sharding import DevicePlacement, ShardedTensorMetadata, ShardMetadata, mesh, single_split
+from sharding import (
+    DevicePlacement,
+    ShardMetadata,
+    mesh,
+    single_split,
+)
 from tests.distributed._launch import run_distributed
 from tests.unit.test_plan import held_mask
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as hst
 from torch import nn
 
 import sharded_tensor as st
-from sharded_tensor import _init, _random
+from sharded_tensor import _fill, _random
+from sharded_tensor._model import init as _init_model
 from sharding import DevicePlacement
 
 
@@ -37,8 +38,8 @@ def _slice(t: torch.Tensor, offsets: tuple[int, ...], dims: tuple[int, ...]) -> 
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_fills_are_bit_identical_to_random(global_shape, offsets, dims, dtype):
-    for ours, reference, args in ((_init.fill_uniform_, _random.uniform_, (-0.3, 0.7)),
-                                  (_init.fill_normal_, _random.normal_, (0.5, 2.0))):
+    for ours, reference, args in ((_fill.fill_uniform_, _random.uniform_, (-0.3, 0.7)),
+                                  (_fill.fill_normal_, _random.normal_, (0.5, 2.0))):
         got = ours(torch.empty(dims, dtype=dtype), 77, offsets, global_shape, *args)
         want = reference(torch.empty(dims, dtype=dtype), 77, offsets, global_shape, *args)
         assert torch.equal(got, want), ours.__name__
@@ -52,25 +53,25 @@ def test_any_block_equals_the_same_block_of_the_whole(data):
     offsets = tuple(data.draw(hst.integers(0, n - 1)) for n in shape)
     dims = tuple(data.draw(hst.integers(0, n - o)) for n, o in zip(shape, offsets))
     seed = data.draw(hst.integers(0, 2**63 - 1))
-    for fill in (_init.fill_uniform_, _init.fill_normal_, _init.fill_trunc_normal_):
+    for fill in (_fill.fill_uniform_, _fill.fill_normal_, _fill.fill_trunc_normal_):
         whole = fill(torch.empty(shape, dtype=torch.float64), seed, (0,) * ndim, shape)
         block = fill(torch.empty(dims, dtype=torch.float64), seed, offsets, shape)
         assert torch.equal(block, _slice(whole, offsets, dims)), fill.__name__
 
 
 def test_non_contiguous_target_gets_the_same_values():
-    whole = _init.fill_uniform_(torch.empty(4, 6), 3, (0, 0), (4, 6))
+    whole = _fill.fill_uniform_(torch.empty(4, 6), 3, (0, 0), (4, 6))
     target = torch.empty(6, 4).t()
-    _init.fill_uniform_(target, 3, (0, 0), (4, 6))
+    _fill.fill_uniform_(target, 3, (0, 0), (4, 6))
     assert torch.equal(target, whole)
 
 
 def test_distributions():
-    u = _init.fill_uniform_(torch.empty(200_000), 1, (0,), (200_000,), -2.0, 4.0)
+    u = _fill.fill_uniform_(torch.empty(200_000), 1, (0,), (200_000,), -2.0, 4.0)
     assert -2.0 <= u.min() and u.max() < 4.0 and abs(u.mean().item() - 1.0) < 0.02
-    n = _init.fill_normal_(torch.empty(200_000), 2, (0,), (200_000,), 1.0, 3.0)
+    n = _fill.fill_normal_(torch.empty(200_000), 2, (0,), (200_000,), 1.0, 3.0)
     assert abs(n.mean().item() - 1.0) < 0.03 and abs(n.std().item() - 3.0) < 0.03
-    t = _init.fill_trunc_normal_(torch.empty(200_000), 3, (0,), (200_000,), 0.0, 1.0, -2.0, 2.0)
+    t = _fill.fill_trunc_normal_(torch.empty(200_000), 3, (0,), (200_000,), 0.0, 1.0, -2.0, 2.0)
     assert -2.0 <= t.min() and t.max() <= 2.0 and abs(t.std().item() - 0.8796) < 0.01
 
 
@@ -81,7 +82,7 @@ def _full_and_block(rule, global_shape, offsets, dims):  # type: ignore[no-untyp
     values = []
     for o, d in (((0,) * len(global_shape), global_shape), (offsets, dims)):
         t = torch.empty(d)
-        ctx = _init.LayoutInvariantInit(seed=5)
+        ctx = _init_model.LayoutInvariantInit(seed=5)
         ctx.register(t, "w", global_shape, o)
         with ctx:
             rule(t)
@@ -108,7 +109,7 @@ def test_rules_fill_blocks_as_slices_of_the_global_tensor(rule, offsets, dims):
 
 
 def test_fans_come_from_the_global_shape():
-    ctx = _init.LayoutInvariantInit(seed=0)
+    ctx = _init_model.LayoutInvariantInit(seed=0)
     block = torch.empty(64, 8)  # 8 of 512 input features
     ctx.register(block, "fc.weight", (64, 512), (0, 504))
     with ctx:
@@ -128,7 +129,7 @@ def test_fans_come_from_the_global_shape():
 def test_unseeded_mode_draws_blocks_with_torch_rng_and_global_fans(rule):
     def draw(offsets):  # type: ignore[no-untyped-def]
         block = nn.Parameter(torch.empty(64, 8))
-        ctx = _init.LayoutInvariantInit(seed=11, invariant=False)
+        ctx = _init_model.LayoutInvariantInit(seed=11, invariant=False)
         ctx.register(block, "fc.weight", (64, 512), offsets)
         with ctx:
             rule(block)
@@ -144,13 +145,13 @@ def test_linear_bias_bound_uses_the_global_fan_in():
     layer = nn.Linear(8, 4)
     weight = nn.Parameter(torch.empty(4, 2))  # columns 6..7 of an (4, 8) weight
     layer.weight = weight
-    ctx = _init.LayoutInvariantInit(seed=0)
+    ctx = _init_model.LayoutInvariantInit(seed=0)
     ctx.register(weight, "weight", (4, 8), (0, 6))
     ctx.register(layer.bias, "bias", (4,), (0,))
     with ctx:
         layer.reset_parameters()
     full = nn.Linear(8, 4)
-    ctx = _init.LayoutInvariantInit(seed=0)
+    ctx = _init_model.LayoutInvariantInit(seed=0)
     ctx.register(full.weight, "weight", (4, 8), (0, 0))
     ctx.register(full.bias, "bias", (4,), (0,))
     with ctx:
@@ -162,19 +163,19 @@ def test_linear_bias_bound_uses_the_global_fan_in():
                                   lambda t: nn.init.sparse_(t, 0.5)], ids=["orthogonal", "eye", "sparse"])
 def test_whole_tensor_rules_are_refused_for_blocks_and_run_on_whole_tensors(rule):
     block = torch.empty(4, 8)
-    ctx = _init.LayoutInvariantInit(seed=0)
+    ctx = _init_model.LayoutInvariantInit(seed=0)
     ctx.register(block, "proj.weight", (8, 8), (4, 0))
     with ctx, pytest.raises(ValueError, match=r"needs the whole of parameter 'proj.weight' \(shape \(8, 8\)\)"):
         rule(block)
     whole = torch.empty(8, 8)
-    ctx = _init.LayoutInvariantInit(seed=0)
+    ctx = _init_model.LayoutInvariantInit(seed=0)
     ctx.register(whole, "proj.weight", (8, 8), (0, 0))
     with ctx:
         rule(whole)
 
 
 def test_unregistered_tensors_use_torch_rng():
-    ctx = _init.LayoutInvariantInit(seed=0)
+    ctx = _init_model.LayoutInvariantInit(seed=0)
     with ctx:
         torch.manual_seed(0)
         a = nn.init.uniform_(torch.empty(5))
@@ -184,7 +185,7 @@ def test_unregistered_tensors_use_torch_rng():
 
 def test_repeated_rules_on_one_parameter_draw_new_values():
     t = torch.empty(100)
-    ctx = _init.LayoutInvariantInit(seed=0)
+    ctx = _init_model.LayoutInvariantInit(seed=0)
     ctx.register(t, "p", (100,), (0,))
     with ctx:
         first = nn.init.normal_(t).clone()
@@ -313,7 +314,7 @@ def test_draw_uniform_is_seeded_bounded_and_uniform(dtype, shape, contiguous):  
         t = torch.empty(shape, dtype=dtype)
         if not contiguous:
             t = torch.empty(tuple(reversed(shape)), dtype=dtype).t()
-        return _init.draw_uniform_(t, seed, -0.25, 0.75)
+        return _fill.draw_uniform_(t, seed, -0.25, 0.75)
 
     first, again, other = draw(5), draw(5), draw(6)
     assert torch.equal(first, again) and not torch.equal(first, other)
@@ -349,7 +350,7 @@ def test_a_models_init_weights_initializes_it_and_is_layout_invariant_with_seed(
     st.shard_model(model, DevicePlacement("cpu"), seed=3)
     assert torch.equal(model.b.detach(), torch.full((3,), 2.0))
     expected = torch.empty(4, 3)
-    _init.fill_normal_(expected, _random.derive_seed(3, "w"), (0, 0), (4, 3), 0.0, 0.5)
+    _fill.fill_normal_(expected, _random.derive_seed(3, "w"), (0, 0), (4, 3), 0.0, 0.5)
     assert torch.equal(model.w.detach(), expected)
 
 

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from sharded_tensor import _memory
+from _shardkit import memory as _memory
 
 MiB = 1 << 20
 
@@ -164,7 +164,7 @@ def test_exit_with_live_buffers_is_quiet():
     import subprocess
     import sys
 
-    code = ("import torch\nfrom sharded_tensor._memory import empty_for_fill\n"
+    code = ("import torch\nfrom _shardkit.memory import empty_for_fill\n"
             "kept = [empty_for_fill((4 << 20,), torch.float32) for _ in range(2)]\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "SHARDKIT_CPU_CACHE_MB": "0"})

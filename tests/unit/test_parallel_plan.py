@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from sharded_tensor._parallel import EmbeddingPlan, LinearPlan, classify, plan_module
+from sharded_tensor._model.parallel import (
+    EmbeddingPlan,
+    LinearPlan,
+    classify,
+    plan_module,
+)
 from sharding import DevicePlacement, mesh, single_split
 
 R4 = [f"rank:{r}/cpu" for r in range(4)]

@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
-from sharded_tensor._plan import RegionIndex, plan_reshard, total_traffic
+from sharded_tensor._plan import plan_reshard, total_traffic
 from sharding import (
     DevicePlacement,
     EnumerableShardingSpec,
@@ -29,6 +29,7 @@ from sharding import (
     mesh,
     single_split,
 )
+from sharding.layout import RegionIndex
 
 PLAN_SETTINGS = settings(max_examples=80, deadline=None,
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sharded_tensor import _regions
-from sharded_tensor._regions import Endpoint, Split, find_regions
+from sharded_tensor._model import regions as _regions
+from sharded_tensor._model.regions import Endpoint, Split, find_regions
 
 TWO = ((0, 4), (4, 4))  # 8 elements over 2 ranks, 4 each
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import sharded_tensor as st
-from sharded_tensor._registry import ShardedCall, handler_for
+from sharded_tensor._model.registry import ShardedCall, handler_for
 
 
 class _Noop(st.ShardedModule):

@@ -29,7 +29,7 @@ from sharding import (
     single_split,
     spec_from_dict,
 )
-from sharding._metadata import check_tiling
+from sharding.layout import check_tiling
 
 
 def ranks(n: int, device: str = "cpu") -> list[str]:

@@ -103,8 +103,8 @@ def test_set_state_dict_names_missing_entries():
 
 
 def _layout(shards: list[tuple[tuple[int, int], tuple[int, int], int]], size: tuple[int, int]):  # noqa: ANN202
-    from sharded_tensor._parallel import classify
-    from sharded_tensor._sharder import ShardedParameter
+    from sharded_tensor._model.parallel import classify
+    from sharded_tensor._model.sharder import ShardedParameter
     from sharding import EnumerableShardingSpec, ShardMetadata
 
     spec = EnumerableShardingSpec([ShardMetadata(o, d, f"rank:{r}/cpu") for o, d, r in shards])
@@ -121,7 +121,7 @@ def _layout(shards: list[tuple[tuple[int, int], tuple[int, int], int]], size: tu
                  id="overlapping-blocks"),  # rank 1's block covers rank 0's and more: it owns only the rest
 ])
 def test_every_element_is_owned_by_exactly_one_rank(shards, kind):
-    from sharded_tensor._training import _owned
+    from sharded_tensor._model.training import _owned
 
     sp, world = _layout(shards, (10, 4))
     assert sp.layout.kind == kind

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _registry
-from ._functional import Intervals
+from . import registry as _registry
+from .functional import Intervals
 
 __all__ = ["ShardedMultiheadAttention", "MHAPlan"]
 

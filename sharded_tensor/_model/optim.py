@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _comm
-from ._sharder import ShardedParameter, sharded_parameters
-from ._tensor import ShardedTensor
+from _shardkit import comm as _comm
+
+from .._tensor import ShardedTensor
+from .sharder import ShardedParameter, sharded_parameters
 
 __all__ = ["optim_state_dict", "load_optim_state_dict"]
 

@@ -31,8 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _comm, _regions
-from ._functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
+from _shardkit import comm as _comm
+
+from . import regions as _regions
+from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 
 __all__ = ["ShardedModule", "ShardedCall", "register_sharded_module", "handler_for", "registered_types"]
 

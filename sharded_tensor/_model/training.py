@@ -29,14 +29,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _comm, _guard
-from ._optim import load_optim_state_dict, optim_state_dict
-from ._sharder import ShardedParameter, sharded_parameters
+from _shardkit import comm as _comm
+from sharding.layout import Box
+
+from . import guard as _guard
+from .optim import load_optim_state_dict, optim_state_dict
+from .sharder import ShardedParameter, sharded_parameters
 
 __all__ = ["clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads"]
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
 
 # -- gradient clipping ---------------------------------------------------------------------------
 

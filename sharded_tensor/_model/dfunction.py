@@ -28,8 +28,8 @@ import torch
 
 from sharding import DevicePlacement, PlacementSpec, ShardedTensorMetadata
 
-from ._reshard import redistribute
-from ._tensor import ShardedTensor
+from .._reshard import redistribute
+from .._tensor import ShardedTensor
 
 __all__ = ["DFunction", "LayoutDecision", "register_layout_rule"]
 

@@ -58,8 +58,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from . import _comm
-from ._functional import Intervals, copy_to_ranks, gather, scatter
+from _shardkit import comm as _comm
+
+from .functional import Intervals, copy_to_ranks, gather, scatter
 
 __all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]

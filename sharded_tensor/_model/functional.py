@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _comm
+from _shardkit import comm as _comm
 
 __all__ = ["copy_to_ranks", "reduce_from_ranks", "gather", "scatter", "Intervals"]
 

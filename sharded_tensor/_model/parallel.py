@@ -38,15 +38,15 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from _shardkit import comm as _comm
 from sharding import ShardedTensorMetadata
+from sharding.layout import Box
 
-from . import _comm, _registry, _regions
-from ._functional import Intervals
+from . import regions as _regions
+from . import registry as _registry
+from .functional import Intervals
 
 __all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install", "optimize"]
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
 
 # -- 1. layouts -------------------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from _shardkit import comm as _comm
+from _shardkit.memory import empty_for_fill
 from sharding import (
     CompositeShardingSpec,
     DevicePlacement,
@@ -44,14 +46,14 @@ from sharding import (
     ShardMetadata,
     SingleSplitShardingSpec,
 )
+from sharding.layout import box_slices
 
-from . import _comm, _guard, _parallel
-from ._init import LayoutInvariantInit
-from ._memory import empty_for_fill
-from ._parallel import ParamLayout, Plan
-from ._plan import box_slices
-from ._reshard import redistribute
-from ._tensor import ShardedTensor
+from .._reshard import redistribute
+from .._tensor import ShardedTensor
+from . import guard as _guard
+from . import parallel as _parallel
+from .init import LayoutInvariantInit
+from .parallel import ParamLayout, Plan
 
 __all__ = ["shard_parameter", "shard_model", "sharded_parameters", "ShardedParameter"]
 
