@@ -10,19 +10,24 @@ import datetime
 import json
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "gather_json", "broadcast_json", "all_gather_tensor", "CollectiveError",
-           "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup"]
+           "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
 """A ``torch.distributed.ProcessGroup``; ``None`` means the default group."""
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a collective entry point waits for its peers before raising ``CollectiveError``."""
+
+T = TypeVar("T")
 
 _active: list[CommCounter] = []
 _lock = threading.Lock()
@@ -360,3 +365,40 @@ def broadcast_json(value: object, src: int = 0, group: ProcessGroup = None, *, t
     _wait(dist.broadcast(buffer, _global(group, src), group=group, async_op=True), timeout, what)
     _record("broadcast", 8 + buffer.numel() if rank == src else 0)
     return _decode_json([buffer], [buffer.numel()])[0]
+
+
+def agree(step: str, fn: Callable[[], T], group: ProcessGroup = None, *, timeout: float | None = DEFAULT_TIMEOUT,
+          share: Callable[[T], object] | None = None,
+          error: Callable[[str], Exception] = RuntimeError) -> tuple[T, list[Any]]:
+    """Run ``fn`` on every rank, then make every rank learn every outcome. Collective.
+
+    Each rank runs ``fn`` and reports either its failure or ``share(result)`` (JSON). A rank
+    whose ``fn`` raised re-raises its own exception; every other rank raises
+    ``error(message)`` naming ``step`` and each failed rank with its error, so no rank goes on
+    while a peer has given up. A peer that does not report within ``timeout`` seconds makes
+    every waiting rank raise ``CollectiveError`` naming ``step``.
+
+    Returns ``(result, shared)``: this rank's result and every rank's shared value, in group
+    rank order (``None`` entries without ``share``).
+    """
+    result: Any = None
+    failure: BaseException | None = None
+    shared: object = None
+    try:
+        result = fn()
+        shared = share(result) if share is not None else None
+    except Exception as exc:  # reported to every rank below, so none is left waiting
+        failure = exc
+    report = {"error": None if failure is None else f"{type(failure).__name__}: {failure}", "value": shared}
+    try:
+        everyone = all_gather_json(report, group, timeout=timeout, what=step)
+    except CollectiveError as exc:
+        if failure is not None:
+            raise failure from exc
+        raise
+    if failure is not None:
+        raise failure
+    failed = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
+    if failed:
+        raise error(f"{step} failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+    return result, [e["value"] for e in everyone]
