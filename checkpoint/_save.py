@@ -60,8 +60,8 @@ from ._progress import progress
 
 __all__ = ["save", "run_plan", "DEFAULT_TIMEOUT"]
 
-DEFAULT_TIMEOUT = 600.0
-"""Seconds a rank waits for the others after writing its data before giving up (``timeout=``)."""
+DEFAULT_TIMEOUT = _comm.DEFAULT_TIMEOUT
+"""Seconds a rank waits for the others before giving up, unless ``timeout=`` or ``$SHARDKIT_TIMEOUT`` says otherwise."""
 
 _test_hook: Callable[[str], None] | None = None
 """Private, for tests only: called with each phase name ("planned", "data_written",
@@ -348,8 +348,9 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+@_comm.collective("checkpoint.save")
 def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
-         storage_options: Mapping[str, Any] | None = None, timeout: float = DEFAULT_TIMEOUT,
+         storage_options: Mapping[str, Any] | None = None, timeout: float | None = None,
          quiet: bool | None = None, reduce_partial: bool = False) -> None:
     """Save a (sharded) state_dict to a checkpoint folder. Collective.
 
@@ -372,9 +373,10 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
         path: the checkpoint folder: a local path or any fsspec URL (``"s3://bucket/ckpt"``).
         process_group: the group whose ranks the ``ShardedTensor`` layouts name; ``None``: default.
         storage_options: passed to the fsspec file system (credentials, endpoint, ...).
-        timeout: seconds each rank waits for the others once its own data is written. A rank
+        timeout: seconds each rank waits for the others at each step of the save. A rank
             that crashed or hangs makes the others raise ``CheckpointError`` within this time
-            (at once when its connection closes).
+            (at once when its connection closes), naming the ranks that did not answer.
+            ``None``: the environment variable ``SHARDKIT_TIMEOUT``, else 600 s.
         quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large saves.
         reduce_partial: save ``ShardedTensor`` entries holding partial values (``PartialSpec``)
             as their reduced values (one reduce-scatter each; the entries are left as they
@@ -405,7 +407,7 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
 
 
 def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSystem, root: str, *,
-             process_group: _comm.ProcessGroup, timeout: float, quiet: bool | None,
+             process_group: _comm.ProcessGroup, timeout: float | None, quiet: bool | None,
              piece_bytes: int = _PIECE, feed: Any = None) -> None:
     """The phases of ``save`` after planning (prepare, write, exchange, commit, report). Collective.
 
@@ -419,6 +421,8 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
     which may wait until it is staged) and is told when it is written (``feed.release(i)``).
     """
     rank, world = _comm.rank_and_world(process_group)
+    timeout = _comm.resolve_timeout(timeout)
+    op = _comm.operation_name("checkpoint.save")  # or checkpoint.async_save, whose thread runs this
     generation = ""
     if problem is None:
         try:
@@ -430,22 +434,22 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
     digest = hashlib.sha256(json.dumps(plan.signature).encode()).hexdigest()
     hello = {"digest": digest, "generation": generation, "error": None if problem is None else _error_text(problem)}
     try:
-        everyone = _comm.all_gather_json(hello, process_group, timeout=timeout, what="checkpoint.save (prepare)")
+        everyone = _comm.all_gather_json(hello, process_group, timeout=timeout, what=f"{op} (prepare)")
     except _comm.CollectiveError as exc:
-        msg = (f"checkpoint.save to {root!r} failed before writing anything: not every one of the {world} "
+        msg = (f"{op} to {root!r} failed before writing anything: not every one of the {world} "
                f"ranks joined ({exc}); a rank crashed, is stuck, or is not calling save.")
         raise CheckpointError(msg) from (problem or exc)
     if problem is not None:
         raise problem
     failed = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
     if failed:
-        msg = (f"checkpoint.save to {root!r} failed before writing anything: "
+        msg = (f"{op} to {root!r} failed before writing anything: "
                + "; ".join(f"rank {r}: {e}" for r, e in failed))
         raise CheckpointError(msg)
     if len({e["digest"] for e in everyone}) > 1:
         signatures = _comm.all_gather_json(plan.signature, process_group, timeout=timeout,
-                                           what="checkpoint.save (structure check)")
-        msg = (f"checkpoint.save to {root!r}: every rank must save a state_dict of the same structure "
+                                           what=f"{op} (structure check)")
+        msg = (f"{op} to {root!r}: every rank must save a state_dict of the same structure "
                f"(names, kinds, sizes, dtypes and layouts), but {_describe_mismatch(signatures)}.")
         raise ValueError(msg)
     generation = everyone[0]["generation"]
@@ -474,7 +478,7 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
         reports = _comm.gather_json(report, 0, process_group, timeout=timeout,
                                     what="waiting for every rank to finish writing")
     except _comm.CollectiveError as exc:
-        msg = (f"checkpoint.save to {root!r} failed: not every one of the {world} ranks finished writing "
+        msg = (f"{op} to {root!r} failed: not every one of the {world} ranks finished writing "
                f"its data ({exc}); a rank crashed, was killed or is stuck. Nothing was committed: the "
                f"checkpoint previously at this path, if any, is unchanged.")
         raise CheckpointError(msg) from (failure or exc)
@@ -505,13 +509,13 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
         status = _comm.broadcast_json(status, 0, process_group, timeout=timeout,
                                       what="waiting for rank 0 to commit")
     except _comm.CollectiveError as exc:
-        msg = (f"checkpoint.save to {root!r}: rank 0 did not report whether it committed the checkpoint "
+        msg = (f"{op} to {root!r}: rank 0 did not report whether it committed the checkpoint "
                f"({exc}); check {posixpath.join(root, METADATA_FILE)!r}.")
         raise CheckpointError(msg) from exc
     if status["error"] is not None:
         if failure is not None:
             raise failure
-        msg = (f"checkpoint.save to {root!r} failed, nothing was committed (the checkpoint previously at "
+        msg = (f"{op} to {root!r} failed, nothing was committed (the checkpoint previously at "
                f"this path, if any, is unchanged): {status['error']}")
         raise CheckpointError(msg)
 

@@ -125,6 +125,7 @@ def randn(*size: int, sharding_spec: PlacementSpec | None = None, dtype: torch.d
                    process_group, names, lambda t, s, m: fill_normal_(t, seed, s.offsets, m.size))
 
 
+@_comm.collective("st.shard_tensor")
 def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_rank: int = 0,
                  process_group: _comm.ProcessGroup = None) -> ShardedTensor:
     """Split ``tensor`` from ``src_rank`` over the ranks as ``sharding_spec`` says. Collective.

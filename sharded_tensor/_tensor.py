@@ -255,6 +255,7 @@ class ShardedTensor:
             raise RuntimeError(msg)
         return world
 
+    @_comm.collective("ShardedTensor.reshard")
     def reshard(self, sharding_spec: PlacementSpec) -> ShardedTensor:
         """Lay the data out as ``sharding_spec``, in place, and return self. Collective.
 
@@ -296,6 +297,7 @@ class ShardedTensor:
         self._local = [Shard(tensors[i], shard) for i, shard in target.shards_on(self._rank)]
         return self
 
+    @_comm.collective("ShardedTensor.gather")
     def gather(self, dst: int = 0) -> torch.Tensor | None:
         """The full tensor on rank ``dst`` (on its shards' device), ``None`` elsewhere. Collective.
 
@@ -309,6 +311,7 @@ class ShardedTensor:
         tensors = redistribute(self._local_by_index(), self._metadata, target, rank=self._rank, group=self._group)
         return tensors.get(0)
 
+    @_comm.collective("ShardedTensor.full_tensor")
     def full_tensor(self) -> torch.Tensor:
         """The full tensor on every rank (on each rank's own device). Collective.
 

@@ -381,6 +381,7 @@ def _short(value: object) -> str:
 
 # -- public API ------------------------------------------------------------------------------------
 
+@_comm.collective("st.shard_model")
 def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int | None = None,
                 process_group: _comm.ProcessGroup = None, seed: int | None = None,
                 init: InitArg = None) -> nn.Module:
