@@ -149,7 +149,7 @@ class PendingExchange:
     """
 
     __slots__ = ("_works", "_group", "_posted", "_recv_works", "_deadline", "_timeout", "_started", "_what",
-                 "_failed", "_first_error", "_peers")
+                 "_failed", "_first_error", "_peers", "_bounded")
 
     def __init__(self, group: ProcessGroup, timeout: float, what: str) -> None:
         # (group rank of the peer, or None for a handle covering every peer; the work)
@@ -164,6 +164,7 @@ class PendingExchange:
         self._failed: set[int] = set()
         self._first_error: BaseException | None = None
         self._peers: set[int] = set()
+        self._bounded = True  # False for one NCCL batch (see ``_wait_work``)
 
     def _post(self, peer: int, post: Callable[[], Any]) -> Any:
         self._peers.add(peer)
@@ -189,7 +190,7 @@ class PendingExchange:
             if peer is not None and peer in self._failed:
                 continue  # its pair is closed: its other transfers fail too
             try:
-                _wait_work(work, self._deadline)
+                _wait_work(work, self._deadline, self._bounded)
             except Exception as exc:  # noted; the transfers with the other peers are still waited for
                 self._note(peer, exc)
 
@@ -273,6 +274,7 @@ def start_exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.
             pending._raise()
         pending._works.extend((None, work) for work in works)
         pending._recv_works = None
+        pending._bounded = False
         return pending
     for peer, fn, piece, k in ops:
         work = pending._post(peer, functools.partial(fn, piece, _global(group, peer), group, k))
@@ -516,7 +518,13 @@ def _fail(step: str, exc: BaseException, started: float, timeout: float,
     return CollectiveError(_describe(step), reason, ranks, timeout=timeout, elapsed=elapsed, detail=detail)
 
 
-def _wait_work(work: Any, deadline: float) -> None:
+def _wait_work(work: Any, deadline: float, bounded: bool = True) -> None:
+    if not bounded:
+        # NCCL: a wait with a timeout would block this thread until the kernels finish, losing
+        # the overlap of communication and compute; its watchdog aborts a collective after the
+        # process group's timeout instead.
+        work.wait()
+        return
     # At least a moment, so that a message already in is taken even when the deadline has passed.
     remaining = max(deadline - time.monotonic(), 0.01)
     work.wait(timeout=datetime.timedelta(seconds=remaining))
@@ -532,7 +540,7 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
     started = time.monotonic()
     try:
         work = post()
-        _wait_work(work, started + limit)
+        _wait_work(work, started + limit, default_device(group).type == "cpu")
     except Exception as exc:  # Gloo/NCCL raise RuntimeError or DistBackendError subclasses
         ranks = _arrivals.missing(group, count) if count is not None else None
         raise _fail(step, exc, started, limit, ranks) from exc

@@ -71,7 +71,7 @@ class DistributedTestError(AssertionError):
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
-                    **kwargs: Any) -> list[Any]:
+                    grace: float = _GRACE_SECONDS, **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` Gloo ranks.
 
     ``fn`` must be a module-level function (it is pickled by name) and its return value must
@@ -84,6 +84,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         *args: extra positional arguments for ``fn`` (picklable).
         timeout: seconds for the whole run, start-up included; also the process group's
             collective timeout.
+        grace: once a rank has failed, seconds the others get to finish or fail on their own
+            before they are killed (raise it to see how the survivors of a crash react).
         **kwargs: keyword arguments for ``fn`` (picklable).
 
     Returns:
@@ -133,7 +135,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 del os.environ["OMP_NUM_THREADS"]
         finished = False
         try:
-            results = _collect(fn_name, world_size, procs, readers, tmp, timeout)
+            results = _collect(fn_name, world_size, procs, readers, tmp, timeout, grace)
             finished = True
             return results
         finally:
@@ -145,7 +147,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
 
 def _collect(fn_name: str, world_size: int, procs: list[Any], readers: list[Any], tmp: str,
-             timeout: float) -> list[Any]:
+             timeout: float, grace: float) -> list[Any]:
     """Wait for every rank's report; raise ``DistributedTestError`` on any failure."""
     deadline = time.monotonic() + timeout
     grace_deadline: float | None = None
@@ -189,7 +191,7 @@ def _collect(fn_name: str, world_size: int, procs: list[Any], readers: list[Any]
             else:
                 read(rank)
         if failures and grace_deadline is None:
-            grace_deadline = time.monotonic() + _GRACE_SECONDS
+            grace_deadline = time.monotonic() + grace
 
     if not pending and not failures:
         return results
@@ -204,7 +206,7 @@ def _collect(fn_name: str, world_size: int, procs: list[Any], readers: list[Any]
         parts += [f"rank {r} also failed (possibly as a consequence):\n{failures[r]}"
                   for r in failures if r != first]
         if stuck:
-            parts.append(f"ranks {stuck} were still running {_GRACE_SECONDS:g} s after rank {first} failed "
+            parts.append(f"ranks {stuck} were still running {grace:g} s after rank {first} failed "
                          f"and were killed.")
     else:
         first = None
