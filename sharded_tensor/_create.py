@@ -134,6 +134,10 @@ def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_
     receives only its own shards and ``src_rank`` sends each rank only those: the full tensor
     crosses the network at most once in total.
 
+    A rank that died or does not answer makes the others raise ``CollectiveError`` (naming
+    the operation and the ranks that did not answer) at once when its connection closes, at
+    the latest after ``SHARDKIT_TIMEOUT`` seconds (default 600); see the troubleshooting guide.
+
     Example:
         >>> # 4 ranks, a (10, 4) tensor split on dim 0 -> rows 3/3/3/1
         >>> t = shard_tensor(x, single_split(0, [f"rank:{r}/cpu" for r in range(4)]))  # doctest: +SKIP

@@ -273,6 +273,10 @@ class ShardedTensor:
         with ``"avg"``, ``"max"`` or ``"min"`` every holder keeps the values. Partial values
         pending one reduction cannot become partial values pending another (``ValueError``).
 
+        A rank that died or does not answer makes the others raise ``CollectiveError`` (naming
+        the operation and the ranks that did not answer) at once when its connection closes, at
+        the latest after ``SHARDKIT_TIMEOUT`` seconds (default 600); see the troubleshooting guide.
+
         Example:
             >>> # 4 ranks, (8, 8) split by rows -> split by columns: each rank keeps its 2x2
             >>> # diagonal block and receives three 2x2 blocks.
@@ -302,6 +306,11 @@ class ShardedTensor:
         """The full tensor on rank ``dst`` (on its shards' device), ``None`` elsewhere. Collective.
 
         Partial values are reduced (each holder sends its value to ``dst``).
+
+        A rank that died or does not answer makes the others raise ``CollectiveError`` (naming
+        the operation and the ranks that did not answer) at once when its connection closes, at
+        the latest after ``SHARDKIT_TIMEOUT`` seconds (default 600); see the troubleshooting guide.
+        A rank that only sends to live ranks may return before noticing a dead one.
         """
         world = self._world()
         if not 0 <= dst < world:
@@ -316,6 +325,10 @@ class ShardedTensor:
         """The full tensor on every rank (on each rank's own device). Collective.
 
         Partial values are reduced, with one all-reduce when every rank holds one.
+
+        A rank that died or does not answer makes the others raise ``CollectiveError`` (naming
+        the operation and the ranks that did not answer) at once when its connection closes, at
+        the latest after ``SHARDKIT_TIMEOUT`` seconds (default 600); see the troubleshooting guide.
         """
         world = self._world()
         target = ShardedTensorMetadata(
