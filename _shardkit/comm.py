@@ -417,7 +417,8 @@ class _Arrivals:
     """
 
     def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
+        # By process group object: a group destroyed and created again starts over, like its peers.
+        self._counts: dict[int, int] = {}
         self._lock = threading.Lock()
 
     @staticmethod
@@ -426,9 +427,10 @@ class _Arrivals:
         return name, f"shardkit/arrived/{name}/{global_rank}"
 
     def arrive(self, group: ProcessGroup) -> int:
-        name, key = self._key(group, dist.get_rank())
+        _, key = self._key(group, dist.get_rank())
+        which = id(group if group is not None else dist.group.WORLD)
         with self._lock:
-            count = self._counts[name] = self._counts.get(name, 0) + 1
+            count = self._counts[which] = self._counts.get(which, 0) + 1
         store = _store()
         if store is not None:
             try:
