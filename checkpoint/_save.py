@@ -37,26 +37,28 @@ from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
 from sharding.layout import Box
 
+from ._codec import Checksum, build_safetensors_header, tensor_bytes
 from ._dtensor import dtensor_views
-from ._format import (
+from ._progress import progress
+from ._schema import (
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
-    Checksum,
     SavedShard,
     TensorEntry,
-    _list_names,
-    build_safetensors_header,
-    check_json_value,
+    dtype_name,
+    parse_metadata,
+)
+from ._storage import (
+    atomic_write,
     data_file_generation,
     data_file_name,
-    dtype_name,
-    flatten_state_dict,
     is_local,
-    parse_metadata,
+    list_names,
+    remove_quietly,
     resolve,
 )
-from ._progress import progress
+from ._walk import check_json_value, flatten_state_dict
 
 __all__ = ["save", "run_plan", "DEFAULT_TIMEOUT"]
 
@@ -163,15 +165,6 @@ def _plan(state_dict: Mapping[str, Any], rank: int, world: int,
     return plan
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of ``tensor`` in row-major order, without a copy when it is a contiguous CPU tensor."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
-
-
 def _write_all(handle: Any, data: memoryview) -> None:
     while data:
         written = handle.write(data)
@@ -256,7 +249,7 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
         for index, (region, digest) in enumerate(zip(regions, digests)):
             tensor = region.tensor if feed is None else feed.get(index)
             assert tensor is not None and tuple(tensor.shape) == region.box[1], region
-            data = _as_bytes(tensor)
+            data = tensor_bytes(tensor)
             # Checksum each piece right before writing it: the write then reads it from the
             # CPU cache, so checksumming adds no second pass over memory.
             for first in range(0, len(data), piece_bytes):
@@ -295,7 +288,7 @@ def _prepare(fs: fsspec.AbstractFileSystem, root: str) -> str:
         msg = f"cannot save a checkpoint to {root!r}: it is an existing file, and a checkpoint is a folder."
         raise FileExistsError(msg)
     fs.makedirs(root, exist_ok=True)
-    names = _list_names(fs, root)
+    names = list_names(fs, root)
     used = {data_file_generation(n) for n in names}
     generation = secrets.token_hex(4)
     while generation in used:
@@ -304,44 +297,20 @@ def _prepare(fs: fsspec.AbstractFileSystem, root: str) -> str:
 
 
 def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetadata) -> None:
-    """Write ``shardkit.json`` atomically: temp file, then rename over the old one."""
-    text = metadata.to_json().encode()
-    final = posixpath.join(root, METADATA_FILE)
-    temp = posixpath.join(root, f"{METADATA_FILE}.tmp-{metadata.generation}")
-    if is_local(fs):
-        with open(temp, "wb") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, final)
-        try:  # make the rename durable; some file systems cannot fsync a directory
-            fd = os.open(root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
-    else:
-        # Object stores create an object atomically on PUT/COPY, so copying the complete temp
-        # file makes the commit atomic there. (cp_file/rm_file, unlike mv, never glob-expand.)
-        fs.pipe_file(temp, text)
-        fs.cp_file(temp, final)
-        fs.rm_file(temp)
+    """Write ``shardkit.json`` atomically (a temporary name, then rename or copy over the old one)."""
+    atomic_write(fs, posixpath.join(root, METADATA_FILE), [metadata.to_json().encode()],
+                 temporary=f"{METADATA_FILE}.tmp-{metadata.generation}")
 
 
 def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> None:
     """After a commit: delete data and temp files of every other generation (best effort)."""
     stale = []
-    for name in _list_names(fs, root):
+    for name in list_names(fs, root):
         if name.startswith(f"{METADATA_FILE}.tmp-") or data_file_generation(name) is not None:
             if data_file_generation(name) != generation and name != f"{METADATA_FILE}.tmp-{generation}":
                 stale.append(posixpath.join(root, name))
     for path in stale:
-        try:
-            fs.rm_file(path)
-        except OSError:
-            pass
+        remove_quietly(fs, path)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -526,12 +495,9 @@ def _is_committed(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> 
 
 def _remove_generation(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> None:
     """After a failed save whose ranks all reported: remove that save's data files (best effort)."""
-    for name in _list_names(fs, root):
+    for name in list_names(fs, root):
         if data_file_generation(name) == generation:
-            try:
-                fs.rm_file(posixpath.join(root, name))
-            except OSError:
-                pass
+            remove_quietly(fs, posixpath.join(root, name))
 
 
 def _assemble(plan: _Plan, reports: list[dict[str, Any]], generation: str, world: int,
