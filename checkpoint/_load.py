@@ -173,7 +173,8 @@ def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
-         key_map: KeyMap | None = None, quiet: bool | None = None) -> dict[str, Any]:
+         key_map: KeyMap | None = None, quiet: bool | None = None,
+         timeout: float | None = _comm.DEFAULT_TIMEOUT) -> dict[str, Any]:
     """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
 
     A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
@@ -210,6 +211,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
             checkpoint name and returning the state_dict name, or ``None`` to skip the tensor
             (e.g. ``lambda k: "model." + k`` to add a prefix).
         quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large loads.
+        timeout: seconds a rank waits for the others once its own part is read; a rank that
+            crashed or hangs makes the others raise ``CheckpointError`` within this time (at
+            once when its connection closes). ``None`` waits for ever.
 
     Returns:
         ``state_dict`` itself.
@@ -226,24 +230,22 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         >>> sd = {"w": st.empty(10, 4, single_split(1, ["rank:0/cpu", "rank:1/cpu"]))}  # doctest: +SKIP
         >>> checkpoint.load(sd, "ckpt")  # rank r reads columns 2r..2r+1 of every row  # doctest: +SKIP
     """
-    failure: BaseException | None = None
-    try:
+    def read() -> None:
         views, restore = dtensor_views(state_dict, process_group)
         if is_dcp_checkpoint(path, storage_options):
             load_dcp(views, path, strict=strict, cast=cast)
         else:
             _load(views, path, storage_options, strict, cast, key_map, quiet, process_group)
         restore()
-    except Exception as exc:
-        failure = exc
-    reports = _comm.all_gather_json(None if failure is None else f"{type(failure).__name__}: {failure}",
-                                    process_group, what="checkpoint.load")
-    if failure is not None:
-        raise failure
-    errors = [(r, e) for r, e in enumerate(reports) if e is not None]
-    if errors:
-        msg = f"checkpoint.load from {os.fspath(path)!r} failed on " + "; ".join(f"rank {r}: {e}" for r, e in errors)
-        raise CheckpointError(msg)
+
+    step = f"checkpoint.load from {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"
+    _, world = _comm.rank_and_world(process_group)
+
+    def peer_lost(exc: _comm.CollectiveError) -> CheckpointError:
+        return CheckpointError(f"{step} failed: not every one of the {world} ranks finished loading ({exc}); a rank "
+                               f"crashed, is stuck, or is not calling load.")
+
+    _comm.agree(step, read, process_group, timeout=timeout, error=CheckpointError, lost=peer_lost)
     return state_dict
 
 

@@ -54,7 +54,7 @@ class CheckpointManager:
         best_mode: ``"min"`` (default: lower is better, a loss) or ``"max"``.
         process_group: the group saving and loading (as for ``save``).
         storage_options: passed to fsspec.
-        timeout: seconds a rank waits for the others in a save.
+        timeout: seconds a rank waits for the others in a save or a load.
 
     Example:
         >>> manager = checkpoint.CheckpointManager("ckpts", keep_last=2)  # doctest: +SKIP
@@ -283,7 +283,7 @@ class CheckpointManager:
             self._reading.add(chosen)
         try:
             return _load(state_dict, self._url(chosen), process_group=self._group,
-                         storage_options=self._options, strict=strict)
+                         storage_options=self._options, strict=strict, timeout=self._timeout)
         finally:
             with self._lock:
                 self._reading.discard(chosen)
