@@ -58,7 +58,8 @@ def _save_while_storage_fails(rank: int, world_size: int, url: str, options: dic
     try:
         checkpoint.save(_state(2_000_000, 2, rank), url, storage_options=options, timeout=TIMEOUT)
     except Exception as exc:  # returned so the parent sees every rank's outcome
-        return type(exc).__name__, str(exc), time.monotonic() - start
+        kind = "CheckpointError" if isinstance(exc, CheckpointError) else type(exc).__name__
+        return kind, str(exc), time.monotonic() - start
     finally:
         _save._test_hook = None
     return "no error", "", time.monotonic() - start
@@ -75,10 +76,12 @@ def test_s3_server_dies_or_stalls_mid_save(s3_process: S3Process, action: str) -
         # A safety bound, not a speed claim: the wait for peers and for storage is bounded.
         assert seconds < 3 * TIMEOUT + 10, (rank, seconds, message)
         assert "did not report" not in message, (rank, message)
-        assert "checkpoint.save" in message and url in message, (rank, message)
+        assert "checkpoint.save" in message and url.removeprefix("s3://") in message, (rank, message)
     if action == "kill":
-        # The killed server's message (connection refused/closed) reaches every rank.
-        assert any(word in results[0][1] for word in ("connect", "Connect", "closed", "refused")), results[0][1]
+        # The storage's own words reach every rank: the client's connection error, or, while the
+        # client is still retrying when the timeout runs out, that storage did not answer.
+        for _, message, _ in results:
+            assert any(word in message for word in ("Could not connect", "refused", "no answer from storage")), message
     else:
         assert "no answer from storage" in results[0][1], results[0][1]
         s3_process.resume()
@@ -104,7 +107,7 @@ def _fill_up(rank: int, world_size: int, root: str) -> tuple[str, str]:
     try:
         checkpoint.save(_state(2_000_000, 2, rank), root)  # 8 MB on a 4 MB file system
     except Exception as exc:
-        return type(exc).__name__, str(exc)
+        return "CheckpointError" if isinstance(exc, CheckpointError) else type(exc).__name__, str(exc)
     return "no error", ""
 
 
