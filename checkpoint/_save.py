@@ -33,7 +33,7 @@ import os
 import posixpath
 import secrets
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +62,11 @@ from ._storage import (
     data_file_name,
     is_local,
     list_names,
+    Watchdog,
+    discard,
     remove_quietly,
     resolve,
+    run_bounded,
 )
 from ._walk import check_json_value, flatten_state_dict
 
@@ -172,7 +175,9 @@ def _plan(state_dict: Mapping[str, Any], rank: int, world: int,
     return plan
 
 
-def _write_all(handle: Any, data: memoryview) -> None:
+def _write_all(handle: Any, data: memoryview, watchdog: Watchdog | None = None) -> None:
+    if watchdog is not None:
+        watchdog.tick()
     while data:
         written = handle.write(data)
         if written is None:  # buffered fsspec files return None and take everything
@@ -229,16 +234,14 @@ class _LocalFile:
     def fsync(self) -> None:
         os.fsync(self._fd)
 
-    def __enter__(self) -> _LocalFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         os.close(self._fd)
 
 
 def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Region],
                      plan: _Plan, generation: str, rank: int, bar: Any,
-                     piece_bytes: int = _PIECE, feed: Any = None) -> tuple[int, list[dict[str, Any]]]:
+                     piece_bytes: int = _PIECE, feed: Any = None,
+                     watchdog: Watchdog | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Write this rank's regions to one safetensors file; return its size and one record per region."""
     entries, keys = [], []
     for region in regions:
@@ -251,8 +254,8 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
     prefix, ranges = build_safetensors_header(entries, {"format": "pt", "shardkit": json.dumps(about)})
     digests = [Checksum() for _ in regions]
     handle = _LocalFile(path) if is_local(fs) else fs.open(path, "wb")
-    with handle:
-        _write_all(handle, memoryview(prefix))
+    with _closing(handle):
+        _write_all(handle, memoryview(prefix), watchdog)
         for index, (region, digest) in enumerate(zip(regions, digests)):
             tensor = region.tensor if feed is None else feed.get(index)
             assert tensor is not None and tuple(tensor.shape) == region.box[1], region
@@ -262,16 +265,32 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
             for first in range(0, len(data), piece_bytes):
                 piece = data[first:first + piece_bytes]
                 digest.update(piece)
-                _write_all(handle, piece)
+                _write_all(handle, piece, watchdog)
             bar.update(len(data))
             if feed is not None:
                 feed.release(index)
         if isinstance(handle, _LocalFile):
             handle.fsync()
+        if watchdog is not None:
+            watchdog.tick("closing it")
     records = [{"name": r.name, "offsets": list(r.box[0]), "dims": list(r.box[1]), "key": key,
                 "byte_range": list(byte_range), "checksum": digest.hexdigest()}
                for r, key, byte_range, digest in zip(regions, keys, ranges, digests)]
     return len(prefix) + sum(b - a for a, b in ranges), records
+
+
+@contextlib.contextmanager
+def _closing(handle: Any) -> Iterator[Any]:
+    """Close ``handle`` after writing; after a failure, discard it (an object store keeps no half file)."""
+    try:
+        yield handle
+    except BaseException:
+        if isinstance(handle, _LocalFile):
+            handle.close()
+        else:
+            discard(handle)
+        raise
+    handle.close()
 
 
 def _describe_mismatch(signatures: list[list[list[Any]]]) -> str:
@@ -302,10 +321,11 @@ def _new_generation(fs: fsspec.AbstractFileSystem, root: str) -> str:
     return generation
 
 
-def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetadata) -> None:
+def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetadata,
+            watchdog: Watchdog | None = None) -> None:
     """Write ``shardkit.json`` atomically (a temporary name, then rename or copy over the old one)."""
     atomic_write(fs, posixpath.join(root, METADATA_FILE), [metadata.to_json().encode()],
-                 temporary=f"{METADATA_FILE}.tmp-{metadata.generation}")
+                 temporary=f"{METADATA_FILE}.tmp-{metadata.generation}", watchdog=watchdog)
 
 
 def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> None:
@@ -343,9 +363,12 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
         path: the checkpoint folder: a local path or any fsspec URL (``"s3://bucket/ckpt"``).
         process_group: the group whose ranks the ``ShardedTensor`` layouts name; ``None``: default.
         storage_options: passed to the fsspec file system (credentials, endpoint, ...).
-        timeout: seconds each rank waits for the others once its own data is written. A rank
-            that crashed or hangs makes the others raise ``CheckpointError`` within this time
-            (at once when its connection closes).
+        timeout: seconds each rank waits for the others once its own data is written, and
+            the longest storage may go without answering (a stalled server, a hung mount). A
+            rank that crashed or hangs makes the others raise ``CheckpointError`` within this
+            time (at once when its connection closes); storage that stops answering for
+            0.8 x this time makes the rank using it raise ``CheckpointError``, and every other
+            rank learns that error.
         quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large saves.
         reduce_partial: save ``ShardedTensor`` entries holding partial values (``PartialSpec``)
             as their reduced values (one reduce-scatter each; the entries are left as they
@@ -410,6 +433,13 @@ def _all_reported(exc: BaseException) -> bool:
     return not isinstance(exc, _PeerLost) and not isinstance(exc.__cause__, _comm.CollectiveError)
 
 
+_STALL_SHARE = 0.8
+"""Storage silent for this share of ``timeout`` fails: soon enough that the rank's own error, not
+"did not report", reaches peers that wait ``timeout`` for it."""
+
+_CLEANUP_LIMIT = 10.0
+"""Seconds of storage silence after which best-effort cleanup gives up (the error being raised matters more)."""
+
 _UNCHANGED = "Nothing was committed: the checkpoint previously at this path, if any, is unchanged."
 
 
@@ -425,6 +455,17 @@ class _Job:
     rank: int
     world: int
     generation: str = ""
+
+    def storage(self, doing: str, fn: Callable[[Watchdog], Any], *, limit: float | None = None) -> Any:
+        """``fn`` bounded by ``timeout`` without progress; storage errors become ``CheckpointError`` naming ``doing``."""
+        what = f"checkpoint.save to {self.root!r}: {doing}"
+        try:
+            return run_bounded(fn, limit=self.timeout * _STALL_SHARE if limit is None else limit, what=what)
+        except (CheckpointError, FileExistsError, ValueError, TypeError):  # already say what and where
+            raise
+        except Exception as exc:  # OSError, botocore's errors, ...: the storage's own words, with the file
+            msg = f"{what} failed: {type(exc).__name__}: {exc}"
+            raise CheckpointError(msg) from exc
 
     def agree(self, phase: str, fn: Callable[[], Any], *, lost: str, after: str = "",
               share: Callable[[Any], object] | None = None) -> tuple[Any, list[Any]]:
@@ -447,7 +488,9 @@ def _prepare_phase(job: _Job, problem: Exception | None) -> None:
         if problem is not None:
             raise problem
         _hook("planned")
-        return _new_generation(job.fs, job.root) if job.rank == 0 else ""
+        if job.rank != 0:
+            return ""
+        return job.storage("creating the folder", lambda watchdog: _new_generation(job.fs, job.root))
 
     digest = hashlib.sha256(json.dumps(job.plan.signature).encode()).hexdigest()
     not_joined = (f"not every one of the {job.world} ranks joined; a rank crashed, is stuck, or is not "
@@ -472,10 +515,11 @@ def _write_phase(job: _Job, *, quiet: bool | None, piece_bytes: int, feed: Any) 
             total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in mine)
             everyone_total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in plan.regions)
             name = data_file_name(job.generation, job.rank)
+            path = posixpath.join(job.root, name)
             # The bar counts the whole save (every rank's bytes), advanced by rank 0's share.
             with progress(everyone_total, "save", rank=job.rank, quiet=quiet, share=total) as bar:
-                nbytes, records = _write_data_file(job.fs, posixpath.join(job.root, name), mine, plan,
-                                                   job.generation, job.rank, bar, piece_bytes, feed)
+                nbytes, records = job.storage(f"writing {path!r}", lambda watchdog: _write_data_file(
+                    job.fs, path, mine, plan, job.generation, job.rank, bar, piece_bytes, feed, watchdog))
             report.update(file=name, bytes=nbytes, records=records)
         _hook("data_written")
         return report
@@ -493,8 +537,12 @@ def _commit_phase(job: _Job, reports: list[dict[str, Any]]) -> None:
             return
         _hook("before_commit")
         metadata = _assemble(job.plan, reports, job.generation, job.world, job.root)
-        _commit(job.fs, job.root, metadata)
-        _remove_stale(job.fs, job.root, job.generation)
+        target = posixpath.join(job.root, METADATA_FILE)
+        job.storage(f"writing {target!r}", lambda watchdog: _commit(job.fs, job.root, metadata, watchdog))
+        # Older generations' files: best effort, and never longer than a short wait.
+        with contextlib.suppress(Exception):
+            job.storage("removing older files", lambda watchdog: _remove_stale(job.fs, job.root, job.generation),
+                        limit=min(job.timeout, _CLEANUP_LIMIT))
         _hook("committed")
 
     check = f"Whether it did: {posixpath.join(job.root, METADATA_FILE)!r} names generation {job.generation!r}."
@@ -504,8 +552,12 @@ def _commit_phase(job: _Job, reports: list[dict[str, Any]]) -> None:
 def _cleanup_phase(job: _Job) -> None:
     """cleanup (rank 0, after every rank reported a failure): remove this generation's files unless committed."""
     def cleanup() -> None:
-        if job.rank == 0 and job.generation and not _is_committed(job.fs, job.root, job.generation):
-            _remove_generation(job.fs, job.root, job.generation)
+        if job.rank == 0 and job.generation:
+            def remove(watchdog: Watchdog) -> None:
+                if not _is_committed(job.fs, job.root, job.generation):
+                    _remove_generation(job.fs, job.root, job.generation)
+
+            job.storage("removing this save's files", remove, limit=min(job.timeout, _CLEANUP_LIMIT))
 
     # Best effort: the error that led here is the one to raise.
     with contextlib.suppress(Exception):

@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import threading
+import time
 import uuid
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -25,7 +27,10 @@ from ._schema import (
 )
 
 __all__ = ["resolve", "is_local", "member", "data_file_name", "data_file_generation", "list_names",
-           "read_metadata", "read_metadata_at", "atomic_write", "remove_quietly"]
+           "read_metadata", "read_metadata_at", "atomic_write", "discard", "remove_quietly", "StorageStalled", "Watchdog",
+           "run_bounded"]
+
+T = TypeVar("T")
 
 _DATA_FILE = re.compile(r"^data-(?P<generation>[0-9a-f]+)-r(?P<rank>\d{5,})(?:-p(?P<part>\d+))?\.safetensors$")
 
@@ -135,8 +140,17 @@ def remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
         pass
 
 
+def discard(handle: Any) -> None:
+    """Close a file being written after a failure without completing it (no half object on S3)."""
+    if isinstance(handle, fsspec.spec.AbstractBufferedFile):
+        handle.discard()        # s3fs: abort the multipart upload
+        handle.closed = True    # and never flush the rest
+    else:
+        handle.close()
+
+
 def atomic_write(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[bytes | memoryview], *,
-                 temporary: str | None = None) -> None:
+                 temporary: str | None = None, watchdog: Watchdog | None = None) -> None:
     """Write the concatenation of ``pieces`` to ``path`` so that it is complete or absent.
 
     The bytes go to a temporary file in the same folder (``temporary``, a plain name; by
@@ -145,8 +159,10 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[byte
     folder where the file system allows it), copied to ``path`` elsewhere (object stores create
     an object atomically on PUT/COPY; ``cp_file``/``rm_file``, unlike ``mv``, never
     glob-expand). Whatever fails in between, the temporary file is removed and ``path`` is left
-    as it was: absent, or its previous content.
+    as it was: absent, or its previous content. ``watchdog``, when given, is ticked between
+    the steps, so a write abandoned after a stall never reaches the commit.
     """
+    tick = watchdog.tick if watchdog is not None else (lambda doing="": None)
     folder = posixpath.dirname(path) or "."
     temp = posixpath.join(folder, temporary or f".{posixpath.basename(path)}.partial-{uuid.uuid4().hex[:8]}")
     if is_local(fs):
@@ -156,6 +172,7 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[byte
                 handle.writelines(pieces)
                 handle.flush()
                 os.fsync(handle.fileno())
+            tick()
             os.replace(temp, path)
         except BaseException:
             if os.path.exists(temp):
@@ -173,19 +190,81 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[byte
     handle = fs.open(temp, "wb")
     try:
         for piece in pieces:
+            tick()
             handle.write(piece)
     except BaseException:
         try:
-            if isinstance(handle, fsspec.spec.AbstractBufferedFile):
-                handle.discard()        # s3fs: abort the multipart upload
-                handle.closed = True    # and never flush the rest
-            else:
-                handle.close()
+            discard(handle)
         finally:
             remove_quietly(fs, temp)
         raise
     try:
         handle.close()
+        tick()
         fs.cp_file(temp, path)
     finally:
         remove_quietly(fs, temp)
+
+
+class StorageStalled(CheckpointError):
+    """Storage made no progress for the allowed time (a stalled server, a hung network mount)."""
+
+
+class Watchdog:
+    """Progress of storage work running on another thread: ``tick()`` between storage calls.
+
+    Once the waiting thread has given up, the next ``tick()`` raises, so a worker that wakes
+    up when storage recovers stops there instead of carrying on (e.g. committing a checkpoint
+    whose save was already reported as failed).
+    """
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.doing = ""
+        self.abandoned = False
+
+    def tick(self, doing: str = "") -> None:
+        if self.abandoned:
+            msg = f"storage work abandoned after a stall{f' while {self.doing}' if self.doing else ''}"
+            raise StorageStalled(msg)
+        self.last = time.monotonic()
+        if doing:
+            self.doing = doing
+
+
+def run_bounded(fn: Callable[[Watchdog], T], *, limit: float | None, what: str) -> T:
+    """``fn(watchdog)`` on a worker thread; ``StorageStalled`` once it goes ``limit`` s without a tick.
+
+    Storage calls cannot be interrupted (a socket read from a stopped server blocks for as
+    long as the client library retries, minutes for s3fs), so the caller stops waiting
+    instead: the worker is a daemon thread left to finish or fail on its own, and the caller
+    raises with what the worker was doing. Exceptions from ``fn`` propagate unchanged. With
+    ``limit=None`` it simply calls ``fn``.
+    """
+    watchdog = Watchdog()
+    if limit is None:
+        return fn(watchdog)
+    outcome: list[Any] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            outcome.append((True, fn(watchdog)))
+        except BaseException as exc:  # handed to the waiting thread
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name=f"shardkit storage: {what}", daemon=True).start()
+    while not done.wait(min(1.0, limit)):
+        idle = time.monotonic() - watchdog.last
+        if idle >= limit:
+            watchdog.abandoned = True
+            doing = f" while {watchdog.doing}" if watchdog.doing else ""
+            msg = (f"{what}: no answer from storage for {idle:.0f} s{doing} (timeout={limit:g} s); the storage "
+                   f"server or file system is stalled or unreachable.")
+            raise StorageStalled(msg)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
