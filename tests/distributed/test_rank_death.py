@@ -191,7 +191,8 @@ def _survive(rank: int, world: int, case: str, root: str) -> None:
     try:
         call()
     except (CollectiveError, CheckpointError) as exc:
-        seen = {"type": type(exc).__name__, "message": str(exc), "operation": operation}
+        kind = CheckpointError if isinstance(exc, CheckpointError) else CollectiveError
+        seen = {"type": kind.__name__, "message": str(exc), "operation": operation}
     else:
         seen = {"type": None, "message": "", "operation": operation}
     seen["elapsed"] = time.monotonic() - start
