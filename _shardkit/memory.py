@@ -169,6 +169,19 @@ _ALONE = (sys.getrefcount(_PROBE[0]), _PROBE[0]._use_count(), _storage_users(_PR
 del _PROBE
 
 
+def storage_alone(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is the only tensor using its storage: no view, alias or detached copy.
+
+    Then pointing ``tensor`` at other memory (``Tensor.set_``) leaves nothing behind that
+    still sees the old memory. Python references to ``tensor`` itself do not matter: they see
+    the change. False whenever the count cannot be read.
+    """
+    try:
+        return _storage_users(tensor) == _ALONE[2]
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+
+
 def sole_owner(holder: dict[int, torch.Tensor], key: int) -> bool:
     """True if ``holder[key]`` is referred to only by ``holder`` and alone uses a mapping of ours.
 
