@@ -240,3 +240,4 @@ def test_plain_memory_is_read_at_each_call(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("SHARDKIT_PLAIN_MEMORY", "yes")
     with pytest.raises(ValueError, match=r"SHARDKIT_PLAIN_MEMORY='yes' is neither 1 nor 0"):
         _memory.empty_for_fill((8 * MiB,), torch.uint8)
+    assert not _memory.unshared({0: torch.empty(1)}, 0)  # deep inside a reshard: the safe answer, no error
