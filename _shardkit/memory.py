@@ -191,8 +191,8 @@ def cached_bytes() -> int:
 #   torch._C._storage_Use_Count()  tensors using its storage, i.e. views and aliases (private).
 #
 # The baseline is measured at import through the same function, rather than assumed, since
-# it includes the probes' own temporaries. At the same time a self-check makes sure a view and
-# an extra reference still move the counts. If torch renames or removes either private call,
+# it includes the probes' own temporaries. At the same time a self-check makes sure a view, an
+# extra reference and an autograd graph holding the tensor still move the counts. If torch renames or removes either private call,
 # or stops counting what is checked, the self-check fails and ``unshared`` answers False for
 # every tensor: reshard then copies and keeps every page, a partial value is reduced in a new
 # buffer. That is slower and uses more memory, never a wrong result. SHARDKIT_PLAIN_MEMORY=1
@@ -218,9 +218,15 @@ def _measure_alone() -> tuple[int, int, int] | None:
         with_extra = _counts(probe, 0)
         del extra
         again = _counts(probe, 0)
+        leaf = {0: torch.ones(1, requires_grad=True)}
+        saved = leaf[0] * leaf[0]  # autograd keeps the input for the backward
+        in_graph = _counts(leaf, 0)
+        del saved
+        leaf_alone = _counts(leaf, 0)
     except (AttributeError, TypeError, RuntimeError):
         return None
-    return alone if alone == again and with_view != alone and with_extra != alone else None
+    tells = alone == again == leaf_alone and alone not in (with_view, with_extra, in_graph)
+    return alone if tells else None
 
 
 _ALONE = _measure_alone()

@@ -241,3 +241,23 @@ def test_plain_memory_is_read_at_each_call(monkeypatch: pytest.MonkeyPatch):
     with pytest.raises(ValueError, match=r"SHARDKIT_PLAIN_MEMORY='yes' is neither 1 nor 0"):
         _memory.empty_for_fill((8 * MiB,), torch.uint8)
     assert not _memory.unshared({0: torch.empty(1)}, 0)  # deep inside a reshard: the safe answer, no error
+
+
+def test_without_the_torch_internals_nothing_counts_as_unshared():
+    """A torch without the private reference counts (simulated by removing one): the probe
+    disables itself at import, and every tensor is treated as shared (copied, never released)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\ndel torch._C._storage_Use_Count\n"
+            "from _shardkit import memory\n"
+            "holder = {0: memory.empty_for_fill((4 << 20,), torch.float32)}\n"
+            "assert memory._ALONE is None\n"
+            "assert memory._mapping_of(holder[0]) is not None  # allocation itself is unaffected\n"
+            "assert not memory.unshared(holder, 0) and not memory.sole_owner(holder, 0)\n")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env.pop("SHARDKIT_PLAIN_MEMORY", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr
