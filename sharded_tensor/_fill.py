@@ -21,8 +21,9 @@ value that the *global* tensor would hold at that element's global index:
 
 The generator is the one in ``_random`` (SplitMix64 of ``index * golden + seed``); this
 module evaluates the same formula in fixed-size, vector-aligned chunks with numpy's uint64
-arithmetic, about 10x faster than ``_random``'s int64 torch ops (which have no vector
-multiply on CPU) and as fast as ``torch.Tensor.uniform_``. Without numpy it falls back to
+arithmetic, much faster than ``_random``'s int64 torch ops (which have no vector multiply
+on CPU) and as fast as ``torch.Tensor.uniform_`` (docs/benchmarks.md, "Figures behind
+implementation choices"). Without numpy it falls back to
 ``_random`` itself. The chunks are always processed at full width, so no element ever
 takes a scalar code path that another layout would take vectorized.
 """
@@ -234,8 +235,8 @@ def draw_uniform_(tensor: torch.Tensor, seed: int, low: float, high: float) -> t
     """Fill ``tensor`` with U[low, high) from one generator seeded with ``seed`` (not layout-invariant).
 
     A contiguous float32/float64 CPU tensor is filled by numpy's PCG64 straight into its
-    memory, in cache-sized steps that are scaled while still in cache: 1.9 ns per float32
-    here, against 3.0 ns for ``Tensor.uniform_`` (docs/benchmarks.md, shard_model). Other
+    memory, in cache-sized steps that are scaled while still in cache, faster than
+    ``Tensor.uniform_`` (docs/benchmarks.md, "Figures behind implementation choices"). Other
     tensors use ``Tensor.uniform_`` with a torch generator seeded with ``seed``. Either way
     the values depend only on ``seed``, so replicas of a block agree.
     """

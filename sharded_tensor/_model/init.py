@@ -21,8 +21,9 @@ value that the *global* tensor would hold at that element's global index:
 
 The generator is the one in ``_random`` (SplitMix64 of ``index * golden + seed``); this
 module evaluates the same formula in fixed-size, vector-aligned chunks with numpy's uint64
-arithmetic, about 10x faster than ``_random``'s int64 torch ops (which have no vector
-multiply on CPU) and as fast as ``torch.Tensor.uniform_``. Without numpy it falls back to
+arithmetic, much faster than ``_random``'s int64 torch ops (which have no vector multiply
+on CPU) and as fast as ``torch.Tensor.uniform_`` (docs/benchmarks.md, "Figures behind
+implementation choices"). Without numpy it falls back to
 ``_random`` itself. The chunks are always processed at full width, so no element ever
 takes a scalar code path that another layout would take vectorized.
 """

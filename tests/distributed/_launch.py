@@ -224,13 +224,24 @@ def _dump_stacks(procs: list[Any], ranks: list[int], tmp: str) -> dict[int, str]
     """Ask still-running ranks to write their Python stacks (faulthandler), then read them."""
     if not ranks or not _HAS_STACK_SIGNAL:
         return {}
+    asked = []
     for r in ranks:
         if procs[r].is_alive():
             try:
                 os.kill(procs[r].pid, signal.SIGUSR1)
             except OSError:
-                pass
-    time.sleep(0.5)
+                continue
+            asked.append(r)
+    # Wait for the stacks to appear in their files and stop growing; the deadline only covers
+    # a rank that cannot answer (gone meanwhile, or its handler blocked).
+    deadline = time.monotonic() + 5.0
+    sizes: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        now = {r: _stack_size(tmp, r) for r in asked}
+        if all(now.values()) and now == sizes:
+            break
+        sizes = now
+        time.sleep(0.02)
     stacks = {}
     for r in ranks:
         try:
@@ -238,6 +249,13 @@ def _dump_stacks(procs: list[Any], ranks: list[int], tmp: str) -> dict[int, str]
         except OSError:
             stacks[r] = ""
     return stacks
+
+
+def _stack_size(tmp: str, rank: int) -> int:
+    try:
+        return (Path(tmp) / f"stack-rank{rank}.txt").stat().st_size
+    except OSError:
+        return 0
 
 
 def _replay_output(tmp: str, world_size: int) -> None:
