@@ -248,6 +248,21 @@ def unshared(holder: dict[int, torch.Tensor], key: int) -> bool:
     return _counts(holder, key) == _ALONE
 
 
+def storage_alone(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is the only tensor using its storage: no view, alias or detached copy.
+
+    Then pointing ``tensor`` at other memory (``Tensor.set_``) leaves nothing behind that
+    still sees the old memory; Python references to ``tensor`` itself see the change. False
+    whenever that cannot be told (see above) or ``SHARDKIT_PLAIN_MEMORY=1``.
+    """
+    try:
+        if _ALONE is None or plain():
+            return False
+        return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)) == _ALONE[2]
+    except (AttributeError, TypeError, RuntimeError, ValueError):
+        return False
+
+
 def sole_owner(holder: dict[int, torch.Tensor], key: int) -> bool:
     """True if ``holder[key]`` is :func:`unshared` and alone uses a mapping of ours.
 
