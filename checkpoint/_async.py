@@ -16,7 +16,7 @@ Why this shape:
   never overwritten while being written. An error of a background save is raised by
   ``handle.result()``, or else by the next ``async_save``: it is never lost.
 - **Its own process group.** The background thread runs ``save``'s remaining phases
-  (``_save.run_plan``: prepare, write, exchange, commit, report) whose collectives would
+  (``_save.run_plan``: prepare, write, commit, cleanup) whose collectives would
   otherwise race with the user's collectives on the default group (Gloo and NCCL match
   collectives by issue order per group). So checkpointing uses a separate Gloo group over
   the same ranks, created once, on the training thread, by the first ``async_save`` (creating
