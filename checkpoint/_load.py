@@ -269,7 +269,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         CheckpointError: the checkpoint is incomplete (no committed metadata), corrupt
             (checksum, truncated or missing file, malformed metadata, unsafe file name), or does
             not match the state_dict (missing/unexpected names under ``strict``, size, dtype);
-            the message names the file and the tensor. A failure on any rank raises on all.
+            the message names the file and the tensor. A failure on any rank raises on all,
+            as does a rank that does not finish within ``timeout``.
         FileNotFoundError: there is no checkpoint at ``path``.
 
     Example:

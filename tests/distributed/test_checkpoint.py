@@ -8,6 +8,7 @@ reference computed from the same seeds):
 - 4 ranks where rank 3 SIGKILLs itself after writing its data: the survivors raise a clear
   error at once, the previous checkpoint still loads, the partial save is refused.
 - 4 ranks where rank 3 hangs after writing: the survivors raise within ``timeout``.
+- 2 ranks where rank 1 never calls load: rank 0 raises within load's ``timeout``.
 
 No assertion reads a clock against a budget (this machine's load varies too much): "at once"
 is shown by a ``timeout=`` longer than the launcher's own, and a hung rank stays hung until
@@ -374,3 +375,20 @@ def test_hung_rank_mid_save_times_out(tmp_path):
     assert max(waited) >= 2.5, waited
     with pytest.raises(CheckpointError, match="is incomplete"):
         checkpoint.read_metadata(tmp_path / "ck")
+
+
+def _load_without_peer(rank: int, world_size: int, root: str) -> str | None:
+    path = f"{root}/ck"
+    checkpoint.save({"w": torch.arange(4.0)}, path)
+    if rank == 1:
+        time.sleep(6)  # never calls load: as if stuck elsewhere
+        return None
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load({"w": torch.zeros(4)}, path, timeout=2)
+    return str(info.value)
+
+
+def test_load_times_out_on_a_missing_peer(tmp_path):
+    text, _ = run_distributed(_load_without_peer, 2, str(tmp_path), timeout=60)
+    assert "checkpoint.load from" in text and "not every one of the 2 ranks finished loading" in text, text
+    assert "within timeout=2 s" in text, text
