@@ -435,12 +435,11 @@ def _check_partial_shards(shards: list[ShardMetadata], size: tuple[int, ...], re
 def _build(spec: PlacementSpec, size: Sequence[int], dtype: torch.dtype | None,
            names: Sequence[str | None] | None, world: int) -> ShardedTensorMetadata:
     """``spec.build_metadata`` with the world size known, refusing non-tensor specs clearly."""
-    build = getattr(spec, "build_metadata", None)
-    if build is None or not isinstance(spec, PlacementSpec):
+    if not isinstance(spec, PlacementSpec):
         msg = (f"sharding_spec must be a SingleSplitShardingSpec, MeshShardingSpec, DevicePlacement or "
                f"EnumerableShardingSpec, got {type(spec).__name__} {spec!r}.")
         raise TypeError(msg)
-    return build(tuple(size), dtype, names, world_size=world)  # type: ignore[no-any-return]
+    return spec.build_metadata(tuple(size), dtype, names, world_size=world)
 
 
 torch.serialization.add_safe_globals([_rebuild_sharded_tensor])

@@ -470,7 +470,7 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
     is_meta = [e.param.is_meta for e in entries]
     proposal = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()) if any(is_meta) else 0
     payload = {"params": [[e.name, list(e.param.shape), str(e.param.dtype)] for e in entries],
-               "spec": sharding_spec.to_dict(),  # type: ignore[attr-defined]
+               "spec": sharding_spec.to_dict(),
                "src_rank": src_rank, "seed_given": seed is not None, "meta": is_meta, "seed": proposal}
     everyone = _agree(payload, process_group) if world > 1 else [payload]
     if src_rank is None:
