@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["empty_for_fill", "sole_owner", "release_outside", "wait_for_releases", "cached_bytes",
+__all__ = ["empty_for_fill", "unshared", "sole_owner", "release_outside", "wait_for_releases", "cached_bytes",
            "empty_cache"]
 
 # Below this size a tensor is allocated the usual way; from it on, by this module.
@@ -167,6 +167,17 @@ def _storage_users(tensor: torch.Tensor) -> int:
 _PROBE = {0: torch.empty(1)}
 _ALONE = (sys.getrefcount(_PROBE[0]), _PROBE[0]._use_count(), _storage_users(_PROBE[0]))
 del _PROBE
+
+
+def unshared(holder: dict[int, torch.Tensor], key: int) -> bool:
+    """True if nothing but ``holder`` refers to ``holder[key]`` or to its memory.
+
+    No other tensor, view, parameter, autograd graph or user variable can see the values, so
+    they may be changed in place (e.g. a partial value reduced where it lies).
+    """
+    references = sys.getrefcount(holder[key])  # before a local name adds one
+    tensor = holder[key]
+    return (references, tensor._use_count(), _storage_users(tensor)) == _ALONE
 
 
 def sole_owner(holder: dict[int, torch.Tensor], key: int) -> bool:

@@ -11,8 +11,9 @@ import torch
 from _shardkit import comm as _comm
 from _shardkit.memory import empty_for_fill
 from sharded_tensor import ShardedTensor
-from sharded_tensor._plan import Piece, box_slices, plan_reshard
+from sharded_tensor._plan import Piece, plan_reshard
 from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
+from sharding.layout import box_slices
 
 from ._dtensor import dtensor_views
 

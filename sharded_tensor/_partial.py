@@ -27,7 +27,7 @@ import sys
 import torch
 
 from _shardkit import comm as _comm
-from _shardkit.memory import _ALONE, _storage_users, empty_for_fill
+from _shardkit.memory import empty_for_fill, unshared
 from sharding import ShardedTensorMetadata, ShardMetadata
 from sharding.layout import chunk_bounds
 
@@ -80,13 +80,6 @@ def _split_over(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:
     return ShardedTensorMetadata(shards, size, metadata.dtype)
 
 
-def _unshared(local: dict[int, torch.Tensor], key: int) -> bool:
-    """True if nothing but ``local`` refers to ``local[key]`` or its memory (then it may be reduced in place)."""
-    references = sys.getrefcount(local[key])  # before a local name adds one
-    tensor = local[key]
-    return (references, tensor._use_count(), _storage_users(tensor)) == _ALONE
-
-
 def _all_reduce_applies(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int) -> bool:
     """Every rank of the group holds a partial value and wants the whole tensor on the same device."""
     if world == 1 or len(src.shards) != world or len(dst.shards) != world:
@@ -110,7 +103,7 @@ def reduce_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, d
     mine_index = next((i for i, _ in src.shards_on(rank)), None)
     with torch.no_grad():
         if _all_reduce_applies(src, dst, world):
-            in_place = reuse and mine_index is not None and _unshared(local, mine_index)
+            in_place = reuse and mine_index is not None and unshared(local, mine_index)
             buffer = local[mine_index] if in_place else local[mine_index].clone()  # type: ignore[index]
             (dst_index, _), = dst.shards_on(rank)
             return {dst_index: _comm.all_reduce_values(buffer, group, op=op)}
