@@ -147,7 +147,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
         msg = (f"fn={fn!r} must be a module-level function so the spawned ranks can import it by "
                f"name; move it to the top level of the test module.")
         raise TypeError(msg)
-    ctx = multiprocessing.get_context(method)
+    # Any: the stubs type a context chosen by a runtime string as BaseContext, without Process.
+    ctx: Any = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed"])
     fn_name = f"{getattr(fn, '__module__', '?')}.{qualname}"

@@ -97,7 +97,8 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
         _live[address] = buffer
     # Not at interpreter exit: the tensor may still be alive then, and the OS takes the memory back anyway.
     weakref.finalize(exported, _release_mapping, address).atexit = False
-    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
+    # The stubs lack set_(source, offset, size) (contiguous strides), which torch has.
+    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload,no-any-return]
 
 
 def _reuse(nbytes: int) -> mmap.mmap | None:
@@ -162,10 +163,14 @@ def _storage_users(tensor: torch.Tensor) -> int:
     return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
 
 
+def _tensor_users(tensor: torch.Tensor) -> int:
+    return int(tensor._use_count())  # type: ignore[attr-defined]  # not in torch's stubs
+
+
 # What the counts read for a tensor that nothing else refers to (the probes hold one more
 # reference each, e.g. the temporary storage object); measured rather than assumed.
 _PROBE = {0: torch.empty(1)}
-_ALONE = (sys.getrefcount(_PROBE[0]), _PROBE[0]._use_count(), _storage_users(_PROBE[0]))
+_ALONE = (sys.getrefcount(_PROBE[0]), _tensor_users(_PROBE[0]), _storage_users(_PROBE[0]))
 del _PROBE
 
 
@@ -177,7 +182,7 @@ def unshared(holder: dict[int, torch.Tensor], key: int) -> bool:
     """
     references = sys.getrefcount(holder[key])  # before a local name adds one
     tensor = holder[key]
-    return (references, tensor._use_count(), _storage_users(tensor)) == _ALONE
+    return (references, _tensor_users(tensor), _storage_users(tensor)) == _ALONE
 
 
 def sole_owner(holder: dict[int, torch.Tensor], key: int) -> bool:
@@ -190,7 +195,7 @@ def sole_owner(holder: dict[int, torch.Tensor], key: int) -> bool:
     tensor = holder[key]
     if tensor.device.type != "cpu" or _mapping_of(tensor) is None:
         return False
-    return (references, tensor._use_count(), _storage_users(tensor)) == _ALONE
+    return (references, _tensor_users(tensor), _storage_users(tensor)) == _ALONE
 
 
 def release_outside(storage: torch.UntypedStorage, keep: Sequence[tuple[int, int]]) -> None:

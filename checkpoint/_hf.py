@@ -130,7 +130,7 @@ def _entry(path: str, name: str, info: object, file: str, start: int, size: int)
                f"the file's {size - start} data bytes; the file is corrupt or truncated.")
         raise CheckpointError(msg)
     shard = SavedShard((0,) * len(shape), tuple(shape), file, name, (start + begin, start + end), "")
-    return TensorEntry(torch.Size(shape), dtype, [shard])
+    return TensorEntry(torch.Size(shape), dtype, (shard,))
 
 
 def read_hf_metadata(fs: fsspec.AbstractFileSystem, folder: str, files: list[str], source: str) -> CheckpointMetadata:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -154,9 +155,9 @@ def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_
     assert info is not None
     if "error" in info:
         raise TypeError(str(info["error"]) + "; pass the full tensor on src_rank (other ranks may pass None).")
-    size = tuple(info["size"])  # type: ignore[arg-type]
+    size = tuple(cast("list[int]", info["size"]))
     dtype = getattr(torch, str(info["dtype"]))
-    names = tuple(info["names"]) if info["names"] is not None else None  # type: ignore[arg-type]
+    names = tuple(cast("list[str | None]", info["names"])) if info["names"] is not None else None
     target = _build(sharding_spec, size, dtype, names, world)
     source = ShardedTensorMetadata([ShardMetadata((0,) * len(size), size,
                                                   RemoteDevice.of(src_rank, str(info["device"])))], size, dtype)

@@ -467,7 +467,7 @@ def _check_reduce_dtype(reduce_op: str, dtype: torch.dtype) -> None:
         raise ValueError(msg)
 
 
-ShardingSpec = Union[DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec, PartialSpec]
+ShardingSpec = DevicePlacement | SingleSplitShardingSpec | MeshShardingSpec | EnumerableShardingSpec | PartialSpec
 """A spec that lays out one tensor."""
 
 _TENSOR_SPECS = (DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec)
@@ -601,5 +601,8 @@ def composite(**kwargs: PlacementSpec | str) -> CompositeShardingSpec:
 
 
 def partial(shard_placement: Sequence[DeviceLike] | DeviceLike, *, reduce_op: str = "sum") -> PartialSpec:
-    """Helper for ``PartialSpec``: ``partial(["rank:0/cpu", "rank:1/cpu"], reduce_op="max")``; ``partial("cpu")``: every rank."""
+    """Helper for ``PartialSpec``: ``partial(["rank:0/cpu", "rank:1/cpu"], reduce_op="max")``.
+
+    ``partial("cpu")`` means every rank.
+    """
     return PartialSpec(shard_placement, reduce_op=reduce_op)

@@ -28,7 +28,7 @@ import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -258,7 +258,7 @@ def _plans(model: nn.Module, entries: Sequence[_Entry],
             owners[id(module)] = (mod_name, module)
             covered.update(id(m) for m in module.modules() if m is not module)
     owner_of = {}
-    for key, (mod_name, module) in owners.items():
+    for key, (_, module) in owners.items():
         for sub_name, sub in module.named_modules():
             owner_of[id(sub)] = (key, sub_name)
     for entry in entries:
@@ -314,8 +314,10 @@ def _device_for(layout: ParamLayout | None, rank: int, default: torch.device) ->
     return default
 
 
-def _reset_method(module: nn.Module):  # type: ignore[no-untyped-def]
-    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+def _reset_method(module: nn.Module) -> Callable[[], object] | None:
+    method: Callable[[], object] | None = (getattr(module, "reset_parameters", None)
+                                           or getattr(module, "_reset_parameters", None))
+    return method
 
 
 InitArg = Callable[[nn.Module], object] | Literal[False] | None
@@ -352,7 +354,7 @@ class _Initializers:
 
     def for_module(self, module: nn.Module) -> Callable[[], object] | None:
         """The call that initializes ``module``'s own parameters and buffers, or ``None``."""
-        if callable(self.init) and self.init is not False:
+        if callable(self.init):
             fn = self.init
             return lambda: fn(module)
         owner = self.owner.get(id(module))
@@ -361,9 +363,9 @@ class _Initializers:
         return _reset_method(module)
 
 
-def _agree(payload: dict[str, object], group: _comm.ProcessGroup) -> list[dict[str, object]]:
+def _agree(payload: dict[str, Any], group: _comm.ProcessGroup) -> list[dict[str, Any]]:
     """Every rank's ``payload``; raises the same ``ValueError`` everywhere if the models differ."""
-    everyone: list[dict[str, object]] = _comm.all_gather_json(payload, group)
+    everyone: list[dict[str, Any]] = _comm.all_gather_json(payload, group)
     first = everyone[0]
     for rank, other in enumerate(everyone):
         for key in ("params", "spec", "src_rank", "seed_given"):
@@ -458,7 +460,7 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
     for entry in entries:
         if entry.spec is None:
             continue
-        for mod_name, module, attr in entry.owners:
+        for _, module, attr in entry.owners:
             if attr in sharded_parameters(module):
                 msg = (f"parameter {entry.name!r} is already sharded; reshard its values through "
                        f"model.state_dict() / load_state_dict instead of sharding it twice.")
@@ -469,25 +471,25 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
     # Agree across ranks on the model, the arguments and the seed before any data moves.
     is_meta = [e.param.is_meta for e in entries]
     proposal = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()) if any(is_meta) else 0
-    payload = {"params": [[e.name, list(e.param.shape), str(e.param.dtype)] for e in entries],
+    payload: dict[str, Any] = {"params": [[e.name, list(e.param.shape), str(e.param.dtype)] for e in entries],
                "spec": sharding_spec.to_dict(),
                "src_rank": src_rank, "seed_given": seed is not None, "meta": is_meta, "seed": proposal}
     everyone = _agree(payload, process_group) if world > 1 else [payload]
     if src_rank is None:
         for r, other in enumerate(everyone):
             if other["meta"] != is_meta:
-                names = [e.name for e, a, b in zip(entries, is_meta, other["meta"]) if a != b][:5]  # type: ignore[call-overload]
+                names = [e.name for e, a, b in zip(entries, is_meta, other["meta"]) if a != b][:5]
                 msg = (f"parameters {names} are on the meta device on some ranks and not on others (ranks 0 and "
                        f"{r} differ); build the model the same way everywhere, or pass src_rank= to take the "
                        f"values from one rank.")
                 raise ValueError(msg)
     else:
-        src_meta = [e.name for e, m in zip(entries, everyone[src_rank]["meta"]) if m]  # type: ignore[arg-type]
+        src_meta = [e.name for e, m in zip(entries, everyone[src_rank]["meta"]) if m]
         if src_meta:
             msg = (f"src_rank={src_rank} has parameters on the meta device ({src_meta[:5]}); the source rank "
                    f"must hold real values, or pass src_rank=None to initialize meta parameters.")
             raise ValueError(msg)
-    seed_value = int(everyone[0]["seed"])  # type: ignore[arg-type]
+    seed_value = int(everyone[0]["seed"])
 
     for entry, meta in zip(entries, is_meta):
         if src_rank is not None:
@@ -667,8 +669,7 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
             ctx.register(span, entry.name, tuple(entry.param.shape), tuple(offsets))
             spans.append((attr, entry, span))
             continue
-        offsets = entry.box(rank)[0]
-        ctx.register(entry.new, entry.name, tuple(entry.param.shape), offsets)  # type: ignore[arg-type]
+        ctx.register(entry.new, entry.name, tuple(entry.param.shape), entry.box(rank)[0])  # type: ignore[arg-type]
     # Parameters initialized elsewhere (tied to an earlier module) or holding real values are
     # swapped for scratch tensors, so this module's reset cannot overwrite them.
     swapped = {}
@@ -677,7 +678,7 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
         ctx.register(scratch, f"{entry.name}#scratch", tuple(entry.param.shape), entry.box(rank)[0])
         swapped[attr] = module._parameters[attr]
         module._parameters[attr] = scratch
-    for attr, entry, span in spans:
+    for attr, _, span in spans:
         swapped[attr] = module._parameters[attr]
         module._parameters[attr] = span
     padding = None
@@ -691,7 +692,7 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
         if padding is not None:
             module.padding_idx = padding  # type: ignore[assignment]
         module._parameters.update(swapped)
-    for attr, entry, span in spans:
+    for _, entry, span in spans:
         layout = entry.layout
         assert layout is not None and layout.pieces is not None and layout.dim is not None
         base = layout.pieces[rank][0][0]
@@ -702,10 +703,10 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
         for attr, entry in to_init:
             if attr != "weight":
                 continue
-            offsets, sizes = entry.box(rank)
-            if offsets[0] <= padding < offsets[0] + sizes[0]:
+            box_offsets, box_sizes = entry.box(rank)
+            if box_offsets[0] <= padding < box_offsets[0] + box_sizes[0]:
                 with torch.no_grad():
-                    entry.new[padding - offsets[0]].fill_(0)  # type: ignore[index]
+                    entry.new[padding - box_offsets[0]].fill_(0)  # type: ignore[index]
 
 
 def _finish(model: nn.Module, entries: Sequence[_Entry], group: _comm.ProcessGroup) -> None:
@@ -791,8 +792,8 @@ def shard_parameter(module: nn.Module, param_name: str, sharding_spec: Placement
     entry.spec = sharding_spec
     entry.layout = _layout(entry, world)
     plans = _plans(module, [entry], process_group)
-    payload = {"params": [[param_name, list(entry.param.shape), str(entry.param.dtype)]],
-               "spec": sharding_spec.to_dict(), "src_rank": src_rank, "seed_given": False,  # type: ignore[attr-defined]
+    payload: dict[str, Any] = {"params": [[param_name, list(entry.param.shape), str(entry.param.dtype)]],
+               "spec": sharding_spec.to_dict(), "src_rank": src_rank, "seed_given": False,
                "meta": [entry.param.is_meta], "seed": 0}
     everyone = _agree(payload, process_group) if world > 1 else [payload]
     if everyone[src_rank]["meta"] == [True]:
