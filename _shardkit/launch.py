@@ -18,9 +18,9 @@ from a ``forkserver`` that has preloaded torch (fast), or, with
 ``os.environ`` as it is at the call (plus ``env=``). Rendezvous goes through a ``FileStore``
 in a private temporary directory, created before any rank starts: there is no port to pick,
 so no other process can take it between the choice and the ranks' connection (the race of
-choosing a "free" TCP port and handing it to the ranks). The parent waits on every rank's result pipe and
-process sentinel, so a rank that raises, crashes or hangs is reported with its traceback
-(or, when hung, its current stack) instead of stalling the test run. What the ranks print
+choosing a "free" TCP port and handing it to the ranks). The parent waits on every rank's
+result pipe and process sentinel, so a rank that raises, crashes or hangs is reported with
+its traceback (or, when hung, its current stack) instead of stalling the test run. What the ranks print
 is replayed on the parent's stdout after the run, labelled by rank (``capture_output=False``
 leaves it on the inherited stdout/stderr instead, for scripts that show progress live).
 
@@ -220,11 +220,9 @@ def _collect(fn_name: str, world_size: int, procs: list[Any], readers: list[Any]
 
     while pending:
         limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
-        remaining: float | None = limit - time.monotonic()
+        remaining = None if limit == float("inf") else limit - time.monotonic()  # None: wait as long as it takes
         if remaining is not None and remaining <= 0:
             break
-        if remaining == float("inf"):
-            remaining = None
         waitables = [readers[r] for r in pending] + [procs[r].sentinel for r in pending]
         for ready in multiprocessing.connection.wait(waitables, timeout=remaining):
             is_sentinel = isinstance(ready, int)
