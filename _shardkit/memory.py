@@ -114,7 +114,8 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
         _live[address] = buffer
     # Not at interpreter exit: the tensor may still be alive then, and the OS takes the memory back anyway.
     weakref.finalize(exported, _release_mapping, address).atexit = False
-    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
+    # The stubs lack set_(source, offset, size) (contiguous strides), which torch has.
+    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload,no-any-return]
 
 
 def _reuse(nbytes: int) -> mmap.mmap | None:
@@ -192,8 +193,9 @@ def cached_bytes() -> int:
 #
 # The baseline is measured at import through the same function, rather than assumed, since
 # it includes the probes' own temporaries. At the same time a self-check makes sure a view, an
-# extra reference and an autograd graph holding the tensor still move the counts. If torch renames or removes either private call,
-# or stops counting what is checked, the self-check fails and ``unshared`` answers False for
+# extra reference and an autograd graph holding the tensor still move the counts. If torch
+# renames or removes either private call, or stops counting what is checked, the self-check
+# fails and ``unshared`` answers False for
 # every tensor: reshard then copies and keeps every page, a partial value is reduced in a new
 # buffer. That is slower and uses more memory, never a wrong result. SHARDKIT_PLAIN_MEMORY=1
 # has the same effect on purpose.
@@ -203,7 +205,7 @@ def _counts(holder: dict[int, torch.Tensor], key: int) -> tuple[int, int, int]:
     references = sys.getrefcount(holder[key])  # before a local name adds one
     tensor = holder[key]
     storage_users = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-    return references, int(tensor._use_count()), int(storage_users)
+    return references, int(tensor._use_count()), int(storage_users)  # type: ignore[attr-defined]  # not in stubs
 
 
 def _measure_alone() -> tuple[int, int, int] | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import typing
 from collections.abc import Iterator, Sequence
 
 import fsspec
@@ -235,13 +236,13 @@ class DataReader:
         Opened through the descriptor already checked by this reader, so the mapping is of
         that very file.
         """
-        storage = self._storages.get(path)
-        if storage is None:
+        if path not in self._storages:
             fd, size = self._open(path, tensors)
             through = f"/proc/self/fd/{fd}"
             name = through if os.path.exists(through) else path
-            storage = self._storages[path] = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
-        return storage
+            mapped = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
+            self._storages[path] = typing.cast(torch.UntypedStorage, mapped)  # the stubs say _StorageBase
+        return self._storages[path]
 
     def read_header(self, path: str, *, tensors: Tensors = None) -> tuple[dict[str, object], int, int]:
         """``(header, data start, file size)`` of a safetensors file, from two small range reads."""

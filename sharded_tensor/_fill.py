@@ -135,7 +135,7 @@ def _precision(dtype: torch.dtype) -> int:
 def _uniform_transform(low: float, high: float, precision: int = 53) -> Transform:
     scale = 2.0 ** -precision * (high - low)  # a power-of-two rescale: rounds exactly as u * (high - low)
     if _np is None:  # pragma: no cover
-        return None  # type: ignore[return-value]
+        return None
     shift = _np.uint64(64 - precision)
     # An integer m < 2**52 becomes a double exactly as (2**52 + m) - 2**52, where 2**52 + m is
     # m's bits under the exponent of 2**52: two cheap vector ops instead of a slow conversion.
@@ -244,12 +244,12 @@ def draw_uniform_(tensor: torch.Tensor, seed: int, low: float, high: float) -> t
             or tensor.dtype not in (torch.float32, torch.float64)):
         generator = torch.Generator(device=tensor.device).manual_seed(seed & _MASK64)
         return tensor.uniform_(low, high, generator=generator)
-    generator = _np.random.Generator(_np.random.PCG64(seed & _MASK64))
+    rng = _np.random.Generator(_np.random.PCG64(seed & _MASK64))
     flat = tensor.detach().view(-1).numpy()
     width = high - low
     for start in range(0, flat.size, _DRAW_CHUNK):
         part = flat[start:start + _DRAW_CHUNK]
-        generator.random(dtype=flat.dtype, out=part)
+        rng.random(dtype=flat.dtype, out=part)
         _np.multiply(part, width, out=part)
         _np.add(part, low, out=part)
     return tensor

@@ -22,6 +22,8 @@ keeps the full values, as in a replica.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from _shardkit import comm as _comm
@@ -40,7 +42,8 @@ from ._reshard import _direct_or_staged, _Staging, redistribute
 
 __all__ = ["redistribute_partial"]
 
-_FOLD = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}
+_FOLD: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "avg": torch.add, "max": torch.maximum,
+                                                  "min": torch.minimum}
 
 
 def redistribute_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
@@ -65,7 +68,7 @@ def redistribute_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetad
 
 
 def _split_over(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:
-    """A plain layout splitting the first dimension with room (else the longest) over the holders of a partial layout."""
+    """A plain layout over the holders of a partial layout: the first dimension with room (else the longest) split."""
     size = tuple(metadata.size)
     devices = [s.device for s in sorted(metadata.shards, key=lambda s: s.rank)]  # type: ignore[arg-type, return-value]
     if not size:

@@ -29,7 +29,6 @@ way's logits on one batch are compared with the first way's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -130,50 +129,40 @@ def _rotary(config: Any) -> Any:
     return LlamaRotaryEmbedding(config)
 
 
-def _rank(rank: int, world: int, store: str, way: str, folder: str, quick: bool, out: Any) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def _rank(rank: int, world: int, way: str, folder: str, quick: bool) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=30))
-    try:
-        # Imports are not what is measured: every way's modules are loaded before the clock.
-        import torch.distributed.checkpoint  # noqa: F401
-        import torch.distributed.tensor.parallel  # noqa: F401
-        from transformers import LlamaForCausalLM  # noqa: F401
 
-        import checkpoint  # noqa: F401
-        import sharded_tensor  # noqa: F401
-        dist.barrier()
-        before = reset_peak()
-        start = time.perf_counter()
-        model = _load(way, Path(folder), world, quick)
-        elapsed = time.perf_counter() - start
-        peak = proc_status("VmHWM") - before
-        # Then read every parameter once: a mapped parameter pays for its pages here, so
-        # "with first touch" compares the whole cost of having the weights in memory.
-        start = time.perf_counter()
-        with torch.no_grad():
-            for p in model.parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p
-                local.sum()
-        touched = time.perf_counter() - start
-        dist.barrier()
-        x = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            logits = model(x).logits
-            if hasattr(logits, "full_tensor"):
-                logits = logits.full_tensor()
-        out.put((rank, {"seconds": elapsed, "touch_seconds": touched, "peak_growth": peak, "local_bytes": local_param_bytes(model),
-                        "logits": logits[0, :4, :8].tolist()}))
-    except BaseException as exc:
-        import traceback
-        out.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
-        raise
-    finally:
-        dist.destroy_process_group()
+    # Imports are not what is measured: every way's modules are loaded before the clock.
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    import checkpoint  # noqa: F401
+    import sharded_tensor  # noqa: F401
+    dist.barrier()
+    before = reset_peak()
+    start = time.perf_counter()
+    model = _load(way, Path(folder), world, quick)
+    elapsed = time.perf_counter() - start
+    peak = proc_status("VmHWM") - before
+    # Then read every parameter once: a mapped parameter pays for its pages here, so
+    # "with first touch" compares the whole cost of having the weights in memory.
+    start = time.perf_counter()
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.sum()
+    touched = time.perf_counter() - start
+    dist.barrier()
+    x = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(x).logits
+        if hasattr(logits, "full_tensor"):
+            logits = logits.full_tensor()
+    return {"seconds": elapsed, "touch_seconds": touched, "peak_growth": peak, "local_bytes": local_param_bytes(model),
+            "logits": logits[0, :4, :8].tolist()}
 
 
 def main() -> None:

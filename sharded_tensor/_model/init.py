@@ -41,7 +41,7 @@ from torch.nn import init as _nn_init
 from torch.overrides import TorchFunctionMode
 
 from .. import _random
-from .._fill import trunc_bounds, draw_uniform_, fill_normal_, fill_trunc_normal_, fill_uniform_
+from .._fill import draw_uniform_, fill_normal_, fill_trunc_normal_, fill_uniform_, trunc_bounds
 
 __all__ = ["LayoutInvariantInit"]
 
@@ -179,13 +179,15 @@ class LayoutInvariantInit:
         with torch._C.DisableTorchFunction(), torch.no_grad():
             if not self.invariant:
                 return draw_uniform_(tensor, self._block_seed(region), float(low), float(high))  # type: ignore[arg-type]
-            return fill_uniform_(tensor, self._seed(region), region.offsets, region.global_shape, float(low), float(high))  # type: ignore[arg-type]
+            return fill_uniform_(tensor, self._seed(region), region.offsets, region.global_shape,
+                                 float(low), float(high))  # type: ignore[arg-type]
 
     def _normal(self, tensor: torch.Tensor, region: _Region, mean: object, std: object) -> torch.Tensor:
         with torch._C.DisableTorchFunction(), torch.no_grad():
             if not self.invariant:
                 return tensor.normal_(float(mean), float(std), generator=self._generator(tensor, region))  # type: ignore[arg-type]
-            return fill_normal_(tensor, self._seed(region), region.offsets, region.global_shape, float(mean), float(std))  # type: ignore[arg-type]
+            return fill_normal_(tensor, self._seed(region), region.offsets, region.global_shape,
+                                float(mean), float(std))  # type: ignore[arg-type]
 
     def _trunc_normal(self, tensor: torch.Tensor, region: _Region, mean: float, std: float, a: float,
                       b: float) -> torch.Tensor:
@@ -222,7 +224,8 @@ class LayoutInvariantInit:
 
     # -- patches -------------------------------------------------------------------------------
 
-    def _patched_fans(self, original: Callable[[torch.Tensor], tuple[int, int]]) -> Callable[[torch.Tensor], tuple[int, int]]:
+    def _patched_fans(self, original: Callable[[torch.Tensor], tuple[int, int]]
+                      ) -> Callable[[torch.Tensor], tuple[int, int]]:
         def fans(tensor: torch.Tensor) -> tuple[int, int]:
             region = self.lookup(tensor)
             return self._fans(region) if region is not None else original(tensor)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import _launch
+from _shardkit import launch as _launch
 from tests.distributed._launch import DistributedTestError, run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -116,3 +116,35 @@ def test_rank_output_is_shown_with_the_test(capsys):
     out = capsys.readouterr().out
     assert "----- output of rank 0 -----\nhello from rank 0\n" in out
     assert "----- output of rank 1 -----\nhello from rank 1\n" in out
+
+
+def _environment(rank: int, world_size: int, name: str) -> dict[str, object]:
+    dist.barrier()
+    return {"value": os.environ.get(name), "threads": torch.get_num_threads()}
+
+
+def test_launch_sets_environment_and_threads_and_runs_without_a_deadline():
+    results = _launch.launch(_environment, 2, ("SHARDKIT_LAUNCH_PROBE",), env={"SHARDKIT_LAUNCH_PROBE": "yes"},
+                             threads=2, timeout=None, collective_timeout=77)
+    assert [r["value"] for r in results] == ["yes", "yes"]
+    assert [r["threads"] for r in results] == [2, 2]
+    assert "SHARDKIT_LAUNCH_PROBE" not in os.environ  # the caller's environment is untouched
+
+
+def _print_rank(rank: int, world_size: int) -> int:
+    print(f"live line from rank {rank}")
+    return rank
+
+
+def test_launch_without_capture_does_not_replay_output(capsys):
+    assert _launch.launch(_print_rank, 2, capture_output=False) == [0, 1]
+    assert "----- output of rank" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    pytest.param({"threads": 0}, r"threads=0 must be a positive int", id="threads"),
+    pytest.param({"start_method": "fork"}, r"start_method='fork' is not supported", id="start-method"),
+])
+def test_launch_refuses_bad_options_before_spawning(options, match):
+    with pytest.raises(ValueError, match=match):
+        _launch.launch(_return_rank, 2, **options)

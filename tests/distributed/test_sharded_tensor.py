@@ -59,7 +59,7 @@ def _check_holds(t: st.ShardedTensor, x: torch.Tensor, spec: object = None) -> N
     assert t.shape == x.shape and t.dtype == x.dtype, (t, x.shape, x.dtype)
     if spec is not None:
         assert t.sharding_spec() == spec
-        assert md == spec.build_metadata(tuple(x.shape), x.dtype, world_size=WORLD)  # type: ignore[attr-defined]
+        assert md == spec.build_metadata(tuple(x.shape), x.dtype, world_size=WORLD)
     assert [s.metadata for s in t.local_shards()] == [m for _, m in md.shards_on(rank)]
     for s in t.local_shards():
         assert s.tensor.dtype == x.dtype and s.tensor.device.type == "cpu"
