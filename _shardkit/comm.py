@@ -331,10 +331,10 @@ _thread = threading.local()
 
 
 def _scopes() -> list[_Scope]:
-    stack = getattr(_thread, "scopes", None)
+    stack: list[_Scope] | None = getattr(_thread, "scopes", None)
     if stack is None:
         stack = _thread.scopes = []
-    return stack  # type: ignore[no-any-return]
+    return stack
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ import fsspec
 import torch
 
 from _shardkit import comm as _comm
+from _shardkit.memory import storage_alone
 from sharded_tensor import ShardedTensor
 from sharding.layout import RegionIndex, box_slices
 
@@ -70,6 +71,7 @@ class _Task:
     shard: SavedShard
     common: tuple[tuple[int, ...], tuple[int, ...]]
     dest: torch.Tensor  # view of the target with shape common dims
+    target: torch.Tensor | None = None  # the whole target block, when this overlap covers all of it
 
     @property
     def whole(self) -> bool:
@@ -112,8 +114,43 @@ def _run_structure(task: _Task) -> int:
     return 0
 
 
-def _execute(task: _Task, reader: DataReader) -> None:
-    """Copy the overlap ``task.common`` of a saved region into ``task.dest``."""
+def _map_into(task: _Task, reader: DataReader) -> bool:
+    """Point the whole target block at the file's pages instead of copying; False where it cannot.
+
+    Possible when the block lies in one contiguous range of a local file, has the file's dtype,
+    sits on the CPU in row-major order, is aligned for its dtype, and is the only tensor using
+    its memory (otherwise a view or alias, e.g. the parameter behind a ``state_dict()`` entry,
+    would keep the old memory). The mapping is private: writes (an optimizer step) copy the
+    page they touch and never reach the file. Checksummed spans the block covers are
+    verified first, from the same pages.
+    """
+    target, shard, dtype = task.target, task.shard, task.entry.dtype
+    if (target is None or not reader.local or target.device.type != "cpu" or target.dtype != dtype
+            or not target.is_contiguous() or target.storage_offset() != 0
+            or target.untyped_storage().nbytes() != target.numel() * dtype.itemsize
+            or math.prod(task.common[1][:_run_structure(task)]) != 1
+            or not storage_alone(target)):
+        return False
+    rel = tuple(c - o for c, o in zip(task.common[0], shard.offsets))
+    strides = [math.prod(shard.dims[d + 1:]) for d in range(len(shard.dims))]
+    start = shard.byte_range[0] + sum(r * s for r, s in zip(rel, strides)) * dtype.itemsize
+    if start % dtype.itemsize:
+        return False
+    storage = reader.file_storage(task.path, tensors=task.name)
+    if storage.nbytes() < start + task.nbytes:
+        return False  # a short file: the ordinary read reports it as truncated
+    if shard.checksum:
+        with reader.mapped(task.path, start, start + task.nbytes, tensors=task.name) as data:
+            RegionCheck(shard, task.path, task.name, start).update(data)
+    with torch.no_grad():
+        target.set_(storage, start // dtype.itemsize, target.shape, target.stride())
+    return True
+
+
+def _execute(task: _Task, reader: DataReader, mmap: bool = False) -> None:
+    """Copy the overlap ``task.common`` of a saved region into ``task.dest`` (or map it, with ``mmap``)."""
+    if mmap and _map_into(task, reader):
+        return
     shard, dtype, item = task.shard, task.entry.dtype, task.entry.dtype.itemsize
     rel = tuple(c - o for c, o in zip(task.common[0], shard.offsets))
     strides = [math.prod(shard.dims[d + 1:]) for d in range(len(shard.dims))]
@@ -174,7 +211,7 @@ def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
          key_map: KeyMap | None = None, quiet: bool | None = None,
-         timeout: float | None = None) -> dict[str, Any]:
+         timeout: float | None = None, mmap: bool = False) -> dict[str, Any]:
     """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
 
     A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
@@ -215,6 +252,16 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
             crashed or hangs makes the others raise ``CheckpointError`` within this time (at
             once when its connection closes), naming the ranks that did not answer. ``None``:
             the environment variable ``SHARDKIT_TIMEOUT``, else 600 s.
+        mmap: local files only: a target block that lies in one contiguous range of a file
+            (whole saved regions, row blocks, the output-feature blocks of a Hugging Face
+            weight), with the file's dtype, and that no other tensor shares, is pointed at the
+            file's pages (a private, copy-on-write mapping) instead of receiving a copy; other
+            blocks are copied as usual. Loading then costs almost nothing and pages are read
+            when first used; a write (an optimizer step) copies the page it touches and never
+            reaches the file. A ``model.state_dict()`` entry shares its parameter's memory, so
+            pass ``model.state_dict(keep_vars=True)`` to map the parameters themselves. The
+            files must not be modified or truncated while the tensors live (replacing them with
+            new files, as ``checkpoint.save`` does, is fine).
 
     Returns:
         ``state_dict`` itself.
@@ -223,7 +270,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         CheckpointError: the checkpoint is incomplete (no committed metadata), corrupt
             (checksum, truncated or missing file, malformed metadata, unsafe file name), or does
             not match the state_dict (missing/unexpected names under ``strict``, size, dtype);
-            the message names the file and the tensor. A failure on any rank raises on all.
+            the message names the file and the tensor. A failure on any rank raises on all,
+            as does a rank that does not finish within ``timeout``.
         FileNotFoundError: there is no checkpoint at ``path``.
 
     Example:
@@ -236,7 +284,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         if is_dcp_checkpoint(path, storage_options):
             load_dcp(views, path, strict=strict, cast=cast)
         else:
-            _load(views, path, storage_options, strict, cast, key_map, quiet, process_group)
+            _load(views, path, storage_options, strict, cast, key_map, quiet, process_group, mmap)
         restore()
 
     step = f"checkpoint.load from {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"
@@ -252,7 +300,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None,
           strict: bool, cast: bool, key_map: KeyMap | None, quiet: bool | None,
-          process_group: _comm.ProcessGroup) -> None:
+          process_group: _comm.ProcessGroup, mmap: bool = False) -> None:
     rank, _ = _comm.rank_and_world(process_group)
     fs, root = resolve(path, storage_options)
     metadata, root, source = _read_source(fs, root, key_map)
@@ -311,7 +359,7 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
     tasks.sort(key=lambda t: (t.path, t.shard.byte_range[0]))
     with DataReader(fs) as reader, progress(sum(t.nbytes for t in tasks), "load", rank=rank, quiet=quiet) as bar:
         for task in tasks:
-            _execute(task, reader)
+            _execute(task, reader, mmap)
             bar.update(task.nbytes)
     for parent, key, kind, tensor in scalars:
         parent[key] = kind(tensor.item())
@@ -348,6 +396,10 @@ def _plan_tensor(name: str, entry: TensorEntry, value: Any, root: str) -> list[_
     for offsets, tensor in _targets(value):
         for box_id, common in index.overlapping((tuple(offsets), tuple(tensor.shape))):
             shard = shards[box_id]
-            dest = tensor[box_slices(common, offsets)]
-            tasks.append(_Task(name, member(root, shard.file), entry, shard, common, dest))
+            if common == (tuple(offsets), tuple(tensor.shape)):
+                # The whole block from one region: the block itself (a view would share its memory).
+                tasks.append(_Task(name, member(root, shard.file), entry, shard, common, tensor, tensor))
+            else:
+                tasks.append(_Task(name, member(root, shard.file), entry, shard, common,
+                                   tensor[box_slices(common, offsets)]))
     return tasks

@@ -57,13 +57,13 @@ from ._schema import (
     parse_metadata,
 )
 from ._storage import (
+    Watchdog,
     atomic_write,
     data_file_generation,
     data_file_name,
+    discard,
     is_local,
     list_names,
-    Watchdog,
-    discard,
     remove_quietly,
     resolve,
     run_bounded,
@@ -197,7 +197,7 @@ def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
         return None
     function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     function.restype = ctypes.c_int
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 _sync_file_range = _find_sync_file_range()
