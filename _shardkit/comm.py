@@ -439,24 +439,36 @@ class _Arrivals:
                 pass
         return count
 
-    def missing(self, group: ProcessGroup, count: int) -> list[int] | None:
-        """Global ranks of ``group`` that never entered its ``count``-th marked collective (``None``: unknown)."""
+    def missing(self, group: ProcessGroup, count: int, settle: float) -> list[int] | None:
+        """Global ranks of ``group`` that have not entered its ``count``-th marked collective
+        within ``settle`` seconds from now (``None``: unknown).
+
+        A dead peer makes the ranks next to it fail at once, while live ranks may still be on
+        their way (finishing their own writes): those are given ``settle`` to arrive, so that
+        only the ranks that really never came are named.
+        """
         store = _store()
         if store is None:
             return None
-        absent = []
+        peers = [_global(group, r) for r in range(dist.get_world_size(group))]
+        keys = [self._key(group, peer)[1] for peer in peers]
+        until = time.monotonic() + settle
         try:
-            for group_rank in range(dist.get_world_size(group)):
-                peer = _global(group, group_rank)
-                _, key = self._key(group, peer)
-                if not store.check([key]) or int(store.get(key).decode()) < count:
-                    absent.append(peer)
+            while True:
+                absent = [peer for peer, key in zip(peers, keys)
+                          if not store.check([key]) or int(store.get(key).decode()) < count]
+                if not absent or time.monotonic() >= until:
+                    return absent
+                time.sleep(0.05)
         except Exception:  # the store is gone with its host: say "unknown" rather than guess
             return None
-        return absent
 
 
 _arrivals = _Arrivals()
+
+# After a failure, how long live ranks get to reach the failed collective before those still
+# missing are named (never beyond the timeout).
+_SETTLE_SECONDS = 2.0
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -544,7 +556,8 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
         work = post()
         _wait_work(work, started + limit, default_device(group).type == "cpu")
     except Exception as exc:  # Gloo/NCCL raise RuntimeError or DistBackendError subclasses
-        ranks = _arrivals.missing(group, count) if count is not None else None
+        settle = min(max(started + limit - time.monotonic(), 0.0), _SETTLE_SECONDS)
+        ranks = _arrivals.missing(group, count, settle) if count is not None else None
         raise _fail(step, exc, started, limit, ranks) from exc
 
 
