@@ -468,7 +468,7 @@ _arrivals = _Arrivals()
 
 # After a failure, how long live ranks get to reach the failed collective before those still
 # missing are named (never beyond the timeout).
-_SETTLE_SECONDS = 2.0
+_SETTLE_SECONDS = 1.0
 
 
 # -- errors ---------------------------------------------------------------------------------------

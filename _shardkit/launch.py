@@ -51,7 +51,7 @@ __all__ = ["LaunchError", "launch", "run_distributed"]
 
 # After the first rank fails, wait this long for the others to finish or report their own
 # error (usually a broken collective) before killing them.
-_GRACE_SECONDS = 3.0
+_GRACE_SECONDS = 5.0
 # "forkserver" forks each rank from a clean server process that has already imported torch:
 # a 4-rank launch takes well under a second instead of several seconds for "spawn", where every
 # rank re-imports torch. Both start from a fresh interpreter (no state inherited from pytest).
