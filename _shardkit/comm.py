@@ -2,35 +2,57 @@
 
 Keeping communication in one module makes it easy to count (``CommCounter``) and keeps the
 rest of the package pure. Tensors travel on their own device: Gloo for CPU, NCCL for CUDA.
+
+Every wait here is bounded. A collective that does not complete within its timeout, or
+that fails because a peer's connection closed (the peer crashed or was killed), raises
+``CollectiveError`` naming the operation and, where they can be told, the ranks that did
+not answer. The timeout of a call is, in order: the ``timeout`` passed to it, the one of
+the enclosing entry point (``operation`` / ``collective``), the environment variable
+``SHARDKIT_TIMEOUT`` (seconds, read at each call), and ``DEFAULT_TIMEOUT``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import json
+import math
+import os
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "gather_json", "broadcast_json", "all_gather_tensor", "CollectiveError",
-           "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT"]
+           "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT",
+           "TIMEOUT_ENV", "resolve_timeout", "operation", "operation_name", "collective"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
 """A ``torch.distributed.ProcessGroup``; ``None`` means the default group."""
 
 DEFAULT_TIMEOUT = 600.0
-"""Seconds a collective entry point waits for its peers before raising ``CollectiveError``."""
+"""Seconds a collective waits for its peers before raising ``CollectiveError``, unless a
+``timeout=`` argument or the ``SHARDKIT_TIMEOUT`` environment variable says otherwise."""
+
+TIMEOUT_ENV = "SHARDKIT_TIMEOUT"
+"""Environment variable (seconds) that replaces ``DEFAULT_TIMEOUT`` for calls given no ``timeout=``."""
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 _active: list[CommCounter] = []
 _lock = threading.Lock()
+
+# Tests set this to ``fn(operation, step)``; it runs at the start of every collective, before
+# this rank announces its arrival, so a test can stop a rank at a chosen point.
+_test_hook: Callable[[str, str], None] | None = None
 
 
 @dataclass
@@ -97,13 +119,14 @@ def _global(group: ProcessGroup, group_rank: int) -> int:
 
 
 def exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
-             group: ProcessGroup = None) -> None:
+             group: ProcessGroup = None, *, timeout: float | None = None, what: str = "exchange") -> None:
     """Send ``sends[peer]`` to each peer and receive into ``recvs[peer]``, all at once.
 
     Collective over the peers named: the two sides of each transfer must name each other with
-    tensors of equal byte size. Tensors must be contiguous.
+    tensors of equal byte size. Tensors must be contiguous. Raises ``CollectiveError`` naming
+    the peers that did not answer within ``timeout`` (see ``resolve_timeout``) or died.
     """
-    start_exchange(sends, recvs, group).wait()
+    start_exchange(sends, recvs, group, timeout=timeout, what=what).wait()
 
 
 # Messages travel in pieces of at most this many bytes, so that a sender can put the first
@@ -117,15 +140,59 @@ def _pieces(wire: torch.Tensor) -> list[torch.Tensor]:
 
 
 class PendingExchange:
-    """Transfers posted by ``start_exchange`` or ``send_ready``; ``wait()`` returns once all are complete."""
+    """Transfers posted by ``start_exchange`` or ``send_ready``; ``wait()`` returns once all are complete.
 
-    __slots__ = ("_works", "_group", "_posted", "_recv_works")
+    Every wait ends by the exchange's deadline (its start plus the timeout). A transfer that
+    fails or is still incomplete then makes ``wait()`` raise ``CollectiveError`` naming its
+    peer; where the backend gives one handle for the whole batch (NCCL), every peer of the
+    exchange is a suspect.
+    """
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self._works: list[Any] = []
+    __slots__ = ("_works", "_group", "_posted", "_recv_works", "_deadline", "_timeout", "_started", "_what",
+                 "_failed", "_first_error", "_peers", "_bounded")
+
+    def __init__(self, group: ProcessGroup, timeout: float, what: str) -> None:
+        # (group rank of the peer, or None for a handle covering every peer; the work)
+        self._works: list[tuple[int | None, Any]] = []
         self._group = group
         self._posted: dict[int, int] = {}
         self._recv_works: dict[int, list[Any]] | None = {}
+        self._timeout = timeout
+        self._started = time.monotonic()
+        self._deadline = self._started + timeout
+        self._what = what
+        self._failed: set[int] = set()
+        self._first_error: BaseException | None = None
+        self._peers: set[int] = set()
+        self._bounded = True  # False for one NCCL batch (see ``_wait_work``)
+
+    def _post(self, peer: int, post: Callable[[], Any]) -> Any:
+        self._peers.add(peer)
+        try:
+            return post()
+        except Exception as exc:  # the peer's connection is already known to be closed
+            self._note(peer, exc)
+            self._raise()
+
+    def _note(self, peer: int | None, exc: BaseException) -> None:
+        self._failed.update(self._peers if peer is None else {peer})
+        if self._first_error is None:
+            self._first_error = exc
+
+    def _raise(self) -> None:
+        exc = self._first_error
+        assert exc is not None
+        ranks = sorted(_global(self._group, p) for p in self._failed)
+        raise _fail(self._what, exc, self._started, self._timeout, ranks) from exc
+
+    def _finish(self, works: list[tuple[int | None, Any]]) -> None:
+        for peer, work in works:
+            if peer is not None and peer in self._failed:
+                continue  # its pair is closed: its other transfers fail too
+            try:
+                _wait_work(work, self._deadline, self._bounded)
+            except Exception as exc:  # noted; the transfers with the other peers are still waited for
+                self._note(peer, exc)
 
     def wait_recv(self, peer: int) -> None:
         """Wait until the message from ``peer`` has arrived (others may still be in flight).
@@ -138,10 +205,13 @@ class PendingExchange:
             self.wait()
             return
         done = self._recv_works.pop(peer, [])
-        for work in done:
-            work.wait()
         # A Gloo work must be waited for once only (a second wait waits for another message).
-        self._works = [w for w in self._works if all(w is not d for d in done)]
+        self._works = [(p, w) for p, w in self._works if all(w is not d for d in done)]
+        self._finish([(peer, work) for work in done])
+        if self._failed:
+            self._finish(self._works)  # name every peer that is gone, not only this one
+            self._works = []
+            self._raise()
 
     def send_ready(self, peer: int, message: torch.Tensor, ready: int) -> None:
         """Send the pieces of ``message`` that lie within its first ``ready`` bytes and are not sent yet.
@@ -156,46 +226,61 @@ class PendingExchange:
         pieces = _pieces(wire)
         done = self._posted.get(peer, 0)
         while done < len(pieces) and done * _PIECE_BYTES + pieces[done].numel() <= ready:
-            self._works.append(dist.isend(pieces[done], _global(self._group, peer), group=self._group, tag=done))
+            work = self._post(peer, functools.partial(dist.isend, pieces[done], _global(self._group, peer),
+                                                      self._group, done))
+            self._works.append((peer, work))
             done += 1
             if done == len(pieces):
                 _record("send/recv", wire.numel())
         self._posted[peer] = done
 
     def wait(self) -> None:
+        """Wait for every transfer; raise ``CollectiveError`` naming the peers that failed or did not answer."""
         works, self._works = self._works, []
-        for work in works:
-            work.wait()
+        self._finish(works)
+        if self._failed:
+            self._raise()
 
 
 def start_exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
-                   group: ProcessGroup = None) -> PendingExchange:
+                   group: ProcessGroup = None, *, timeout: float | None = None,
+                   what: str = "exchange") -> PendingExchange:
     """Post the transfers of ``exchange`` and return at once; call ``wait()`` before using them.
 
-    Collective like ``exchange``. Every send and receive goes in one ``batch_isend_irecv``
-    (one NCCL group on CUDA), so no pair of ranks can block on the order of posting. The
-    tensors must stay alive and untouched until ``wait()`` returns. More sends can follow
-    with ``send_ready``.
+    Collective like ``exchange``. On NCCL every send and receive goes in one
+    ``batch_isend_irecv`` group, so no pair of ranks can block on the order of posting; Gloo
+    posts each one as it comes (what ``batch_isend_irecv`` does there too), which lets a
+    failure be traced to its peer. The tensors must stay alive and untouched until ``wait()``
+    returns. More sends can follow with ``send_ready``. The deadline of every wait is the
+    start plus ``timeout`` (see ``resolve_timeout``).
     """
-    pending = PendingExchange(group)
-    ops = []
-    recv_peers = []
+    pending = PendingExchange(group, resolve_timeout(timeout), what)
+    ops: list[tuple[int, Callable[..., Any], torch.Tensor, int]] = []
     for peer, tensor in recvs.items():
-        for k, piece in enumerate(_pieces(_wire(tensor))):
-            ops.append(dist.P2POp(dist.irecv, piece, _global(group, peer), group, tag=k))
-            recv_peers.append(peer)
+        ops.extend((peer, dist.irecv, piece, k) for k, piece in enumerate(_pieces(_wire(tensor))))
     for peer, tensor in sends.items():
-        for k, piece in enumerate(_pieces(_wire(tensor))):
-            ops.append(dist.P2POp(dist.isend, piece, _global(group, peer), group, tag=k))
+        ops.extend((peer, dist.isend, piece, k) for k, piece in enumerate(_pieces(_wire(tensor))))
         _record("send/recv", tensor.numel() * tensor.element_size())
-    if ops:
-        works = dist.batch_isend_irecv(ops)
-        pending._works.extend(works)
-        if len(works) == len(ops):  # one handle per operation (Gloo): receives can be waited for by peer
-            for peer, work in zip(recv_peers, works):
-                pending._recv_works.setdefault(peer, []).append(work)  # type: ignore[union-attr]
-        else:
-            pending._recv_works = None
+    if not ops:
+        return pending
+    _begin(what)
+    if ops[0][2].device.type != "cpu":
+        pending._peers.update(peer for peer, *_ in ops)
+        try:
+            works = dist.batch_isend_irecv([dist.P2POp(fn, piece, _global(group, peer), group, tag=k)
+                                            for peer, fn, piece, k in ops])
+        except Exception as exc:
+            pending._note(None, exc)
+            pending._raise()
+        pending._works.extend((None, work) for work in works)
+        pending._recv_works = None
+        pending._bounded = False
+        return pending
+    for peer, fn, piece, k in ops:
+        work = pending._post(peer, functools.partial(fn, piece, _global(group, peer), group, k))
+        pending._works.append((peer, work))
+        if fn is dist.irecv:
+            pending._recv_works.setdefault(peer, []).append(work)  # type: ignore[union-attr]
     return pending
 
 
@@ -204,21 +289,276 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-class CollectiveError(RuntimeError):
-    """A collective did not complete: a peer died, left, or did not arrive within the timeout."""
+# -- timeouts and the operation being run ---------------------------------------------------------
+
+def _check_timeout(value: object, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        msg = f"{source}={value!r} is not a timeout; use a positive, finite number of seconds."
+        raise ValueError(msg)
+    return float(value)
 
 
-def _wait(work: Any, timeout: float | None, what: str) -> None:
-    """Wait for ``work``; raise ``CollectiveError`` naming ``what`` if it fails or times out."""
+def resolve_timeout(timeout: float | None = None) -> float:
+    """The seconds a collective waits: ``timeout`` if given, else the enclosing operation's,
+    else ``$SHARDKIT_TIMEOUT``, else ``DEFAULT_TIMEOUT``.
+
+    Raises:
+        ValueError: ``timeout`` or the environment variable is not a positive number.
+    """
+    if timeout is not None:
+        return _check_timeout(timeout, "timeout")
+    scopes = _scopes()
+    for scope in reversed(scopes):
+        if scope.timeout is not None:
+            return scope.timeout
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if text:
+        try:
+            value = float(text)
+        except ValueError:
+            value = text  # type: ignore[assignment]
+        return _check_timeout(value, TIMEOUT_ENV)
+    return DEFAULT_TIMEOUT
+
+
+@dataclass(frozen=True)
+class _Scope:
+    name: str
+    timeout: float | None
+
+
+_thread = threading.local()
+
+
+def _scopes() -> list[_Scope]:
+    stack: list[_Scope] | None = getattr(_thread, "scopes", None)
+    if stack is None:
+        stack = _thread.scopes = []
+    return stack
+
+
+@contextlib.contextmanager
+def operation(name: str, timeout: float | None = None) -> Iterator[None]:
+    """Run the block as the entry point ``name``: its collectives' errors name it, and wait ``timeout``.
+
+    Scopes nest (per thread): errors name the outermost one, the one the user called, and an
+    inner scope without a timeout keeps the outer one's.
+    """
+    scope = _Scope(name, None if timeout is None else _check_timeout(timeout, "timeout"))
+    stack = _scopes()
+    stack.append(scope)
     try:
-        if timeout is None:
-            work.wait()
+        yield
+    finally:
+        stack.pop()
+
+
+def collective(name: str) -> Callable[[F], F]:
+    """Decorate a collective entry point: its body runs in ``operation(name, timeout)``.
+
+    ``timeout`` is the call's ``timeout=`` keyword argument when it passes one.
+    """
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with operation(name, kwargs.get("timeout")):
+                return fn(*args, **kwargs)
+        return wrapper  # type: ignore[return-value]
+    return decorate
+
+
+def operation_name(default: str = "") -> str:
+    """The entry point this thread is running (the outermost ``operation``), else ``default``."""
+    scopes = _scopes()
+    return scopes[0].name if scopes else default
+
+
+def _describe(step: str) -> str:
+    """``step`` prefixed with the entry point being run, unless it already names it."""
+    scopes = _scopes()
+    if not scopes:
+        return step
+    outer = scopes[0].name
+    inner = [s.name for s in scopes[1:] if s.name != outer]
+    detail = ", ".join([*inner, step]) if step and not step.startswith(outer) else ", ".join(inner)
+    if step.startswith(outer):
+        return f"{step} (in {detail})" if detail else step
+    return f"{outer} ({detail})" if detail else outer
+
+
+def _begin(step: str) -> None:
+    if _test_hook is not None:
+        _test_hook(operation_name(), step)
+
+
+# -- who arrived: marks in the process group's store ---------------------------------------------
+
+def _store() -> Any | None:
+    """The default process group's key-value store, or ``None`` where torch offers none.
+
+    The only use of a private ``torch.distributed`` API in shardkit: without it, errors still
+    name the operation but cannot say which ranks never arrived.
+    """
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # another torch version, or no default group
+        return None
+
+
+class _Arrivals:
+    """Which ranks reached the n-th marked collective of a group.
+
+    Before it waits in a marked collective, a rank stores, under one key per rank and group,
+    how many marked collectives of that group it has entered. Every rank enters them in the
+    same order, so when the n-th fails, the ranks whose count is below n never reached it.
+    One overwritten key per rank: the store does not grow with the number of collectives.
+    """
+
+    def __init__(self) -> None:
+        # By process group object: a group destroyed and created again starts over, like its peers.
+        self._counts: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(group: ProcessGroup, global_rank: int) -> tuple[str, str]:
+        name = getattr(group if group is not None else dist.group.WORLD, "group_name", "") or "world"
+        return name, f"shardkit/arrived/{name}/{global_rank}"
+
+    def arrive(self, group: ProcessGroup) -> int:
+        _, key = self._key(group, dist.get_rank())
+        which = id(group if group is not None else dist.group.WORLD)
+        with self._lock:
+            count = self._counts[which] = self._counts.get(which, 0) + 1
+        store = _store()
+        if store is not None:
+            try:
+                store.set(key, str(count))
+            except Exception:  # the store's host died: the collective will fail and say so
+                pass
+        return count
+
+    def missing(self, group: ProcessGroup, count: int, settle: float) -> list[int] | None:
+        """Global ranks of ``group`` that have not entered its ``count``-th marked collective
+        within ``settle`` seconds from now (``None``: unknown).
+
+        A dead peer makes the ranks next to it fail at once, while live ranks may still be on
+        their way (finishing their own writes): those are given ``settle`` to arrive, so that
+        only the ranks that really never came are named.
+        """
+        store = _store()
+        if store is None:
+            return None
+        peers = [_global(group, r) for r in range(dist.get_world_size(group))]
+        keys = [self._key(group, peer)[1] for peer in peers]
+        until = time.monotonic() + settle
+        try:
+            while True:
+                absent = [peer for peer, key in zip(peers, keys)
+                          if not store.check([key]) or int(store.get(key).decode()) < count]
+                if not absent or time.monotonic() >= until:
+                    return absent
+                time.sleep(0.05)
+        except Exception:  # the store is gone with its host: say "unknown" rather than guess
+            return None
+
+
+_arrivals = _Arrivals()
+
+# After a failure, how long live ranks get to reach the failed collective before those still
+# missing are named (never beyond the timeout).
+_SETTLE_SECONDS = 1.0
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+Reason = Literal["closed", "timeout", "error"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective did not complete: a peer died, left, or did not answer within the timeout.
+
+    Attributes:
+        operation: what was running, e.g. ``"ShardedTensor.reshard (exchange)"``.
+        reason: ``"closed"`` (a peer's connection closed: it crashed, was killed or exited),
+            ``"timeout"`` (no answer within ``timeout`` seconds) or ``"error"`` (anything else
+            the backend reported).
+        ranks: the global ranks that did not answer, or ``None`` when they cannot be told.
+        timeout: the seconds this rank was prepared to wait.
+        elapsed: the seconds it waited.
+
+    The process group cannot be used after this error: the job (or at least the group) must
+    be restarted, e.g. from the last checkpoint.
+    """
+
+    def __init__(self, operation: str, reason: Reason, ranks: list[int] | None, *, timeout: float,
+                 elapsed: float, detail: str = "") -> None:
+        self.operation, self.reason, self.timeout, self.elapsed = operation, reason, timeout, elapsed
+        self.ranks = None if ranks is None else sorted(ranks)
+        if reason == "closed":
+            cause = (f"a peer closed its connection after {elapsed:.1f} s (it crashed, was killed or exited; "
+                     f"timeout={timeout:g} s)")
+        elif reason == "timeout":
+            cause = (f"no answer within timeout={timeout:g} s (pass a larger timeout= or set {TIMEOUT_ENV} "
+                     f"if the peers are only slow)")
         else:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            cause = f"failed after {elapsed:.1f} s: {detail}"
+        if self.ranks is None:
+            who = "which ranks did not answer is unknown"
+        elif not self.ranks:
+            who = "every rank had reached it, so one failed or died inside it"
+        else:
+            who = f"no answer from rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
+        super().__init__(f"{operation} did not complete: {cause}; {who}.")
+
+
+def _classify(exc: BaseException, elapsed: float, timeout: float) -> tuple[Reason, str]:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else repr(exc)
+    lower = text.lower()
+    if "application timeout" in lower or ("timed out" in lower and elapsed >= 0.9 * timeout):
+        return "timeout", first  # our own deadline (after it, Gloo closes the pair it timed out on)
+    if any(s in lower for s in ("connection closed", "connection reset", "broken pipe", "connection refused",
+                                "socket closed", "end of file")):
+        return "closed", first
+    return "error", first
+
+
+def _fail(step: str, exc: BaseException, started: float, timeout: float,
+          ranks: list[int] | None) -> CollectiveError:
+    elapsed = time.monotonic() - started
+    reason, detail = _classify(exc, elapsed, timeout)
+    return CollectiveError(_describe(step), reason, ranks, timeout=timeout, elapsed=elapsed, detail=detail)
+
+
+def _wait_work(work: Any, deadline: float, bounded: bool = True) -> None:
+    if not bounded:
+        # NCCL: a wait with a timeout would block this thread until the kernels finish, losing
+        # the overlap of communication and compute; its watchdog aborts a collective after the
+        # process group's timeout instead.
+        work.wait()
+        return
+    # At least a moment, so that a message already in is taken even when the deadline has passed.
+    remaining = max(deadline - time.monotonic(), 0.01)
+    work.wait(timeout=datetime.timedelta(seconds=remaining))
+
+
+def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[], Any],
+         marked: bool = True) -> None:
+    """Post a group-wide collective with ``post()`` and wait for it, within the timeout. Collective."""
+    limit = resolve_timeout(timeout)
+    if marked:
+        _begin(step)
+    count = _arrivals.arrive(group) if marked else None
+    started = time.monotonic()
+    try:
+        work = post()
+        _wait_work(work, started + limit, default_device(group).type == "cpu")
     except Exception as exc:  # Gloo/NCCL raise RuntimeError or DistBackendError subclasses
-        limit = f" within timeout={timeout:g} s" if timeout is not None else ""
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        raise CollectiveError(f"{what} did not complete{limit}: {first_line}") from exc
+        settle = min(max(started + limit - time.monotonic(), 0.0), _SETTLE_SECONDS)
+        ranks = _arrivals.missing(group, count, settle) if count is not None else None
+        raise _fail(step, exc, started, limit, ranks) from exc
 
 
 def _encode_json(value: object, device: torch.device) -> torch.Tensor:
@@ -236,7 +576,7 @@ def _gather_lengths(n: int, group: ProcessGroup, timeout: float | None, what: st
     device = default_device(group)
     length = torch.tensor([n], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(lengths, length, group=group, async_op=True), timeout, what)
+    _run(what, group, timeout, lambda: dist.all_gather(lengths, length, group=group, async_op=True))
     return [int(x) for x in lengths]
 
 
@@ -244,37 +584,46 @@ def all_gather_json(value: object, group: ProcessGroup = None, *, timeout: float
                     what: str = "all_gather") -> list[Any]:
     """Every rank's JSON-serializable ``value``, in group rank order. Collective.
 
-    JSON rather than pickle: what one rank sends is only ever parsed as data. With
-    ``timeout``, a rank that does not arrive within that many seconds (or died) makes it raise
-    ``CollectiveError`` instead of hanging.
+    JSON rather than pickle: what one rank sends is only ever parsed as data. A rank that does
+    not arrive within ``timeout`` seconds (see ``resolve_timeout``), or died, makes it raise
+    ``CollectiveError`` naming ``what`` and the ranks that never arrived.
     """
     if not _initialized():
         return [json.loads(json.dumps(value))]
+    limit = resolve_timeout(timeout)
     payload = _encode_json(value, default_device(group))
-    lengths = _gather_lengths(payload.numel(), group, timeout, what)
+    lengths = _gather_lengths(payload.numel(), group, limit, what)
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
     padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in lengths]
-    _wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout, what)
+    _run(what, group, limit, lambda: dist.all_gather(gathered, padded, group=group, async_op=True), marked=False)
     _record("all_gather", 8 + longest)
     return _decode_json(gathered, lengths)
 
 
-def broadcast_int(value: int, src: int = 0, group: ProcessGroup = None) -> int:
-    """``value`` from group rank ``src`` on every rank. Collective."""
+def broadcast_int(value: int, src: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,
+                  what: str = "broadcast") -> int:
+    """``value`` from group rank ``src`` on every rank. Collective; bounded like ``all_gather_json``."""
     if not _initialized():
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=default_device(group))
-    dist.broadcast(tensor, _global(group, src), group=group)
+    _run(what, group, timeout, lambda: dist.broadcast(tensor, _global(group, src), group=group, async_op=True))
     _record("broadcast", 8)
     return int(tensor.item())
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "sum") -> torch.Tensor:
-    """Reduce ``tensor`` over the group in place (``op``: ``"sum"`` or ``"max"``). Collective."""
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "sum",
+               timeout: float | None = None, what: str = "all_reduce") -> torch.Tensor:
+    """Reduce ``tensor`` over the group in place (``op``: ``"sum"`` or ``"max"``). Collective; bounded.
+
+    Called in forward passes, so it announces its arrival (one store write) only inside an
+    entry point (``operation``): elsewhere a failure cannot name the missing ranks.
+    """
     if _initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        _run(what, group, timeout, lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True),
+             marked=bool(_scopes()))
         _record("all_reduce", tensor.numel() * tensor.element_size())
     return tensor
 
@@ -282,8 +631,9 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "s
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
-def all_reduce_values(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "sum") -> torch.Tensor:
-    """Reduce ``tensor`` in place over every rank of the group (``op``: sum, avg, max, min). Collective.
+def all_reduce_values(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "sum",
+                      timeout: float | None = None, what: str = "all_reduce") -> torch.Tensor:
+    """Reduce ``tensor`` in place over every rank of the group (``op``: sum, avg, max, min). Collective; bounded.
 
     For a partial tensor held by every rank. ``"avg"`` is a sum divided by the world size
     on each rank, so it behaves the same on every backend. ``CommCounter`` records the bytes a
@@ -294,25 +644,23 @@ def all_reduce_values(tensor: torch.Tensor, group: ProcessGroup = None, *, op: s
         return tensor
     world = dist.get_world_size(group)
     reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS.get(op, "SUM"))
-    dist.all_reduce(tensor, op=reduce_op, group=group)
+    _run(what, group, timeout, lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True),
+         marked=bool(_scopes()))
     _record("all_reduce", 2 * (world - 1) * tensor.numel() // world * tensor.element_size())
     if op == "avg":
         tensor.div_(world)
     return tensor
 
 
-def barrier(group: ProcessGroup = None) -> None:
-    """Wait for every rank of the group. Collective."""
+def barrier(group: ProcessGroup = None, *, timeout: float | None = None, what: str = "barrier") -> None:
+    """Wait for every rank of the group. Collective; bounded like ``all_gather_json``."""
     if _initialized():
-        dist.barrier(group=group)
+        _run(what, group, timeout, lambda: dist.barrier(group=group, async_op=True))
 
 
-
-
-# -- appended for sharded compute (sharded_tensor/_functional.py) ------------------------------
-
-def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup = None) -> list[torch.Tensor]:
-    """Every rank's ``tensor``, in group-rank order. Collective.
+def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup = None, *, timeout: float | None = None,
+                      what: str = "all_gather") -> list[torch.Tensor]:
+    """Every rank's ``tensor``, in group-rank order. Collective; bounded like ``all_reduce``.
 
     All ranks pass tensors of the same shape and dtype (pad uneven pieces first); each rank
     receives every piece on ``tensor``'s own device. Without a process group (or in a world of
@@ -322,10 +670,10 @@ def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup = None) -> list[
         return [tensor]
     tensor = tensor.contiguous()
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, tensor, group=group)
+    _run(what, group, timeout, lambda: dist.all_gather(gathered, tensor, group=group, async_op=True),
+         marked=bool(_scopes()))
     _record("all_gather", tensor.numel() * tensor.element_size())
     return gathered
-
 
 
 def gather_json(value: object, dst: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,
@@ -333,18 +681,21 @@ def gather_json(value: object, dst: int = 0, group: ProcessGroup = None, *, time
     """Every rank's JSON ``value`` on group rank ``dst`` (in rank order), ``None`` elsewhere. Collective.
 
     The first step (an all_gather of payload sizes) is also a barrier: it completes only when
-    every rank has arrived, or raises ``CollectiveError`` after ``timeout`` seconds.
+    every rank has arrived, or raises ``CollectiveError`` after ``timeout`` seconds (see
+    ``resolve_timeout``) naming the ranks that never arrived.
     """
     if not _initialized():
         return [json.loads(json.dumps(value))]
+    limit = resolve_timeout(timeout)
     rank = dist.get_rank(group)
     payload = _encode_json(value, default_device(group))
-    lengths = _gather_lengths(payload.numel(), group, timeout, what)
+    lengths = _gather_lengths(payload.numel(), group, limit, what)
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
     padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in lengths] if rank == dst else None
-    _wait(dist.gather(padded, gathered, dst=_global(group, dst), group=group, async_op=True), timeout, what)
+    _run(what, group, limit,
+         lambda: dist.gather(padded, gathered, dst=_global(group, dst), group=group, async_op=True), marked=False)
     _record("gather", 8 + (longest if rank != dst else 0))
     if gathered is None:
         return None
@@ -353,21 +704,23 @@ def gather_json(value: object, dst: int = 0, group: ProcessGroup = None, *, time
 
 def broadcast_json(value: object, src: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,
                    what: str = "broadcast") -> Any:
-    """Group rank ``src``'s JSON ``value`` on every rank (others pass anything). Collective."""
+    """Group rank ``src``'s JSON ``value`` on every rank (others pass anything). Collective; bounded."""
     if not _initialized():
         return json.loads(json.dumps(value))
+    limit = resolve_timeout(timeout)
     device = default_device(group)
     rank = dist.get_rank(group)
     payload = _encode_json(value if rank == src else None, device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    _wait(dist.broadcast(length, _global(group, src), group=group, async_op=True), timeout, what)
+    _run(what, group, limit, lambda: dist.broadcast(length, _global(group, src), group=group, async_op=True))
     buffer = payload if rank == src else torch.empty(int(length), dtype=torch.uint8, device=device)
-    _wait(dist.broadcast(buffer, _global(group, src), group=group, async_op=True), timeout, what)
+    _run(what, group, limit, lambda: dist.broadcast(buffer, _global(group, src), group=group, async_op=True),
+         marked=False)
     _record("broadcast", 8 + buffer.numel() if rank == src else 0)
     return _decode_json([buffer], [buffer.numel()])[0]
 
 
-def agree(step: str, fn: Callable[[], T], group: ProcessGroup = None, *, timeout: float | None = DEFAULT_TIMEOUT,
+def agree(step: str, fn: Callable[[], T], group: ProcessGroup = None, *, timeout: float | None = None,
           share: Callable[[T], object] | None = None, error: Callable[[str], Exception] = RuntimeError,
           lost: Callable[[CollectiveError], Exception] | None = None) -> tuple[T, list[Any]]:
     """Run ``fn`` on every rank, then make every rank learn every outcome. Collective.
@@ -376,9 +729,10 @@ def agree(step: str, fn: Callable[[], T], group: ProcessGroup = None, *, timeout
     whose ``fn`` raised re-raises its own exception; every other rank raises
     ``error(message)`` naming ``step`` and each failed rank with its error, so no rank goes on
     while a peer has given up. A peer that does not report within ``timeout`` seconds (or
-    died) makes every waiting rank raise ``CollectiveError`` naming ``step``, or
-    ``lost(that error)`` when ``lost`` is given (so a caller can say what the lost peer means
-    for its operation, in its own error type).
+    died) makes every waiting rank raise ``CollectiveError`` naming ``step`` and the ranks that
+    never reported, or ``lost(that error)`` when ``lost`` is given (so a caller can say what the
+    lost peer means for its operation, in its own error type). ``timeout=None``: see
+    ``resolve_timeout``.
 
     Returns ``(result, shared)``: this rank's result and every rank's shared value, in group
     rank order (``None`` entries without ``share``).

@@ -51,7 +51,7 @@ __all__ = ["LaunchError", "launch", "run_distributed"]
 
 # After the first rank fails, wait this long for the others to finish or report their own
 # error (usually a broken collective) before killing them.
-_GRACE_SECONDS = 3.0
+_GRACE_SECONDS = 5.0
 # "forkserver" forks each rank from a clean server process that has already imported torch:
 # a 4-rank launch takes well under a second instead of several seconds for "spawn", where every
 # rank re-imports torch. Both start from a fresh interpreter (no state inherited from pytest).
@@ -81,19 +81,19 @@ class LaunchError(AssertionError):
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
-                    **kwargs: Any) -> list[Any]:
+                    grace: float = _GRACE_SECONDS, **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` Gloo ranks.
 
-    ``launch(fn, world_size, args, kwargs, timeout=timeout)``; see ``launch``.
+    ``launch(fn, world_size, args, kwargs, timeout=timeout, grace=grace)``; see ``launch``.
     """
-    return launch(fn, world_size, args, kwargs, timeout=timeout)
+    return launch(fn, world_size, args, kwargs, timeout=timeout, grace=grace)
 
 
 def launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
            kwargs: Mapping[str, Any] | None = None, *, timeout: float | None = 120,
            collective_timeout: float | None = None, env: Mapping[str, str] | None = None,
            threads: int | None = None, capture_output: bool = True,
-           start_method: str | None = None) -> list[Any]:
+           start_method: str | None = None, grace: float = _GRACE_SECONDS) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` Gloo ranks.
 
     ``fn`` must be a module-level function (it is pickled by name) and its return value must
@@ -115,6 +115,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
             (default), or leave their output on the inherited stdout/stderr, live.
         start_method: ``"forkserver"`` or ``"spawn"``; default ``SHARDKIT_TEST_START_METHOD``,
             else forkserver where available.
+        grace: once a rank has failed, seconds the others get to finish or fail on their own
+            before they are killed (raise it to see how the survivors of a crash react).
 
     Returns:
         The return values of ``fn``, indexed by rank.
@@ -180,7 +182,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
                 del os.environ["OMP_NUM_THREADS"]
         finished = False
         try:
-            results = _collect(fn_name, world_size, procs, readers, tmp, timeout)
+            results = _collect(fn_name, world_size, procs, readers, tmp, timeout, grace)
             finished = True
             return results
         finally:
@@ -193,7 +195,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
 
 
 def _collect(fn_name: str, world_size: int, procs: list[Any], readers: list[Any], tmp: str,
-             timeout: float | None) -> list[Any]:
+             timeout: float | None, grace: float) -> list[Any]:
     """Wait for every rank's report; raise ``LaunchError`` on any failure."""
     deadline = time.monotonic() + timeout if timeout is not None else float("inf")
     grace_deadline: float | None = None
@@ -237,7 +239,7 @@ def _collect(fn_name: str, world_size: int, procs: list[Any], readers: list[Any]
             else:
                 read(rank)
         if failures and grace_deadline is None:
-            grace_deadline = time.monotonic() + _GRACE_SECONDS
+            grace_deadline = time.monotonic() + grace
 
     if not pending and not failures:
         return results
@@ -252,7 +254,7 @@ def _collect(fn_name: str, world_size: int, procs: list[Any], readers: list[Any]
         parts += [f"rank {r} also failed (possibly as a consequence):\n{failures[r]}"
                   for r in failures if r != first]
         if stuck:
-            parts.append(f"ranks {stuck} were still running {_GRACE_SECONDS:g} s after rank {first} failed "
+            parts.append(f"ranks {stuck} were still running {grace:g} s after rank {first} failed "
                          f"and were killed.")
     else:
         first = None

@@ -42,7 +42,7 @@ import torch
 from _shardkit import comm as _comm
 
 from ._dtensor import dtensor_views
-from ._save import DEFAULT_TIMEOUT, _Plan, _plan, _reduce_partials, run_plan
+from ._save import _Plan, _plan, _reduce_partials, run_plan
 from ._schema import CheckpointError
 from ._storage import resolve
 
@@ -218,7 +218,7 @@ def _staging_bytes() -> int:
     return _staging.nbytes()
 
 
-def _checkpoint_group(process_group: _comm.ProcessGroup, timeout: float) -> Any:
+def _checkpoint_group(process_group: _comm.ProcessGroup, timeout: float | None) -> Any:
     """The Gloo group background saves communicate on, over the ranks of ``process_group``."""
     import torch.distributed as dist
 
@@ -227,7 +227,8 @@ def _checkpoint_group(process_group: _comm.ProcessGroup, timeout: float) -> Any:
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     group = _groups.get(ranks)
     if group is None:
-        group = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+        seconds = max(_comm.resolve_timeout(timeout), 1.0)
+        group = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=seconds))
         _groups[ranks] = group
     return group
 
@@ -258,9 +259,10 @@ def _tell_peers(problem: Exception, fs: Any, root: str, group: Any, timeout: flo
         run_plan(_Plan(), problem, fs, root, process_group=group, timeout=timeout, quiet=True)
 
 
+@_comm.collective("checkpoint.async_save")
 def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
                process_group: _comm.ProcessGroup = None, storage_options: Mapping[str, Any] | None = None,
-               timeout: float = DEFAULT_TIMEOUT, quiet: bool | None = True,
+               timeout: float | None = None, quiet: bool | None = True,
                if_busy: Literal["wait", "error"] = "wait", max_staging_bytes: int | None = None,
                reduce_partial: bool = False, _after: Callable[[], None] | None = None) -> AsyncSaveHandle:
     """Save like ``checkpoint.save``, writing in the background. Collective.
@@ -277,7 +279,9 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
             over the same ranks (created by the first call; every rank of the default group
             must make that first call).
         storage_options: passed to fsspec.
-        timeout: seconds each rank waits for the others in the background phases.
+        timeout: seconds each rank waits for the others in the background phases; a rank that
+            died or hangs makes ``result()`` raise ``CheckpointError`` within this time, naming
+            the ranks that did not answer. ``None``: ``$SHARDKIT_TIMEOUT``, else 600 s.
         quiet: ``False`` shows ``save``'s progress bar.
         if_busy: ``"wait"`` (default) waits for a save still in flight; ``"error"`` raises
             ``RuntimeError`` instead.
@@ -311,6 +315,7 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
                                           or max_staging_bytes < 1):
         msg = f"max_staging_bytes={max_staging_bytes!r} must be a positive int (bytes) or None (no cap)."
         raise ValueError(msg)
+    timeout = _comm.resolve_timeout(timeout)  # the background thread runs outside this call's scope
     with _lock:
         _wait_previous(if_busy)
         group = _checkpoint_group(process_group, timeout)
@@ -340,8 +345,9 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
 
         def work() -> None:
             try:
-                run_plan(plan, None, fs, root, process_group=group, timeout=timeout, quiet=quiet,
-                         piece_bytes=_BACKGROUND_PIECE, feed=waves)
+                with _comm.operation("checkpoint.async_save", timeout):
+                    run_plan(plan, None, fs, root, process_group=group, timeout=timeout, quiet=quiet,
+                             piece_bytes=_BACKGROUND_PIECE, feed=waves)
                 if _after is not None:
                     _after()
             except BaseException as exc:

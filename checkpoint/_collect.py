@@ -20,6 +20,7 @@ from ._dtensor import dtensor_views
 __all__ = ["collect_state_dict"]
 
 
+@_comm.collective("checkpoint.collect_state_dict")
 def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
                        process_group: _comm.ProcessGroup = None) -> dict[str, Any] | None:
     """Full CPU tensors on rank ``dst`` as a plain dict; ``None`` on every other rank. Collective.

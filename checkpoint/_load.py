@@ -211,7 +211,7 @@ def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
          key_map: KeyMap | None = None, quiet: bool | None = None,
-         timeout: float | None = _comm.DEFAULT_TIMEOUT, mmap: bool = False) -> dict[str, Any]:
+         timeout: float | None = None, mmap: bool = False) -> dict[str, Any]:
     """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
 
     A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
@@ -250,7 +250,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large loads.
         timeout: seconds a rank waits for the others once its own part is read; a rank that
             crashed or hangs makes the others raise ``CheckpointError`` within this time (at
-            once when its connection closes). ``None`` waits for ever.
+            once when its connection closes), naming the ranks that did not answer. ``None``:
+            the environment variable ``SHARDKIT_TIMEOUT``, else 600 s.
         mmap: local files only: a target block that lies in one contiguous range of a file
             (whole saved regions, row blocks, the output-feature blocks of a Hugging Face
             weight), with the file's dtype, and that no other tensor shares, is pointed at the

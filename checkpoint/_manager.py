@@ -26,7 +26,6 @@ from _shardkit import comm as _comm
 
 from ._async import AsyncSaveHandle, _checkpoint_group, async_save
 from ._load import load as _load
-from ._save import DEFAULT_TIMEOUT
 from ._save import save as _save
 from ._schema import METADATA_FILE, CheckpointError
 from ._storage import is_local, list_names, resolve
@@ -54,7 +53,8 @@ class CheckpointManager:
         best_mode: ``"min"`` (default: lower is better, a loss) or ``"max"``.
         process_group: the group saving and loading (as for ``save``).
         storage_options: passed to fsspec.
-        timeout: seconds a rank waits for the others in a save or a load.
+        timeout: seconds a rank waits for the others in a save, a load or a step choice;
+            ``None``: ``$SHARDKIT_TIMEOUT``, else 600 s.
 
     Example:
         >>> manager = checkpoint.CheckpointManager("ckpts", keep_last=2)  # doctest: +SKIP
@@ -68,7 +68,7 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
                  keep_every: int | None = None, keep_best: int | None = None,
                  best_mode: Literal["min", "max"] = "min", process_group: _comm.ProcessGroup = None,
-                 storage_options: Mapping[str, Any] | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 storage_options: Mapping[str, Any] | None = None, timeout: float | None = None) -> None:
         self.keep_last = _positive("keep_last", keep_last)
         self.keep_every = _positive("keep_every", keep_every)
         self.keep_best = _positive("keep_best", keep_best)

@@ -73,7 +73,8 @@ from ._walk import check_json_value, flatten_state_dict
 __all__ = ["save", "run_plan", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = _comm.DEFAULT_TIMEOUT
-"""Seconds a rank waits for the others in each phase before giving up (``timeout=``)."""
+"""Seconds a rank waits for the others in each phase before giving up, unless ``timeout=`` or
+``$SHARDKIT_TIMEOUT`` says otherwise."""
 
 _test_hook: Callable[[str], None] | None = None
 """Private, for tests only: called with each phase name ("planned", "data_written",
@@ -339,8 +340,9 @@ def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> 
         remove_quietly(fs, path)
 
 
+@_comm.collective("checkpoint.save")
 def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
-         storage_options: Mapping[str, Any] | None = None, timeout: float = DEFAULT_TIMEOUT,
+         storage_options: Mapping[str, Any] | None = None, timeout: float | None = None,
          quiet: bool | None = None, reduce_partial: bool = False) -> None:
     """Save a (sharded) state_dict to a checkpoint folder. Collective.
 
@@ -368,7 +370,8 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
             rank that crashed or hangs makes the others raise ``CheckpointError`` within this
             time (at once when its connection closes); storage that stops answering for
             0.8 x this time makes the rank using it raise ``CheckpointError``, and every other
-            rank learns that error.
+            rank learns that error. The errors name the ranks that did not answer. ``None``:
+            the environment variable ``SHARDKIT_TIMEOUT``, else 600 s.
         quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large saves.
         reduce_partial: save ``ShardedTensor`` entries holding partial values (``PartialSpec``)
             as their reduced values (one reduce-scatter each; the entries are left as they
@@ -399,7 +402,7 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
 
 
 def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSystem, root: str, *,
-             process_group: _comm.ProcessGroup, timeout: float, quiet: bool | None,
+             process_group: _comm.ProcessGroup, timeout: float | None, quiet: bool | None,
              piece_bytes: int = _PIECE, feed: Any = None) -> None:
     """The phases of ``save`` after planning (prepare, write, commit, cleanup). Collective.
 
@@ -413,7 +416,9 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
     which may wait until it is staged) and is told when it is written (``feed.release(i)``).
     """
     rank, world = _comm.rank_and_world(process_group)
-    job = _Job(plan, fs, root, process_group, timeout, rank, world)
+    # The entry point's name (checkpoint.async_save's thread runs this too) goes into every error.
+    job = _Job(plan, fs, root, process_group, _comm.resolve_timeout(timeout), rank, world,
+               op=_comm.operation_name("checkpoint.save"))
     _prepare_phase(job, problem)
     try:
         reports = _write_phase(job, quiet=quiet, piece_bytes=piece_bytes, feed=feed)
@@ -455,10 +460,11 @@ class _Job:
     rank: int
     world: int
     generation: str = ""
+    op: str = "checkpoint.save"
 
     def storage(self, doing: str, fn: Callable[[Watchdog], Any], *, limit: float | None = None) -> Any:
         """``fn`` bounded by ``timeout`` without progress; storage errors become ``CheckpointError`` naming ``doing``."""
-        what = f"checkpoint.save to {self.root!r}: {doing}"
+        what = f"{self.op} to {self.root!r}: {doing}"
         try:
             return run_bounded(fn, limit=self.timeout * _STALL_SHARE if limit is None else limit, what=what)
         except (CheckpointError, FileExistsError, ValueError, TypeError):  # already say what and where
@@ -476,9 +482,9 @@ class _Job:
         was committed).
         """
         def peer_lost(exc: _comm.CollectiveError) -> CheckpointError:
-            return _PeerLost(f"checkpoint.save to {self.root!r} failed: {lost} ({exc}). {after or _UNCHANGED}")
+            return _PeerLost(f"{self.op} to {self.root!r} failed: {lost} ({exc}). {after or _UNCHANGED}")
 
-        return _comm.agree(f"checkpoint.save to {self.root!r}: {phase}", fn, self.group, timeout=self.timeout,
+        return _comm.agree(f"{self.op} to {self.root!r}: {phase}", fn, self.group, timeout=self.timeout,
                            share=share, error=lambda text: CheckpointError(f"{text}. {_UNCHANGED}"), lost=peer_lost)
 
 
@@ -499,7 +505,7 @@ def _prepare_phase(job: _Job, problem: Exception | None) -> None:
     if len({e["digest"] for e in everyone}) > 1:
         _, signatures = job.agree("structure check", lambda: job.plan.signature, lost=not_joined,
                                   share=lambda signature: signature)
-        msg = (f"checkpoint.save to {job.root!r}: every rank must save a state_dict of the same structure "
+        msg = (f"{job.op} to {job.root!r}: every rank must save a state_dict of the same structure "
                f"(names, kinds, sizes, dtypes and layouts), but {_describe_mismatch(signatures)}.")
         raise ValueError(msg)
     job.generation = everyone[0]["generation"]

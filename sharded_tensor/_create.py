@@ -126,6 +126,7 @@ def randn(*size: int, sharding_spec: PlacementSpec | None = None, dtype: torch.d
                    process_group, names, lambda t, s, m: fill_normal_(t, seed, s.offsets, m.size))
 
 
+@_comm.collective("st.shard_tensor")
 def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_rank: int = 0,
                  process_group: _comm.ProcessGroup = None) -> ShardedTensor:
     """Split ``tensor`` from ``src_rank`` over the ranks as ``sharding_spec`` says. Collective.
@@ -133,6 +134,10 @@ def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_
     ``tensor`` on ``src_rank`` is the source of truth; other ranks may pass ``None``. Each rank
     receives only its own shards and ``src_rank`` sends each rank only those: the full tensor
     crosses the network at most once in total.
+
+    A rank that died or does not answer makes the others raise ``CollectiveError`` (naming
+    the operation and the ranks that did not answer) at once when its connection closes, at
+    the latest after ``SHARDKIT_TIMEOUT`` seconds (default 600); see the troubleshooting guide.
 
     Example:
         >>> # 4 ranks, a (10, 4) tensor split on dim 0 -> rows 3/3/3/1

@@ -267,6 +267,7 @@ class ShardedTensor:
             raise RuntimeError(msg)
         return world
 
+    @_comm.collective("ShardedTensor.reshard")
     def reshard(self, sharding_spec: PlacementSpec) -> ShardedTensor:
         """Lay the data out as ``sharding_spec``, in place, and return self. Collective.
 
@@ -283,6 +284,10 @@ class ShardedTensor:
         ``PartialSpec`` with ``"sum"`` one holder keeps each block and the others hold zeros;
         with ``"avg"``, ``"max"`` or ``"min"`` every holder keeps the values. Partial values
         pending one reduction cannot become partial values pending another (``ValueError``).
+
+        A rank that died or does not answer makes the others raise ``CollectiveError`` (naming
+        the operation and the ranks that did not answer) at once when its connection closes, at
+        the latest after ``SHARDKIT_TIMEOUT`` seconds (default 600); see the troubleshooting guide.
 
         Example:
             >>> # 4 ranks, (8, 8) split by rows -> split by columns: each rank keeps its 2x2
@@ -308,10 +313,16 @@ class ShardedTensor:
         self._local = [Shard(tensors[i], shard) for i, shard in target.shards_on(self._rank)]
         return self
 
+    @_comm.collective("ShardedTensor.gather")
     def gather(self, dst: int = 0) -> torch.Tensor | None:
         """The full tensor on rank ``dst`` (on its shards' device), ``None`` elsewhere. Collective.
 
         Partial values are reduced (each holder sends its value to ``dst``).
+
+        A rank that died or does not answer makes the others raise ``CollectiveError`` (naming
+        the operation and the ranks that did not answer) at once when its connection closes, at
+        the latest after ``SHARDKIT_TIMEOUT`` seconds (default 600); see the troubleshooting guide.
+        A rank that only sends to live ranks may return before noticing a dead one.
         """
         world = self._world()
         if not 0 <= dst < world:
@@ -321,10 +332,15 @@ class ShardedTensor:
         tensors = redistribute(self._local_by_index(), self._metadata, target, rank=self._rank, group=self._group)
         return tensors.get(0)
 
+    @_comm.collective("ShardedTensor.full_tensor")
     def full_tensor(self) -> torch.Tensor:
         """The full tensor on every rank (on each rank's own device). Collective.
 
         Partial values are reduced, with one all-reduce when every rank holds one.
+
+        A rank that died or does not answer makes the others raise ``CollectiveError`` (naming
+        the operation and the ranks that did not answer) at once when its connection closes, at
+        the latest after ``SHARDKIT_TIMEOUT`` seconds (default 600); see the troubleshooting guide.
         """
         world = self._world()
         target = ShardedTensorMetadata(

@@ -383,6 +383,7 @@ def _short(value: object) -> str:
 
 # -- public API ------------------------------------------------------------------------------------
 
+@_comm.collective("st.shard_model")
 def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int | None = None,
                 process_group: _comm.ProcessGroup = None, seed: int | None = None,
                 init: InitArg = None) -> nn.Module:
@@ -434,6 +435,8 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
             or module and why), or arguments that differ between ranks. Raised identically on
             every rank, before anything changes.
         TypeError: ``sharding_spec`` is not a spec.
+        CollectiveError: another rank died or did not answer within ``SHARDKIT_TIMEOUT``
+            seconds (default 600); the message names the ranks (see the troubleshooting guide).
 
     Example:
         >>> # 2 ranks: a Megatron-style MLP, built on meta, never materialized in full
