@@ -19,7 +19,13 @@ def _load_both(rank: int, world_size: int, root: str) -> list[str]:
     import checkpoint
     import sharded_tensor as st
     from sharding import single_split
-    from tests.data.make_v1 import ONE_RANK_VALUES, R, TWO_RANK_VALUES, one_rank_tensors, two_rank_tensors
+    from tests.data.make_v1 import (
+        ONE_RANK_VALUES,
+        TWO_RANK_VALUES,
+        R,
+        one_rank_tensors,
+        two_rank_tensors,
+    )
 
     def check(t: st.ShardedTensor, full: torch.Tensor, name: str) -> None:
         shards = t.local_shards()

@@ -13,7 +13,12 @@ import checkpoint
 import sharded_tensor as st
 from checkpoint._cli import verify
 from sharding import single_split
-from tests.data.make_v1 import ONE_RANK_VALUES, TWO_RANK_VALUES, one_rank_tensors, two_rank_tensors
+from tests.data.make_v1 import (
+    ONE_RANK_VALUES,
+    TWO_RANK_VALUES,
+    one_rank_tensors,
+    two_rank_tensors,
+)
 
 V1 = Path(__file__).parent.parent / "data" / "v1"
 
