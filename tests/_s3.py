@@ -41,7 +41,7 @@ class S3:
 
     def filesystem(self):  # type: ignore[no-untyped-def]
         """A fresh (uncached) ``s3fs.S3FileSystem`` for this server, for direct inspection in tests."""
-        import s3fs
+        import s3fs  # noqa: PLC0415
 
         return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
 

@@ -73,12 +73,12 @@ def main() -> None:
             base = _best(exact, args.repeat)
             for chunk in [256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]:
                 view = memoryview(data)
-                crc_time = _best(lambda: [crc32c.crc32c(view[i:i + chunk]) for i in range(0, size, chunk)],
+                crc_time = _best(lambda c=chunk: [crc32c.crc32c(view[i:i + c]) for i in range(0, size, c)],
                                  args.repeat)
                 sums = chunk_checksums(data, chunk)
                 plans = [plan_read(s, s + want, size, chunk) for s in starts]
 
-                def verified() -> None:
+                def verified(plans=plans, sums=sums, chunk=chunk) -> None:
                     for p in plans:
                         verify_chunks(os.pread(fd, p.read_end - p.read_start, p.read_start), p, sums, chunk)
                 checked = _best(verified, args.repeat)

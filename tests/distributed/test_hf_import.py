@@ -20,11 +20,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-import checkpoint
-import sharded_tensor as st
-from sharding import composite, single_split
-from tests.distributed._launch import run_distributed
-from tests.distributed.test_hf_models import _llama_config, llama_spec
+import checkpoint  # noqa: E402
+import sharded_tensor as st  # noqa: E402
+from sharding import composite, single_split  # noqa: E402
+from tests.distributed._launch import run_distributed  # noqa: E402
+from tests.distributed.test_hf_models import _llama_config, llama_spec  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

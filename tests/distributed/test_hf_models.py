@@ -22,11 +22,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-import checkpoint
-import sharded_tensor as st
-from sharding import composite, single_split
-from tests.distributed._grads import local_grad_mismatches
-from tests.distributed._launch import run_distributed
+import checkpoint  # noqa: E402
+import sharded_tensor as st  # noqa: E402
+from sharding import composite, single_split  # noqa: E402
+from tests.distributed._grads import local_grad_mismatches  # noqa: E402
+from tests.distributed._launch import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 VOCAB, LAYERS = 96, 2

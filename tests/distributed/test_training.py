@@ -40,7 +40,7 @@ def _lm() -> nn.Module:
                          nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB))
 
 
-def _build(spec, *, seed: int = 0, group=None) -> nn.Module:
+def _build(spec, *, seed: int = 0, group=None) -> nn.Module:  # noqa: ANN001
     with torch.device("meta"):
         model = _lm()
     st.shard_model(model, spec, seed=seed, process_group=group)
@@ -55,7 +55,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(tokens[:-1]), tokens[1:])
 
 
-def _full_grads(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
+def _full_grads(model: nn.Module, group=None) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """Every parameter's full gradient (split ones gathered), by name."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     out = {}
@@ -68,7 +68,7 @@ def _full_grads(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def _uneven_spec(ranks: list[str]):
+def _uneven_spec(ranks: list[str]):  # noqa: ANN202
     return composite(**{
         "0.weight": single_split(0, ranks, [13, 0, 16]),  # vocabulary rows, one rank holds none
         "1": single_split(0, ranks, [9, 7, 4]),          # output features
@@ -151,13 +151,13 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> list
     return losses
 
 
-def _spec_a(world_size: int):
+def _spec_a(world_size: int):  # noqa: ANN202
     ranks = [f"rank:{r}/cpu" for r in range(world_size)]
     return composite(**{"0": single_split(0, ranks), "1": single_split(0, ranks), "3.weight": single_split(1, ranks),
                         "5": single_split(0, ranks)})
 
 
-def _spec_b(world_size: int):
+def _spec_b(world_size: int):  # noqa: ANN202
     ranks = [f"rank:{r}/cpu" for r in range(world_size)]
     return composite(**{"0": single_split(1, ranks), "1.weight": single_split(1, ranks),
                         "5.weight": single_split(1, ranks, [2, 3, 4, 3])})

@@ -102,7 +102,7 @@ def test_set_state_dict_names_missing_entries():
     st.set_state_dict(model, None, {"model": state["model"]})
 
 
-def _layout(shards: list[tuple[tuple[int, int], tuple[int, int], int]], size: tuple[int, int]):
+def _layout(shards: list[tuple[tuple[int, int], tuple[int, int], int]], size: tuple[int, int]):  # noqa: ANN202
     from sharded_tensor._model.parallel import classify
     from sharded_tensor._model.sharder import ShardedParameter
     from sharding import EnumerableShardingSpec, ShardMetadata
