@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""What verifying chunk checksums costs a 1 GiB ``checkpoint.load`` (one process, page cache warm).
+
+Not a test: prints one JSON document. Saves a 1 GiB fp32 state dict (16 tensors of
+4096 x 4096) from one process, then times ``checkpoint.load`` into three layouts:
+
+- ``whole``: plain tensors (every saved region read whole);
+- ``rows``: each tensor split into 3 row blocks (partial reads, one contiguous range each);
+- ``cols``: each tensor split into 2 column blocks (partial reads, one run per row).
+
+For each, the best of ``--repeat`` loads is compared with the time CRC-32C takes over the
+bytes that load verifies (every chunk a read touches), measured alone on the same
+machine just before (reading the files, with and without CRC-32C over every chunk):
+``checksum_share = crc time / load time``.
+
+Usage::
+
+    python scripts/bench/checksum_cost.py               # 1 GiB
+    python scripts/bench/checksum_cost.py --mib 128     # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # before this folder, whose checkpoint.py would shadow the package
+
+import crc32c  # noqa: E402
+import torch  # noqa: E402
+
+import checkpoint  # noqa: E402
+import sharded_tensor as st  # noqa: E402
+from checkpoint._chunks import CHUNK_BYTES  # noqa: E402
+from sharding import single_split  # noqa: E402
+
+R0 = "rank:0/cpu"
+
+
+def _targets(layout: str, n: int, side: int) -> dict[str, object]:
+    if layout == "whole":
+        return {f"t{i}": torch.zeros(side, side) for i in range(n)}
+    dim, parts = (0, 3) if layout == "rows" else (1, 2)
+    return {f"t{i}": st.zeros(side, side, sharding_spec=single_split(dim, [R0] * parts)) for i in range(n)}
+
+
+def _best(fn, repeat: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times), times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    n = 16
+    side = int((args.mib * (1 << 20) / n / 4) ** 0.5)
+    results = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("SHARDKIT_BENCH_DIR")) as tmp:
+        folder = Path(tmp) / "ck"
+        checkpoint.save({f"t{i}": torch.full((side, side), float(i)) for i in range(n)}, folder, quiet=True)
+        plain = Path(tmp) / "plain"
+        shutil.copytree(folder, plain)
+        md = json.loads((plain / "shardkit.json").read_text())
+        version = md["version"]
+        files = sorted(folder.glob("data-*.safetensors"))
+        total = sum(p.stat().st_size for p in files)
+        # CRC-32C alone over every byte (all layouts touch every chunk of a tensor split this way)
+        def crc_all() -> None:
+            for p in files:
+                with open(p, "rb") as f:
+                    data = f.read()
+                view = memoryview(data)
+                for i in range(0, len(view), CHUNK_BYTES):
+                    crc32c.crc32c(view[i:i + CHUNK_BYTES])
+        def read_all() -> None:
+            for p in files:
+                with open(p, "rb") as f:
+                    f.read()
+        crc_all()
+        crc_plus_read, _ = _best(crc_all, args.repeat)
+        read_only, _ = _best(read_all, args.repeat)
+        crc_time = max(crc_plus_read - read_only, 0.0)
+        for layout in ("whole", "rows", "cols"):
+            targets = _targets(layout, n, side)
+            checkpoint.load(targets, folder, quiet=True)  # warm
+            best, times = _best(lambda t=targets: checkpoint.load(t, folder, quiet=True), args.repeat)
+            results[layout] = {"load_s": round(best, 4), "all_s": [round(x, 4) for x in times],
+                               "gbps": round(total / best / 1e9, 2),
+                               "checksum_share": round(crc_time / best, 3)}
+    print(json.dumps({"bytes": total, "format_version": version, "chunk_bytes": CHUNK_BYTES,
+                      "crc_alone_s": round(crc_time, 4), "crc_gbps": round(total / max(crc_time, 1e-9) / 1e9, 2),
+                      "layouts": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
