@@ -368,15 +368,17 @@ def broadcast_json(value: object, src: int = 0, group: ProcessGroup = None, *, t
 
 
 def agree(step: str, fn: Callable[[], T], group: ProcessGroup = None, *, timeout: float | None = DEFAULT_TIMEOUT,
-          share: Callable[[T], object] | None = None,
-          error: Callable[[str], Exception] = RuntimeError) -> tuple[T, list[Any]]:
+          share: Callable[[T], object] | None = None, error: Callable[[str], Exception] = RuntimeError,
+          lost: Callable[[CollectiveError], Exception] | None = None) -> tuple[T, list[Any]]:
     """Run ``fn`` on every rank, then make every rank learn every outcome. Collective.
 
     Each rank runs ``fn`` and reports either its failure or ``share(result)`` (JSON). A rank
     whose ``fn`` raised re-raises its own exception; every other rank raises
     ``error(message)`` naming ``step`` and each failed rank with its error, so no rank goes on
-    while a peer has given up. A peer that does not report within ``timeout`` seconds makes
-    every waiting rank raise ``CollectiveError`` naming ``step``.
+    while a peer has given up. A peer that does not report within ``timeout`` seconds (or
+    died) makes every waiting rank raise ``CollectiveError`` naming ``step``, or
+    ``lost(that error)`` when ``lost`` is given (so a caller can say what the lost peer means
+    for its operation, in its own error type).
 
     Returns ``(result, shared)``: this rank's result and every rank's shared value, in group
     rank order (``None`` entries without ``share``).
@@ -395,6 +397,8 @@ def agree(step: str, fn: Callable[[], T], group: ProcessGroup = None, *, timeout
     except CollectiveError as exc:
         if failure is not None:
             raise failure from exc
+        if lost is not None:
+            raise lost(exc) from exc
         raise
     if failure is not None:
         raise failure

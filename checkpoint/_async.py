@@ -41,8 +41,9 @@ import torch
 from _shardkit import comm as _comm
 
 from ._dtensor import dtensor_views
-from ._format import CheckpointError, resolve
 from ._save import DEFAULT_TIMEOUT, _Plan, _plan, _reduce_partials, run_plan
+from ._schema import CheckpointError
+from ._storage import resolve
 
 __all__ = ["async_save", "AsyncSaveHandle"]
 

@@ -15,21 +15,12 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-import fsspec
-
-from ._consolidate import _Source, consolidate_files, parse_size
+from ._consolidate import consolidate_files, parse_size
 from ._dcp import convert
-from ._format import (
-    CheckpointError,
-    CheckpointMetadata,
-    TensorEntry,
-    _read_metadata,
-    member,
-    read_safetensors_header,
-    resolve,
-    safetensors_dtype,
-)
 from ._progress import progress
+from ._reader import DataReader, truncated_error
+from ._schema import CheckpointError, CheckpointMetadata, TensorEntry, safetensors_dtype
+from ._storage import member, read_metadata_at, resolve
 
 __all__ = ["main", "verify", "tensor_layout"]
 
@@ -241,7 +232,7 @@ def _describe(path: str, metadata: CheckpointMetadata) -> dict[str, Any]:
 
 def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextIO, width: int | None = None) -> int:
     fs, root = resolve(path, options)
-    info = _describe(path, _read_metadata(fs, root))
+    info = _describe(path, read_metadata_at(fs, root))
     if as_json:
         print(json.dumps(info, indent=2), file=out)
         return 0
@@ -292,7 +283,7 @@ def verify(path: str, *, storage_options: Mapping[str, Any] | None = None, quiet
     and, where one is involved, the tensor.
     """
     fs, root = resolve(path, storage_options)
-    metadata = _read_metadata(fs, root)
+    metadata = read_metadata_at(fs, root)
     problems: list[str] = []
     by_file: dict[str, list[str]] = {}
     for name, entry in metadata.tensors.items():
@@ -300,45 +291,48 @@ def verify(path: str, *, storage_options: Mapping[str, Any] | None = None, quiet
             if name not in by_file.setdefault(shard.file, []):
                 by_file[shard.file].append(name)
     bad_files: set[str] = set()
-    for file, expected in sorted(metadata.files.items()):
-        problem, unreadable = _check_file(fs, root, file, expected, by_file.get(file, []), metadata)
-        if problem:
-            problems.append(problem)
-        if unreadable:
-            bad_files.add(file)
-    regions = sorted(((shard.file, shard.byte_range[0], name, shard)
-                      for name, entry in metadata.tensors.items() for shard in entry.shards
-                      if shard.numel > 0 and shard.file not in bad_files), key=lambda r: r[:2])
-    scratch = memoryview(bytearray(16 << 20))
-    with progress(sum(r[3].nbytes for r in regions), "verify", quiet=quiet) as bar, _Source(fs, root) as source:
-        for _, _, name, shard in regions:
+    with DataReader(fs) as reader:
+        for file, expected in sorted(metadata.files.items()):
             try:
-                for piece in source.chunks(name, shard, scratch):
-                    bar.update(len(piece))
+                _check_file(reader, root, file, expected, by_file.get(file, []), metadata)
+            except _Unreadable as exc:
+                problems.append(str(exc))
+                bad_files.add(file)
             except CheckpointError as exc:
                 problems.append(str(exc))
+        regions = sorted(((shard.file, shard.byte_range[0], name, shard)
+                          for name, entry in metadata.tensors.items() for shard in entry.shards
+                          if shard.numel > 0 and shard.file not in bad_files), key=lambda r: r[:2])
+        scratch = memoryview(bytearray(16 << 20))
+        with progress(sum(r[3].nbytes for r in regions), "verify", quiet=quiet) as bar:
+            for file, _, name, shard in regions:
+                try:
+                    for piece in reader.region_pieces(member(root, file), shard, scratch, tensor=name):
+                        bar.update(len(piece))
+                except CheckpointError as exc:
+                    problems.append(str(exc))
     return metadata, problems
 
 
-def _check_file(fs: fsspec.AbstractFileSystem, root: str, file: str, expected: int, tensors: list[str],
-                metadata: CheckpointMetadata) -> tuple[str | None, bool]:
-    """``(problem or None, whether the file's regions cannot be read at all)``."""
+class _Unreadable(CheckpointError):
+    """A data file whose regions cannot be read at all (missing or truncated): they are not checked one by one."""
+
+
+def _check_file(reader: DataReader, root: str, file: str, expected: int, tensors: list[str],
+                metadata: CheckpointMetadata) -> None:
+    """Check that data file ``file`` has the recorded size and a safetensors header matching the metadata."""
     path = member(root, file)
-    holding = (f" (holding tensor{'s' if len(tensors) != 1 else ''} "
-               f"{', '.join(repr(t) for t in tensors[:5])}{', ...' if len(tensors) > 5 else ''})") if tensors else ""
     try:
-        actual = fs.size(path)
-    except FileNotFoundError:
-        return (f"data file {path!r}{holding} is missing; the checkpoint is incomplete or was modified after it "
-                f"was saved."), True
-    if actual != expected:
-        what = "truncated" if actual < expected else "longer than recorded"
-        return (f"data file {path!r}{holding} has {actual} bytes but the metadata records {expected}: it is {what} "
-                f"(restore it or save the checkpoint again)."), actual < expected
-    try:
-        header, data_start = read_safetensors_header(fs, path)
+        actual = reader.size(path, tensors=tensors)
     except CheckpointError as exc:
-        return f"{str(exc).rstrip('.')}{holding}.", False
+        raise _Unreadable(str(exc)) from exc
+    if actual < expected:
+        raise _Unreadable(str(truncated_error(path, tensors, 0, expected, actual)))
+    if actual > expected:
+        msg = (f"data file {path!r} has {actual} bytes but the metadata records {expected}: it is longer than "
+               f"recorded (restore it or save the checkpoint again).")
+        raise CheckpointError(msg)
+    header, data_start, _ = reader.read_header(path, tensors=tensors)
     for name in tensors:
         entry = metadata.tensors[name]
         for shard in entry.shards:
@@ -350,10 +344,10 @@ def _check_file(fs: fsspec.AbstractFileSystem, root: str, file: str, expected: i
                        else [data_start + int(o) for o in item["data_offsets"]])
             if (not isinstance(item, dict) or {k: item.get(k) for k in expected_item} != expected_item
                     or offsets != list(shard.byte_range)):
-                return (f"data file {path!r}: the safetensors header entry {shard.key!r} of tensor {name!r} is "
-                        f"{item!r} (data at {offsets}), but the metadata records {expected_item} at bytes "
-                        f"{list(shard.byte_range)}; the file does not belong to this checkpoint or is corrupt."), False
-    return None, False
+                msg = (f"data file {path!r}: the safetensors header entry {shard.key!r} of tensor {name!r} is "
+                       f"{item!r} (data at {offsets}), but the metadata records {expected_item} at bytes "
+                       f"{list(shard.byte_range)}; the file does not belong to this checkpoint or is corrupt.")
+                raise CheckpointError(msg)
 
 
 def _verify_cmd(path: str, options: Mapping[str, Any], *, quiet: bool, out: TextIO) -> int:

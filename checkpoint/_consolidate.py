@@ -23,7 +23,6 @@ import math
 import os
 import posixpath
 import re
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,19 +30,11 @@ from typing import Any
 import fsspec
 import torch
 
-from ._format import (
-    CheckpointError,
-    CheckpointMetadata,
-    Checksum,
-    SavedShard,
-    TensorEntry,
-    _read_metadata,
-    build_safetensors_header,
-    is_local,
-    member,
-    resolve,
-)
+from ._codec import build_safetensors_header, tensor_bytes
 from ._progress import progress
+from ._reader import DataReader
+from ._schema import CheckpointMetadata, SavedShard, TensorEntry
+from ._storage import atomic_write, member, read_metadata_at, remove_quietly, resolve
 
 __all__ = ["consolidate", "consolidate_files", "parse_size", "select", "INDEX_FILE", "VALUES_KEY"]
 
@@ -163,7 +154,7 @@ def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[st
     """``consolidate``, returning the paths it wrote (data files, then the index if any)."""
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     in_fs, root = resolve(path, storage_options)
-    metadata = select(_read_metadata(in_fs, root), include=include, strip_prefix=strip_prefix,
+    metadata = select(read_metadata_at(in_fs, root), include=include, strip_prefix=strip_prefix,
                       source=os.fspath(path))
     if "__metadata__" in metadata.tensors:
         msg = ("checkpoint has a tensor named '__metadata__', which safetensors reserves for its metadata; "
@@ -173,7 +164,8 @@ def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[st
     files = _plan_files(metadata, out_fs, out_path, limit)
     total = metadata.nbytes
     done: list[str] = []
-    with progress(total, "consolidate", quiet=quiet) as bar, _Source(in_fs, root) as source:
+    with progress(total, "consolidate", quiet=quiet) as bar, DataReader(in_fs) as reader:
+        source = _Source(root, reader)
         try:
             if limit is not None:
                 out_fs.makedirs(out_path, exist_ok=True)
@@ -188,11 +180,11 @@ def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[st
                                                               if metadata.values else {})},
                          "weight_map": {name: f.name for f in files for name in f.tensors}}
                 index_path = posixpath.join(out_path, INDEX_FILE)
-                _publish(out_fs, index_path, [json.dumps(index, indent=2).encode()])
+                atomic_write(out_fs, index_path, [json.dumps(index, indent=2).encode()])
                 done.append(index_path)
         except BaseException:
             for p in done:
-                _remove(out_fs, p)
+                remove_quietly(out_fs, p)
             raise
     return done
 
@@ -319,98 +311,18 @@ def _contiguous_start(entry: TensorEntry, shard: SavedShard) -> int | None:
     return sum(o * s for o, s in zip(shard.offsets, strides))
 
 
-# -- reading -----------------------------------------------------------------------------------
+# -- reading and writing ------------------------------------------------------------------------
 
+@dataclass(frozen=True, slots=True)
 class _Source:
-    """Reads saved regions of one checkpoint, verifying each region's checksum."""
+    """The checkpoint being read: its folder and the reader of its data files."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
-        self._fs, self._root = fs, root
-        self._local = is_local(fs)
-        self._handles: dict[str, Any] = {}
+    root: str
+    reader: DataReader
 
-    def __enter__(self) -> _Source:
-        return self
+    def path(self, shard: SavedShard) -> str:
+        return member(self.root, shard.file)
 
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles.values():
-            handle.close()
-        self._handles.clear()
-
-    def _missing(self, path: str, name: str, exc: BaseException) -> CheckpointError:
-        return CheckpointError(f"data file {path!r} of tensor {name!r} is missing; the checkpoint is incomplete "
-                               f"or was modified after it was saved ({exc}).")
-
-    def _short(self, path: str, name: str, start: int, wanted: int, got: int) -> CheckpointError:
-        return CheckpointError(f"data file {path!r} of tensor {name!r} is truncated: needed bytes "
-                               f"[{start}, {start + wanted}) but only {got} of {wanted} could be read.")
-
-    def _readinto(self, path: str, name: str, start: int, buffer: memoryview) -> None:
-        if not self._local:
-            try:
-                data = self._fs.cat_file(path, start=start, end=start + len(buffer))
-            except FileNotFoundError as exc:
-                raise self._missing(path, name, exc) from exc
-            if len(data) != len(buffer):
-                raise self._short(path, name, start, len(buffer), len(data))
-            buffer[:] = data
-            return
-        handle = self._handles.get(path)
-        if handle is None:
-            try:
-                handle = self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in __exit__
-            except FileNotFoundError as exc:
-                raise self._missing(path, name, exc) from exc
-        done = 0
-        while done < len(buffer):
-            n = os.preadv(handle.fileno(), [buffer[done:]], start + done)
-            if n <= 0:
-                raise self._short(path, name, start, len(buffer), done)
-            done += n
-
-    def chunks(self, name: str, shard: SavedShard, buffer: memoryview) -> Iterator[memoryview]:
-        """The region's bytes in pieces of at most ``len(buffer)``, read into ``buffer``.
-
-        The checksum is checked after the last piece, before it is handed out: a consumer
-        that writes pieces as they come must discard its output on ``CheckpointError``.
-        """
-        path = member(self._root, shard.file)
-        start, end = shard.byte_range
-        digest = Checksum()
-        position = start
-        while position < end:
-            piece = buffer[:min(len(buffer), end - position)]
-            self._readinto(path, name, position, piece)
-            digest.update(piece)
-            position += len(piece)
-            if position == end:
-                self._check(digest, shard, path, name)
-            yield piece
-
-    def read(self, name: str, shard: SavedShard, out: memoryview) -> None:
-        """The whole region into ``out`` (exactly ``shard.nbytes`` long), checksum verified."""
-        path = member(self._root, shard.file)
-        self._readinto(path, name, shard.byte_range[0], out)
-        digest = Checksum()
-        digest.update(out)
-        self._check(digest, shard, path, name)
-
-    @staticmethod
-    def _check(digest: Checksum, shard: SavedShard, path: str, name: str) -> None:
-        actual = digest.hexdigest()
-        if actual != shard.checksum:
-            msg = (f"checksum mismatch in {path!r} for tensor {name!r} (region offsets={list(shard.offsets)}, "
-                   f"dims={list(shard.dims)}): the metadata records {shard.checksum} but the data has {actual}; "
-                   f"the file is corrupt (restore it or save the checkpoint again).")
-            raise CheckpointError(msg)
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """Writable raw bytes of a contiguous CPU tensor (any dtype, bool and bfloat16 included)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-
-
-# -- writing -----------------------------------------------------------------------------------
 
 class _Buffers:
     """Reusable uninitialized CPU buffers: filling fresh memory costs page faults every time."""
@@ -430,13 +342,13 @@ class _Buffers:
 
 def _tensor_pieces(name: str, entry: TensorEntry, source: _Source, scratch: memoryview,
                    buffers: _Buffers, bar: Any) -> Iterator[memoryview]:
-    """The full tensor's bytes in row-major order, in pieces, assembled from its saved regions."""
+    """The full tensor's bytes in row-major order, in pieces, assembled from its saved regions (verified)."""
     regions = [s for s in entry.shards if s.numel > 0]
     starts = [_contiguous_start(entry, s) for s in regions]
     if all(s is not None for s in starts):
         # Row blocks: the regions, sorted by where they start, are the tensor's bytes in order.
         for _, shard in sorted(zip(starts, regions), key=lambda p: p[0]):  # type: ignore[arg-type, return-value]
-            for piece in source.chunks(name, shard, scratch):
+            for piece in source.reader.region_pieces(source.path(shard), shard, scratch, tensor=name):
                 yield piece
                 bar.update(len(piece))
         return
@@ -444,11 +356,11 @@ def _tensor_pieces(name: str, entry: TensorEntry, source: _Source, scratch: memo
     full = buffers.get("full", entry.size, entry.dtype)
     for shard in regions:
         block = buffers.get("region", torch.Size(shard.dims), entry.dtype)
-        source.read(name, shard, _bytes_of(block))
+        source.reader.read_region(source.path(shard), shard, tensor_bytes(block), tensor=name)
         index = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.dims))
         full[index].copy_(block)
         bar.update(shard.nbytes)
-    data = _bytes_of(full)
+    data = tensor_bytes(full)
     for start in range(0, len(data), _CHUNK):
         yield data[start:start + _CHUNK]
 
@@ -465,47 +377,4 @@ def _write_file(fs: fsspec.AbstractFileSystem, file: _OutputFile, metadata: Chec
         for name in file.tensors:
             yield from _tensor_pieces(name, metadata.tensors[name], source, scratch, buffers, bar)
 
-    _publish(fs, file.path, body())
-
-
-def _publish(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterator[bytes | memoryview] | Sequence[bytes]) -> None:
-    """Write ``path`` so that it is complete or absent, whatever fails in between."""
-    if is_local(fs):
-        folder = posixpath.dirname(path) or "."
-        fs.makedirs(folder, exist_ok=True)
-        temporary = posixpath.join(folder, f".{posixpath.basename(path)}.partial-{uuid.uuid4().hex[:8]}")
-        try:
-            with open(temporary, "wb") as handle:
-                for piece in pieces:
-                    handle.write(piece)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
-            raise
-        return
-    # Object stores make an upload visible only once it completes; on failure abort it.
-    handle = fs.open(path, "wb")
-    try:
-        for piece in pieces:
-            handle.write(piece)
-    except BaseException:
-        try:
-            if isinstance(handle, fsspec.spec.AbstractBufferedFile):
-                handle.discard()        # s3fs: abort the multipart upload
-                handle.closed = True    # and never flush the rest
-            else:
-                handle.close()
-        finally:
-            _remove(fs, path)
-        raise
-    handle.close()
-
-
-def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
-    try:
-        fs.rm_file(path)
-    except (FileNotFoundError, OSError):
-        pass
+    atomic_write(fs, file.path, body())

@@ -32,7 +32,9 @@ import torch
 from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
 
-from ._format import METADATA_FILE, CheckpointError, flatten_state_dict, resolve
+from ._schema import METADATA_FILE, CheckpointError
+from ._storage import resolve
+from ._walk import flatten_state_dict
 
 __all__ = ["convert", "is_dcp_checkpoint", "load_dcp"]
 
@@ -336,8 +338,8 @@ def _write_safetensors(state: dict[str, Any], output: str | os.PathLike[str]) ->
 def _write_dcp(path: str | os.PathLike[str], output: str | os.PathLike[str]) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from ._format import read_metadata
     from ._load import load
+    from ._storage import read_metadata
 
     metadata = read_metadata(path)
     state: dict[str, Any] = {name: None for name in metadata.tensors}

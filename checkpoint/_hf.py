@@ -25,29 +25,28 @@ non-negative ints, data offsets inside the file and of exactly the size the shap
 from __future__ import annotations
 
 import json
+import math
 import posixpath
-import struct
 from collections.abc import Callable, Mapping
 
 import fsspec
 import torch
 
-from ._format import (
-    _DTYPES,
+from ._reader import DataReader
+from ._schema import (
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
     SavedShard,
     TensorEntry,
     check_file_name,
+    dtype_from_code,
 )
 
 __all__ = ["INDEX_FILE", "find_hf", "read_hf_metadata", "apply_key_map", "KeyMap"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
-_MAX_HEADER = 100 << 20  # safetensors' own limit on a header
-_BY_CODE = {code: dtype for dtype, (_, code) in _DTYPES.items()}
 
 KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
 
@@ -77,42 +76,12 @@ def find_hf(fs: fsspec.AbstractFileSystem, root: str) -> tuple[str, list[str], s
     return None
 
 
-def _header(fs: fsspec.AbstractFileSystem, path: str) -> tuple[dict[str, object], int, int]:
-    """``(header, data start, file size)`` of a safetensors file, validated."""
-    try:
-        size = int(fs.size(path))
-        head = fs.cat_file(path, start=0, end=8)
-    except FileNotFoundError as exc:
-        msg = f"safetensors file {path!r} is missing."
-        raise CheckpointError(msg) from exc
-    if len(head) < 8:
-        msg = f"safetensors file {path!r} is truncated: {size} bytes, shorter than its 8-byte header length."
-        raise CheckpointError(msg)
-    (length,) = struct.unpack("<Q", head)
-    if length > _MAX_HEADER or 8 + length > size:
-        msg = (f"safetensors file {path!r} claims a {length}-byte header in a {size}-byte file; the file is "
-               f"truncated or not a safetensors file.")
-        raise CheckpointError(msg)
-    try:
-        header = json.loads(fs.cat_file(path, start=8, end=8 + length))
-    except ValueError as exc:
-        msg = f"safetensors file {path!r} has a header that is not valid JSON: {exc}."
-        raise CheckpointError(msg) from exc
-    if not isinstance(header, dict):
-        msg = f"safetensors file {path!r} has a header that is not a JSON object."
-        raise CheckpointError(msg)
-    return header, 8 + length, size
-
-
 def _entry(path: str, name: str, info: object, file: str, start: int, size: int) -> TensorEntry:
     where = f"tensor {name!r} in {path!r}"
     if not isinstance(info, dict):
         msg = f"{where}: the header entry is not an object."
         raise CheckpointError(msg)
-    dtype = _BY_CODE.get(info.get("dtype"))  # type: ignore[arg-type]
-    if dtype is None:
-        msg = f"{where} has dtype {info.get('dtype')!r}, which shardkit does not read; known: {sorted(_BY_CODE)}."
-        raise CheckpointError(msg)
+    dtype = dtype_from_code(info.get("dtype"), where=where)
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
         msg = f"{where} has shape {shape!r}; a shape is a list of non-negative ints."
@@ -121,16 +90,13 @@ def _entry(path: str, name: str, info: object, file: str, start: int, size: int)
         msg = f"{where} has data_offsets {offsets!r}; expected [begin, end]."
         raise CheckpointError(msg)
     begin, end = offsets
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not 0 <= begin <= end or end - begin != nbytes or start + end > size:
         msg = (f"{where}: data_offsets {offsets} do not hold its {nbytes} bytes ({dtype}, shape {shape}) inside "
                f"the file's {size - start} data bytes; the file is corrupt or truncated.")
         raise CheckpointError(msg)
     shard = SavedShard((0,) * len(shape), tuple(shape), file, name, (start + begin, start + end), "")
-    return TensorEntry(torch.Size(shape), dtype, [shard])
+    return TensorEntry(torch.Size(shape), dtype, (shard,))
 
 
 def read_hf_metadata(fs: fsspec.AbstractFileSystem, folder: str, files: list[str], source: str) -> CheckpointMetadata:
@@ -142,9 +108,11 @@ def read_hf_metadata(fs: fsspec.AbstractFileSystem, folder: str, files: list[str
     """
     tensors: dict[str, TensorEntry] = {}
     sizes: dict[str, int] = {}
-    for file in files:
-        path = posixpath.join(folder, check_file_name(file, source=source))
-        header, start, size = _header(fs, path)
+    with DataReader(fs) as reader:
+        headers = {file: reader.read_header(posixpath.join(folder, check_file_name(file, source=source)))
+                   for file in files}
+    for file, (header, start, size) in headers.items():
+        path = posixpath.join(folder, file)
         sizes[file] = size
         for name, info in header.items():
             if name == "__metadata__":

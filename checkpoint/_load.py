@@ -14,20 +14,19 @@ chosen from where its bytes sit inside the saved region (row-major):
   concurrently with ``cat_ranges``) when runs are at least ``_MIN_RUN`` bytes, else the
   covering rows of the saved region in batches of at most ``_SLAB_BYTES``, then a copy.
 
-A checksum covers a whole saved region, so it is verified whenever a region is read whole
-(always the case when loading into the layout that saved it, or a coarser one). Partial reads
-are checked for length (truncation) but not against the checksum; ``python -m checkpoint
-verify`` checks every byte.
+Every read goes through ``_reader.DataReader``, and every checksummed span of a saved region
+that a read covers whole is verified (``_reader.RegionCheck``). A span is the whole region
+today, so checksums are verified whenever a region is read whole (always the case when loading
+into the layout that saved it, or a coarser one); partial reads are checked for length
+(truncation) only. ``python -m checkpoint verify`` checks every byte.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import mmap
 import os
 import posixpath
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,23 +38,21 @@ from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
 from sharding.layout import RegionIndex, box_slices
 
+from ._codec import tensor_bytes, tensor_from_bytes
 from ._dcp import is_dcp_checkpoint, load_dcp
 from ._dtensor import dtensor_views
-from ._format import (
+from ._hf import KeyMap, apply_key_map, find_hf, read_hf_metadata
+from ._progress import progress
+from ._reader import DataReader, RegionCheck
+from ._schema import (
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
     SavedShard,
     TensorEntry,
-    _read_metadata,
-    flatten_state_dict,
-    is_local,
-    member,
-    resolve,
-    verify_checksum,
 )
-from ._hf import KeyMap, apply_key_map, find_hf, read_hf_metadata
-from ._progress import progress
+from ._storage import member, read_metadata_at, resolve
+from ._walk import flatten_state_dict
 
 __all__ = ["load"]
 
@@ -87,115 +84,23 @@ def _raw(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
     """Writable bytes of ``tensor``'s memory if data of ``dtype`` can be read straight into it."""
     if tensor.device.type != "cpu" or tensor.dtype != dtype or not tensor.is_contiguous():
         return None
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+    return tensor_bytes(tensor)
 
 
-class _Reader:
-    """Range reads from one file system.
+def _copy_mapped(task: _Task, inner: tuple[slice, ...], reader: DataReader) -> None:
+    """Local only: copy block ``inner`` of the task's saved region into ``task.dest`` via a memory map.
 
-    Local files: ``os.preadv`` straight into the target, or a read-only memory map of the file
-    that a strided copy reads from (only the pages it touches are read). Other file systems:
-    fsspec range reads (``cat_file``, ``cat_ranges``).
+    Only the region's pages are mapped, and only while copying, so the pages the copy touches
+    are read from the page cache and resident memory grows by at most one region. Checksums
+    are verified only when the overlap is the whole region: checking a span reads all of it.
     """
-
-    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
-        self._fs = fs
-        self.local = is_local(fs)
-        self._files: dict[str, tuple[int, int]] = {}  # path -> (fd, size)
-
-    def close(self) -> None:
-        for fd, _ in self._files.values():
-            os.close(fd)
-        self._files.clear()
-
-    @staticmethod
-    def _missing(task: _Task, exc: BaseException) -> CheckpointError:
-        return CheckpointError(f"data file {task.path!r} of tensor {task.name!r} is missing; the checkpoint is "
-                               f"incomplete or was modified after it was saved ({exc}).")
-
-    @staticmethod
-    def _short(task: _Task, start: int, wanted: int, got: int) -> CheckpointError:
-        return CheckpointError(f"data file {task.path!r} of tensor {task.name!r} is truncated: needed bytes "
-                               f"[{start}, {start + wanted}) but only {max(got, 0)} of {wanted} could be read.")
-
-    def _open(self, task: _Task, start: int, end: int) -> int:
-        """The local file's descriptor, after checking that it holds bytes ``[start, end)``."""
-        entry = self._files.get(task.path)
-        if entry is None:
-            try:
-                fd = os.open(task.path, os.O_RDONLY)
-            except FileNotFoundError as exc:
-                raise self._missing(task, exc) from exc
-            entry = self._files[task.path] = (fd, os.fstat(fd).st_size)
-        fd, size = entry
-        if size < end:
-            raise self._short(task, start, end - start, size - start)
-        return fd
-
-    def readinto(self, task: _Task, start: int, buffer: memoryview) -> None:
-        """Fill ``buffer`` with the file's bytes from ``start``."""
-        if not self.local:
-            buffer[:] = self.read(task, start, start + len(buffer))
-            return
-        fd = self._open(task, start, start + len(buffer))
-        done = 0
-        while done < len(buffer):
-            n = os.preadv(fd, [buffer[done:]], start + done)
-            if n <= 0:
-                raise self._short(task, start, len(buffer), done)
-            done += n
-
-    def copy_mapped(self, task: _Task, inner: tuple[slice, ...]) -> None:
-        """Local only: copy block ``inner`` of the task's saved region into ``task.dest`` via a memory map.
-
-        Only the region's pages are mapped, and only while copying, so the pages the copy
-        touches are read from the page cache and resident memory grows by at most one region.
-        """
-        start, end = task.shard.byte_range
-        fd = self._open(task, start, end)
-        first = start - start % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(fd, end - first, access=mmap.ACCESS_READ, offset=first)
-        try:
-            region = memoryview(mapping)[start - first:]
-            if task.whole and task.shard.checksum:  # files of other tools carry none
-                verify_checksum(region, task.shard.checksum, file=task.path, tensor=task.name)
-            source = _view(region, task.entry.dtype).reshape(task.shard.dims)
-            _copy(task.dest, source[inner])
-            del source  # drop every export of the mapping before unmapping it
-            region.release()
-        finally:
-            mapping.close()
-
-    def read(self, task: _Task, start: int, end: int) -> bytes | bytearray:
-        """The file's bytes ``[start, end)``."""
-        if self.local:
-            buffer = bytearray(end - start)
-            self.readinto(task, start, memoryview(buffer))
-            return buffer
-        try:
-            data = self._fs.cat_file(task.path, start=start, end=end)
-        except FileNotFoundError as exc:
-            raise self._missing(task, exc) from exc
-        if len(data) != end - start:
-            raise self._short(task, start, end - start, len(data))
-        return data  # type: ignore[no-any-return]
-
-    def read_many(self, task: _Task, ranges: list[tuple[int, int]]) -> list[bytes | bytearray]:
-        """Several ranges of one file; concurrent on asynchronous file systems (``cat_ranges``)."""
-        if self.local or len(ranges) == 1:
-            return [self.read(task, a, b) for a, b in ranges]
-        try:
-            out = self._fs.cat_ranges([task.path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges],
-                                      on_error="raise")
-        except FileNotFoundError as exc:
-            raise self._missing(task, exc) from exc
-        for (a, b), data in zip(ranges, out):
-            if isinstance(data, BaseException):
-                raise data
-            if len(data) != b - a:
-                raise self._short(task, a, b - a, len(data))
-        return out  # type: ignore[no-any-return]
+    start, end = task.shard.byte_range
+    with reader.mapped(task.path, start, end, tensors=task.name) as region:
+        if task.whole:
+            RegionCheck(task.shard, task.path, task.name).update(region)
+        source = tensor_from_bytes(region, task.entry.dtype).reshape(task.shard.dims)
+        _copy(task.dest, source[inner])
+        del source  # drop every export of the mapping before it is unmapped
 
 
 def _run_structure(task: _Task) -> int:
@@ -207,7 +112,7 @@ def _run_structure(task: _Task) -> int:
     return 0
 
 
-def _execute(task: _Task, reader: _Reader) -> None:
+def _execute(task: _Task, reader: DataReader) -> None:
     """Copy the overlap ``task.common`` of a saved region into ``task.dest``."""
     shard, dtype, item = task.shard, task.entry.dtype, task.entry.dtype.itemsize
     rel = tuple(c - o for c, o in zip(task.common[0], shard.offsets))
@@ -221,16 +126,15 @@ def _execute(task: _Task, reader: _Reader) -> None:
         # One contiguous range, straight into the target when its memory is contiguous too.
         start = base + sum(r * s for r, s in zip(rel, strides)) * item
         buffer = direct if direct is not None else memoryview(bytearray(task.nbytes))
-        reader.readinto(task, start, buffer)
-        if task.whole and shard.checksum:  # files of other tools carry none
-            verify_checksum(buffer, shard.checksum, file=task.path, tensor=task.name)
+        reader.readinto(task.path, start, buffer, tensors=task.name)
+        RegionCheck(shard, task.path, task.name, start).update(buffer)
         if direct is None:
-            _copy(task.dest, _view(buffer, dtype).reshape(dims))
+            _copy(task.dest, tensor_from_bytes(buffer, dtype).reshape(dims))
         return
     inner = tuple(slice(r, r + n) for r, n in zip(rel, dims))
     if reader.local:
         # Strided: one copy out of the memory-mapped region touches only the pages it needs.
-        reader.copy_mapped(task, inner)
+        _copy_mapped(task, inner, reader)
         return
     run = math.prod(dims[k:]) * item
     if run >= _MIN_RUN:
@@ -238,9 +142,10 @@ def _execute(task: _Task, reader: _Reader) -> None:
         indices = list(itertools.product(*(range(n) for n in dims[:k])))
         starts = [base + (sum((r + i) * s for r, i, s in zip(rel, index, strides)) + rel[k] * strides[k]) * item
                   for index in indices]
-        pieces = reader.read_many(task, [(s, s + run) for s in starts])
-        for index, data in zip(indices, pieces):
-            _copy(task.dest[index], _view(data, dtype).reshape(dims[k:]))
+        pieces = reader.read_many(task.path, [(s, s + run) for s in starts], tensors=task.name)
+        for index, first, data in zip(indices, starts, pieces):
+            RegionCheck(shard, task.path, task.name, first).update(data)
+            _copy(task.dest[index], tensor_from_bytes(data, dtype).reshape(dims[k:]))
         return
     # Tiny runs: the covering rows of the saved region (along dim 0), in bounded batches.
     slab = strides[0] * item
@@ -248,17 +153,10 @@ def _execute(task: _Task, reader: _Reader) -> None:
     for first in range(0, dims[0], per_batch):
         count = min(per_batch, dims[0] - first)
         start = base + (rel[0] + first) * slab
-        rows = _view(reader.read(task, start, start + count * slab), dtype).reshape(count, *shard.dims[1:])
+        data = reader.read(task.path, start, start + count * slab, tensors=task.name)
+        RegionCheck(shard, task.path, task.name, start).update(data)
+        rows = tensor_from_bytes(data, dtype).reshape(count, *shard.dims[1:])
         _copy(task.dest[first:first + count], rows[(slice(None), *inner[1:])])
-
-
-def _view(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
-    """A flat tensor over ``data`` without copying; read-only buffers are only ever read from."""
-    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            return torch.frombuffer(data, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype)
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
@@ -275,7 +173,8 @@ def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
-         key_map: KeyMap | None = None, quiet: bool | None = None) -> dict[str, Any]:
+         key_map: KeyMap | None = None, quiet: bool | None = None,
+         timeout: float | None = _comm.DEFAULT_TIMEOUT) -> dict[str, Any]:
     """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
 
     A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
@@ -312,6 +211,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
             checkpoint name and returning the state_dict name, or ``None`` to skip the tensor
             (e.g. ``lambda k: "model." + k`` to add a prefix).
         quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large loads.
+        timeout: seconds a rank waits for the others once its own part is read; a rank that
+            crashed or hangs makes the others raise ``CheckpointError`` within this time (at
+            once when its connection closes). ``None`` waits for ever.
 
     Returns:
         ``state_dict`` itself.
@@ -328,24 +230,22 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         >>> sd = {"w": st.empty(10, 4, single_split(1, ["rank:0/cpu", "rank:1/cpu"]))}  # doctest: +SKIP
         >>> checkpoint.load(sd, "ckpt")  # rank r reads columns 2r..2r+1 of every row  # doctest: +SKIP
     """
-    failure: BaseException | None = None
-    try:
+    def read() -> None:
         views, restore = dtensor_views(state_dict, process_group)
         if is_dcp_checkpoint(path, storage_options):
             load_dcp(views, path, strict=strict, cast=cast)
         else:
             _load(views, path, storage_options, strict, cast, key_map, quiet, process_group)
         restore()
-    except Exception as exc:
-        failure = exc
-    reports = _comm.all_gather_json(None if failure is None else f"{type(failure).__name__}: {failure}",
-                                    process_group, what="checkpoint.load")
-    if failure is not None:
-        raise failure
-    errors = [(r, e) for r, e in enumerate(reports) if e is not None]
-    if errors:
-        msg = f"checkpoint.load from {os.fspath(path)!r} failed on " + "; ".join(f"rank {r}: {e}" for r, e in errors)
-        raise CheckpointError(msg)
+
+    step = f"checkpoint.load from {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"
+    _, world = _comm.rank_and_world(process_group)
+
+    def peer_lost(exc: _comm.CollectiveError) -> CheckpointError:
+        return CheckpointError(f"{step} failed: not every one of the {world} ranks finished loading ({exc}); a rank "
+                               f"crashed, is stuck, or is not calling load.")
+
+    _comm.agree(step, read, process_group, timeout=timeout, error=CheckpointError, lost=peer_lost)
     return state_dict
 
 
@@ -408,14 +308,10 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
             raise CheckpointError(msg)
         tasks.extend(_plan_tensor(name, entry, value, root))
     tasks.sort(key=lambda t: (t.path, t.shard.byte_range[0]))
-    reader = _Reader(fs)
-    try:
-        with progress(sum(t.nbytes for t in tasks), "load", rank=rank, quiet=quiet) as bar:
-            for task in tasks:
-                _execute(task, reader)
-                bar.update(task.nbytes)
-    finally:
-        reader.close()
+    with DataReader(fs) as reader, progress(sum(t.nbytes for t in tasks), "load", rank=rank, quiet=quiet) as bar:
+        for task in tasks:
+            _execute(task, reader)
+            bar.update(task.nbytes)
     for parent, key, kind, tensor in scalars:
         parent[key] = kind(tensor.item())
 
@@ -437,7 +333,7 @@ def _read_source(fs: fsspec.AbstractFileSystem, root: str, key_map: KeyMap | Non
         metadata = read_hf_metadata(fs, folder, files, source)
     else:
         folder, source = root, posixpath.join(root, METADATA_FILE)
-        metadata = _read_metadata(fs, root)
+        metadata = read_metadata_at(fs, root)
     return apply_key_map(metadata, key_map, source=source), folder, source
 
 

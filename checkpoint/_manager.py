@@ -25,10 +25,11 @@ from typing import Any, Literal
 from _shardkit import comm as _comm
 
 from ._async import AsyncSaveHandle, _checkpoint_group, async_save
-from ._format import METADATA_FILE, CheckpointError, _list_names, is_local, resolve
 from ._load import load as _load
 from ._save import DEFAULT_TIMEOUT
 from ._save import save as _save
+from ._schema import METADATA_FILE, CheckpointError
+from ._storage import is_local, list_names, resolve
 
 __all__ = ["CheckpointManager"]
 
@@ -53,7 +54,7 @@ class CheckpointManager:
         best_mode: ``"min"`` (default: lower is better, a loss) or ``"max"``.
         process_group: the group saving and loading (as for ``save``).
         storage_options: passed to fsspec.
-        timeout: seconds a rank waits for the others in a save.
+        timeout: seconds a rank waits for the others in a save or a load.
 
     Example:
         >>> manager = checkpoint.CheckpointManager("ckpts", keep_last=2)  # doctest: +SKIP
@@ -100,7 +101,7 @@ class CheckpointManager:
     def _listed(self) -> tuple[list[int], list[int]]:
         """(committed steps, folders without metadata), both ascending."""
         committed, partial = [], []
-        for name in _list_names(self._fs, self._root):
+        for name in list_names(self._fs, self._root):
             match = _STEP.match(name)
             if match is None:
                 continue
@@ -282,7 +283,7 @@ class CheckpointManager:
             self._reading.add(chosen)
         try:
             return _load(state_dict, self._url(chosen), process_group=self._group,
-                         storage_options=self._options, strict=strict)
+                         storage_options=self._options, strict=strict, timeout=self._timeout)
         finally:
             with self._lock:
                 self._reading.discard(chosen)

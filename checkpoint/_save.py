@@ -4,18 +4,25 @@ Phases (every rank, in order)::
 
     plan      pure: flatten the state_dict, list each tensor's distinct regions and pick one
               writer per region among its holders (greedy by bytes, identical on every rank)
-    prepare   rank 0 creates the folder and draws a fresh generation id; one small all_gather
-              checks that every rank saves the same structure and shares the id
+    prepare   rank 0 creates the folder and draws a fresh generation id; every rank checks
+              that all save the same structure and learns the id
     write     each rank writes data-<generation>-r<rank>.safetensors (new names: the previous
-              checkpoint at the path is untouched), checksumming while writing
-    exchange  gather what was written to rank 0 (doubles as a barrier with a timeout)
+              checkpoint at the path is untouched), checksumming while writing; every rank
+              learns what each wrote (and waits for the others, with a timeout)
     commit    rank 0 writes shardkit.json atomically (temp file + rename): the commit point;
               then removes the files of older generations
-    report    rank 0 broadcasts success or the error, so every rank returns or raises together
+    cleanup   after a write or commit that failed on some rank: rank 0 removes the files of
+              this generation, unless its metadata was committed
+
+Each phase after planning runs under ``_shardkit.comm.agree``: every rank runs it, every rank
+reports, and all raise together (the failing rank its own error, the others a
+``CheckpointError`` naming it). A rank that never reports (crashed, stuck) makes the others
+raise ``CheckpointError`` within ``timeout``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
@@ -26,7 +33,7 @@ import os
 import posixpath
 import secrets
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,31 +44,36 @@ from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
 from sharding.layout import Box
 
+from ._codec import Checksum, build_safetensors_header, tensor_bytes
 from ._dtensor import dtensor_views
-from ._format import (
+from ._progress import progress
+from ._schema import (
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
-    Checksum,
     SavedShard,
     TensorEntry,
-    _list_names,
-    build_safetensors_header,
-    check_json_value,
+    dtype_name,
+    parse_metadata,
+)
+from ._storage import (
+    atomic_write,
     data_file_generation,
     data_file_name,
-    dtype_name,
-    flatten_state_dict,
     is_local,
-    parse_metadata,
+    list_names,
+    Watchdog,
+    discard,
+    remove_quietly,
     resolve,
+    run_bounded,
 )
-from ._progress import progress
+from ._walk import check_json_value, flatten_state_dict
 
 __all__ = ["save", "run_plan", "DEFAULT_TIMEOUT"]
 
-DEFAULT_TIMEOUT = 600.0
-"""Seconds a rank waits for the others after writing its data before giving up (``timeout=``)."""
+DEFAULT_TIMEOUT = _comm.DEFAULT_TIMEOUT
+"""Seconds a rank waits for the others in each phase before giving up (``timeout=``)."""
 
 _test_hook: Callable[[str], None] | None = None
 """Private, for tests only: called with each phase name ("planned", "data_written",
@@ -163,16 +175,9 @@ def _plan(state_dict: Mapping[str, Any], rank: int, world: int,
     return plan
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of ``tensor`` in row-major order, without a copy when it is a contiguous CPU tensor."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
-
-
-def _write_all(handle: Any, data: memoryview) -> None:
+def _write_all(handle: Any, data: memoryview, watchdog: Watchdog | None = None) -> None:
+    if watchdog is not None:
+        watchdog.tick()
     while data:
         written = handle.write(data)
         if written is None:  # buffered fsspec files return None and take everything
@@ -229,16 +234,14 @@ class _LocalFile:
     def fsync(self) -> None:
         os.fsync(self._fd)
 
-    def __enter__(self) -> _LocalFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         os.close(self._fd)
 
 
 def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Region],
                      plan: _Plan, generation: str, rank: int, bar: Any,
-                     piece_bytes: int = _PIECE, feed: Any = None) -> tuple[int, list[dict[str, Any]]]:
+                     piece_bytes: int = _PIECE, feed: Any = None,
+                     watchdog: Watchdog | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Write this rank's regions to one safetensors file; return its size and one record per region."""
     entries, keys = [], []
     for region in regions:
@@ -251,27 +254,43 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
     prefix, ranges = build_safetensors_header(entries, {"format": "pt", "shardkit": json.dumps(about)})
     digests = [Checksum() for _ in regions]
     handle = _LocalFile(path) if is_local(fs) else fs.open(path, "wb")
-    with handle:
-        _write_all(handle, memoryview(prefix))
+    with _closing(handle):
+        _write_all(handle, memoryview(prefix), watchdog)
         for index, (region, digest) in enumerate(zip(regions, digests)):
             tensor = region.tensor if feed is None else feed.get(index)
             assert tensor is not None and tuple(tensor.shape) == region.box[1], region
-            data = _as_bytes(tensor)
+            data = tensor_bytes(tensor)
             # Checksum each piece right before writing it: the write then reads it from the
             # CPU cache, so checksumming adds no second pass over memory.
             for first in range(0, len(data), piece_bytes):
                 piece = data[first:first + piece_bytes]
                 digest.update(piece)
-                _write_all(handle, piece)
+                _write_all(handle, piece, watchdog)
             bar.update(len(data))
             if feed is not None:
                 feed.release(index)
         if isinstance(handle, _LocalFile):
             handle.fsync()
+        if watchdog is not None:
+            watchdog.tick("closing it")
     records = [{"name": r.name, "offsets": list(r.box[0]), "dims": list(r.box[1]), "key": key,
                 "byte_range": list(byte_range), "checksum": digest.hexdigest()}
                for r, key, byte_range, digest in zip(regions, keys, ranges, digests)]
     return len(prefix) + sum(b - a for a, b in ranges), records
+
+
+@contextlib.contextmanager
+def _closing(handle: Any) -> Iterator[Any]:
+    """Close ``handle`` after writing; after a failure, discard it (an object store keeps no half file)."""
+    try:
+        yield handle
+    except BaseException:
+        if isinstance(handle, _LocalFile):
+            handle.close()
+        else:
+            discard(handle)
+        raise
+    handle.close()
 
 
 def _describe_mismatch(signatures: list[list[list[Any]]]) -> str:
@@ -289,63 +308,35 @@ def _describe_mismatch(signatures: list[list[list[Any]]]) -> str:
     return "the ranks' state_dicts differ"
 
 
-def _prepare(fs: fsspec.AbstractFileSystem, root: str) -> str:
+def _new_generation(fs: fsspec.AbstractFileSystem, root: str) -> str:
     """Rank 0: create the folder and draw a generation id no file in it uses."""
     if fs.isfile(root):
         msg = f"cannot save a checkpoint to {root!r}: it is an existing file, and a checkpoint is a folder."
         raise FileExistsError(msg)
     fs.makedirs(root, exist_ok=True)
-    names = _list_names(fs, root)
-    used = {data_file_generation(n) for n in names}
+    used = {data_file_generation(n) for n in list_names(fs, root)}
     generation = secrets.token_hex(4)
     while generation in used:
         generation = secrets.token_hex(4)
     return generation
 
 
-def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetadata) -> None:
-    """Write ``shardkit.json`` atomically: temp file, then rename over the old one."""
-    text = metadata.to_json().encode()
-    final = posixpath.join(root, METADATA_FILE)
-    temp = posixpath.join(root, f"{METADATA_FILE}.tmp-{metadata.generation}")
-    if is_local(fs):
-        with open(temp, "wb") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, final)
-        try:  # make the rename durable; some file systems cannot fsync a directory
-            fd = os.open(root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
-    else:
-        # Object stores create an object atomically on PUT/COPY, so copying the complete temp
-        # file makes the commit atomic there. (cp_file/rm_file, unlike mv, never glob-expand.)
-        fs.pipe_file(temp, text)
-        fs.cp_file(temp, final)
-        fs.rm_file(temp)
+def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetadata,
+            watchdog: Watchdog | None = None) -> None:
+    """Write ``shardkit.json`` atomically (a temporary name, then rename or copy over the old one)."""
+    atomic_write(fs, posixpath.join(root, METADATA_FILE), [metadata.to_json().encode()],
+                 temporary=f"{METADATA_FILE}.tmp-{metadata.generation}", watchdog=watchdog)
 
 
 def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> None:
     """After a commit: delete data and temp files of every other generation (best effort)."""
     stale = []
-    for name in _list_names(fs, root):
+    for name in list_names(fs, root):
         if name.startswith(f"{METADATA_FILE}.tmp-") or data_file_generation(name) is not None:
             if data_file_generation(name) != generation and name != f"{METADATA_FILE}.tmp-{generation}":
                 stale.append(posixpath.join(root, name))
     for path in stale:
-        try:
-            fs.rm_file(path)
-        except OSError:
-            pass
-
-
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+        remove_quietly(fs, path)
 
 
 def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
@@ -372,9 +363,12 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
         path: the checkpoint folder: a local path or any fsspec URL (``"s3://bucket/ckpt"``).
         process_group: the group whose ranks the ``ShardedTensor`` layouts name; ``None``: default.
         storage_options: passed to the fsspec file system (credentials, endpoint, ...).
-        timeout: seconds each rank waits for the others once its own data is written. A rank
-            that crashed or hangs makes the others raise ``CheckpointError`` within this time
-            (at once when its connection closes).
+        timeout: seconds each rank waits for the others once its own data is written, and
+            the longest storage may go without answering (a stalled server, a hung mount). A
+            rank that crashed or hangs makes the others raise ``CheckpointError`` within this
+            time (at once when its connection closes); storage that stops answering for
+            0.8 x this time makes the rank using it raise ``CheckpointError``, and every other
+            rank learns that error.
         quiet: ``True`` hides the progress bar rank 0 shows on a terminal for large saves.
         reduce_partial: save ``ShardedTensor`` entries holding partial values (``PartialSpec``)
             as their reduced values (one reduce-scatter each; the entries are left as they
@@ -407,7 +401,7 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
 def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSystem, root: str, *,
              process_group: _comm.ProcessGroup, timeout: float, quiet: bool | None,
              piece_bytes: int = _PIECE, feed: Any = None) -> None:
-    """The phases of ``save`` after planning (prepare, write, exchange, commit, report). Collective.
+    """The phases of ``save`` after planning (prepare, write, commit, cleanup). Collective.
 
     ``plan`` holds the tensors this rank writes (``_Region.tensor``): the caller's live tensors
     for ``save``, staged copies for ``async_save``, which runs this on a background thread
@@ -419,101 +413,155 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
     which may wait until it is staged) and is told when it is written (``feed.release(i)``).
     """
     rank, world = _comm.rank_and_world(process_group)
-    generation = ""
-    if problem is None:
-        try:
-            _hook("planned")
-            # prepare: rank 0 makes the folder and the generation id; everyone checks the structure.
-            generation = _prepare(fs, root) if rank == 0 else ""
-        except Exception as exc:  # reported to every rank below, so none is left waiting
-            problem = exc
-    digest = hashlib.sha256(json.dumps(plan.signature).encode()).hexdigest()
-    hello = {"digest": digest, "generation": generation, "error": None if problem is None else _error_text(problem)}
+    job = _Job(plan, fs, root, process_group, timeout, rank, world)
+    _prepare_phase(job, problem)
     try:
-        everyone = _comm.all_gather_json(hello, process_group, timeout=timeout, what="checkpoint.save (prepare)")
-    except _comm.CollectiveError as exc:
-        msg = (f"checkpoint.save to {root!r} failed before writing anything: not every one of the {world} "
-               f"ranks joined ({exc}); a rank crashed, is stuck, or is not calling save.")
-        raise CheckpointError(msg) from (problem or exc)
-    if problem is not None:
-        raise problem
-    failed = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
-    if failed:
-        msg = (f"checkpoint.save to {root!r} failed before writing anything: "
-               + "; ".join(f"rank {r}: {e}" for r, e in failed))
-        raise CheckpointError(msg)
+        reports = _write_phase(job, quiet=quiet, piece_bytes=piece_bytes, feed=feed)
+        _commit_phase(job, reports)
+    except Exception as exc:
+        if _all_reported(exc):
+            _cleanup_phase(job)
+        raise
+
+
+class _PeerLost(CheckpointError):
+    """A phase of a save could not complete because a rank never reported (crashed or stuck)."""
+
+
+def _all_reported(exc: BaseException) -> bool:
+    """Whether every rank reported in the phase that raised ``exc`` (so all of them can run cleanup)."""
+    return not isinstance(exc, _PeerLost) and not isinstance(exc.__cause__, _comm.CollectiveError)
+
+
+_STALL_SHARE = 0.8
+"""Storage silent for this share of ``timeout`` fails: soon enough that the rank's own error, not
+"did not report", reaches peers that wait ``timeout`` for it."""
+
+_CLEANUP_LIMIT = 10.0
+"""Seconds of storage silence after which best-effort cleanup gives up (the error being raised matters more)."""
+
+_UNCHANGED = "Nothing was committed: the checkpoint previously at this path, if any, is unchanged."
+
+
+@dataclass(slots=True)
+class _Job:
+    """One save under way: what and where, who is saving, and the generation the ranks agreed on."""
+
+    plan: _Plan
+    fs: fsspec.AbstractFileSystem
+    root: str
+    group: _comm.ProcessGroup
+    timeout: float
+    rank: int
+    world: int
+    generation: str = ""
+
+    def storage(self, doing: str, fn: Callable[[Watchdog], Any], *, limit: float | None = None) -> Any:
+        """``fn`` bounded by ``timeout`` without progress; storage errors become ``CheckpointError`` naming ``doing``."""
+        what = f"checkpoint.save to {self.root!r}: {doing}"
+        try:
+            return run_bounded(fn, limit=self.timeout * _STALL_SHARE if limit is None else limit, what=what)
+        except (CheckpointError, FileExistsError, ValueError, TypeError):  # already say what and where
+            raise
+        except Exception as exc:  # OSError, botocore's errors, ...: the storage's own words, with the file
+            msg = f"{what} failed: {type(exc).__name__}: {exc}"
+            raise CheckpointError(msg) from exc
+
+    def agree(self, phase: str, fn: Callable[[], Any], *, lost: str, after: str = "",
+              share: Callable[[Any], object] | None = None) -> tuple[Any, list[Any]]:
+        """Run one phase on every rank (``_comm.agree``).
+
+        A failure on some rank raises ``CheckpointError`` naming it on the others; a rank that
+        never reports raises ``_PeerLost`` saying ``lost``, then ``after`` (by default: nothing
+        was committed).
+        """
+        def peer_lost(exc: _comm.CollectiveError) -> CheckpointError:
+            return _PeerLost(f"checkpoint.save to {self.root!r} failed: {lost} ({exc}). {after or _UNCHANGED}")
+
+        return _comm.agree(f"checkpoint.save to {self.root!r}: {phase}", fn, self.group, timeout=self.timeout,
+                           share=share, error=lambda text: CheckpointError(f"{text}. {_UNCHANGED}"), lost=peer_lost)
+
+
+def _prepare_phase(job: _Job, problem: Exception | None) -> None:
+    """prepare: report planning errors, make the folder and the generation id, check the structure."""
+    def prepare() -> str:
+        if problem is not None:
+            raise problem
+        _hook("planned")
+        if job.rank != 0:
+            return ""
+        return job.storage("creating the folder", lambda watchdog: _new_generation(job.fs, job.root))
+
+    digest = hashlib.sha256(json.dumps(job.plan.signature).encode()).hexdigest()
+    not_joined = (f"not every one of the {job.world} ranks joined; a rank crashed, is stuck, or is not "
+                  f"calling save")
+    _, everyone = job.agree("prepare", prepare, lost=not_joined, share=lambda g: {"digest": digest, "generation": g})
     if len({e["digest"] for e in everyone}) > 1:
-        signatures = _comm.all_gather_json(plan.signature, process_group, timeout=timeout,
-                                           what="checkpoint.save (structure check)")
-        msg = (f"checkpoint.save to {root!r}: every rank must save a state_dict of the same structure "
+        _, signatures = job.agree("structure check", lambda: job.plan.signature, lost=not_joined,
+                                  share=lambda signature: signature)
+        msg = (f"checkpoint.save to {job.root!r}: every rank must save a state_dict of the same structure "
                f"(names, kinds, sizes, dtypes and layouts), but {_describe_mismatch(signatures)}.")
         raise ValueError(msg)
-    generation = everyone[0]["generation"]
+    job.generation = everyone[0]["generation"]
 
-    # write: this rank's regions, under a name no earlier save used.
-    mine = [r for r in plan.regions if r.writer == rank]
-    file_name = data_file_name(generation, rank)
-    report: dict[str, Any] = {"error": None, "file": None, "bytes": 0, "records": []}
-    failure: BaseException | None = None
-    total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in mine)
-    everyone_total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in plan.regions)
-    try:
+
+def _write_phase(job: _Job, *, quiet: bool | None, piece_bytes: int, feed: Any) -> list[dict[str, Any]]:
+    """write: this rank's regions to a data file of the new generation; returns what every rank wrote."""
+    def write() -> dict[str, Any]:
+        plan = job.plan
+        mine = [r for r in plan.regions if r.writer == job.rank]
+        report: dict[str, Any] = {"file": None, "bytes": 0, "records": []}
         if mine:
+            total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in mine)
+            everyone_total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in plan.regions)
+            name = data_file_name(job.generation, job.rank)
+            path = posixpath.join(job.root, name)
             # The bar counts the whole save (every rank's bytes), advanced by rank 0's share.
-            with progress(everyone_total, "save", rank=rank, quiet=quiet, share=total) as bar:
-                nbytes, records = _write_data_file(fs, posixpath.join(root, file_name), mine, plan,
-                                                   generation, rank, bar, piece_bytes, feed)
-            report.update(file=file_name, bytes=nbytes, records=records)
+            with progress(everyone_total, "save", rank=job.rank, quiet=quiet, share=total) as bar:
+                nbytes, records = job.storage(f"writing {path!r}", lambda watchdog: _write_data_file(
+                    job.fs, path, mine, plan, job.generation, job.rank, bar, piece_bytes, feed, watchdog))
+            report.update(file=name, bytes=nbytes, records=records)
         _hook("data_written")
-    except Exception as exc:
-        failure = exc
-        report["error"] = _error_text(exc)
+        return report
 
-    # exchange: everything written reaches rank 0; a dead or stuck rank stops the save here.
-    try:
-        reports = _comm.gather_json(report, 0, process_group, timeout=timeout,
-                                    what="waiting for every rank to finish writing")
-    except _comm.CollectiveError as exc:
-        msg = (f"checkpoint.save to {root!r} failed: not every one of the {world} ranks finished writing "
-               f"its data ({exc}); a rank crashed, was killed or is stuck. Nothing was committed: the "
-               f"checkpoint previously at this path, if any, is unchanged.")
-        raise CheckpointError(msg) from (failure or exc)
+    lost = (f"not every one of the {job.world} ranks finished writing its data; a rank crashed, was killed "
+            f"or is stuck")
+    _, reports = job.agree("write", write, lost=lost, share=lambda report: report)
+    return reports
 
-    # commit (rank 0): the metadata file is the commit point.
-    status: dict[str, Any] = {"error": None}
-    if rank == 0:
-        assert reports is not None
-        errors = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"] is not None]
-        if errors:
-            status["error"] = "; ".join(f"rank {r}: {e}" for r, e in errors)
-            _remove_generation(fs, root, generation)
-        else:
-            committed = False
-            try:
-                _hook("before_commit")
-                metadata = _assemble(plan, reports, generation, world, root)
-                _commit(fs, root, metadata)
-                committed = True
-                _remove_stale(fs, root, generation)
-                _hook("committed")
-            except Exception as exc:
-                failure = failure or exc
-                status["error"] = f"rank 0: {_error_text(exc)}"
-                if not committed and not _is_committed(fs, root, generation):
-                    _remove_generation(fs, root, generation)
-    try:
-        status = _comm.broadcast_json(status, 0, process_group, timeout=timeout,
-                                      what="waiting for rank 0 to commit")
-    except _comm.CollectiveError as exc:
-        msg = (f"checkpoint.save to {root!r}: rank 0 did not report whether it committed the checkpoint "
-               f"({exc}); check {posixpath.join(root, METADATA_FILE)!r}.")
-        raise CheckpointError(msg) from exc
-    if status["error"] is not None:
-        if failure is not None:
-            raise failure
-        msg = (f"checkpoint.save to {root!r} failed, nothing was committed (the checkpoint previously at "
-               f"this path, if any, is unchanged): {status['error']}")
-        raise CheckpointError(msg)
+
+def _commit_phase(job: _Job, reports: list[dict[str, Any]]) -> None:
+    """commit (rank 0): write the metadata, the commit point, then remove older generations' files."""
+    def commit() -> None:
+        if job.rank != 0:
+            return
+        _hook("before_commit")
+        metadata = _assemble(job.plan, reports, job.generation, job.world, job.root)
+        target = posixpath.join(job.root, METADATA_FILE)
+        job.storage(f"writing {target!r}", lambda watchdog: _commit(job.fs, job.root, metadata, watchdog))
+        # Older generations' files: best effort, and never longer than a short wait.
+        with contextlib.suppress(Exception):
+            job.storage("removing older files", lambda watchdog: _remove_stale(job.fs, job.root, job.generation),
+                        limit=min(job.timeout, _CLEANUP_LIMIT))
+        _hook("committed")
+
+    check = f"Whether it did: {posixpath.join(job.root, METADATA_FILE)!r} names generation {job.generation!r}."
+    job.agree("commit", commit, lost="rank 0 did not report whether it committed the checkpoint", after=check)
+
+
+def _cleanup_phase(job: _Job) -> None:
+    """cleanup (rank 0, after every rank reported a failure): remove this generation's files unless committed."""
+    def cleanup() -> None:
+        if job.rank == 0 and job.generation:
+            def remove(watchdog: Watchdog) -> None:
+                if not _is_committed(job.fs, job.root, job.generation):
+                    _remove_generation(job.fs, job.root, job.generation)
+
+            job.storage("removing this save's files", remove, limit=min(job.timeout, _CLEANUP_LIMIT))
+
+    # Best effort: the error that led here is the one to raise.
+    with contextlib.suppress(Exception):
+        job.agree("cleanup", cleanup, lost="a rank left during cleanup")
 
 
 def _is_committed(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> bool:
@@ -526,12 +574,9 @@ def _is_committed(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> 
 
 def _remove_generation(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> None:
     """After a failed save whose ranks all reported: remove that save's data files (best effort)."""
-    for name in _list_names(fs, root):
+    for name in list_names(fs, root):
         if data_file_generation(name) == generation:
-            try:
-                fs.rm_file(posixpath.join(root, name))
-            except OSError:
-                pass
+            remove_quietly(fs, posixpath.join(root, name))
 
 
 def _assemble(plan: _Plan, reports: list[dict[str, Any]], generation: str, world: int,

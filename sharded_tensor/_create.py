@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -141,19 +142,19 @@ def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_
     if not isinstance(src_rank, int) or not 0 <= src_rank < world:
         msg = f"src_rank={src_rank!r} is outside the world of {world} ranks; use 0..{world - 1}."
         raise ValueError(msg)
-    info: dict[str, object] | None = None
-    if rank == src_rank:
+    def describe() -> dict[str, Any] | None:
+        if rank != src_rank:
+            return None
         if not isinstance(tensor, torch.Tensor):
-            info = {"error": f"shard_tensor: src_rank {src_rank} must pass a tensor, got {type(tensor).__name__}"}
-        else:
-            info = {"size": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
-                    "device": str(tensor.device), "grad": tensor.requires_grad,
-                    "names": _names_of(tensor)}
-    if world > 1:
-        info = _comm.all_gather_json(info, process_group)[src_rank]
-    assert info is not None
-    if "error" in info:
-        raise TypeError(str(info["error"]) + "; pass the full tensor on src_rank (other ranks may pass None).")
+            msg = (f"shard_tensor: src_rank {src_rank} must pass a tensor, got {type(tensor).__name__}; pass the "
+                   f"full tensor on src_rank (other ranks may pass None).")
+            raise TypeError(msg)
+        return {"size": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                "device": str(tensor.device), "grad": tensor.requires_grad, "names": _names_of(tensor)}
+
+    # Every rank learns the source tensor's description, or that src_rank has none (then all raise).
+    _, described = _comm.agree("shard_tensor", describe, process_group, share=lambda d: d, error=TypeError)
+    info: dict[str, Any] = described[src_rank]
     size = tuple(info["size"])  # type: ignore[arg-type]
     dtype = getattr(torch, str(info["dtype"]))
     names = tuple(info["names"]) if info["names"] is not None else None  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -118,10 +118,15 @@ class ShardedTensor:
                     problems.append(f"rank {rank}: local_shards[{i}] tensor is on {tensor.device} "
                                     f"but its metadata says {md.device.device}")
             mine.append({**md.to_dict(), "dtype": str(tensor.dtype), "grad": tensor.requires_grad})
-        everyone = _comm.all_gather_json({"shards": mine, "problems": problems, "size": list(size)},
-                                         process_group)
+        def check_local() -> dict[str, Any]:
+            if problems:
+                raise ValueError("from_local_shards: " + "; ".join(p.rstrip(".") for p in problems) + ".")
+            return {"shards": mine, "size": list(size)}
+
+        # Every rank learns every rank's shards, or that some rank's are invalid (then all raise).
+        _, everyone = _comm.agree("ShardedTensor.from_local_shards", check_local, process_group,
+                                  share=lambda local: local, error=ValueError)
         all_shards = [s for r in everyone for s in r["shards"]]
-        problems = [p for r in everyone for p in r["problems"]]
         sizes = [tuple(r["size"]) for r in everyone]
         if any(s != sizes[0] for s in sizes):
             problems.append(f"ranks pass different sizes {dict(enumerate(sizes))}; every rank must pass "

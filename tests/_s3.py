@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 
-__all__ = ["S3", "s3", "s3_endpoint"]
+__all__ = ["S3", "S3Process", "s3", "s3_endpoint", "s3_process"]
 
 _buckets = itertools.count()
 
@@ -81,3 +82,73 @@ def s3(s3_endpoint: str) -> S3:
     fs = S3(s3_endpoint, bucket, options).filesystem()
     fs.mkdir(bucket)
     return S3(s3_endpoint, bucket, options)
+
+
+class S3Process:
+    """A loopback S3 server in a process of its own, so a test can kill or pause it mid-save.
+
+    ``kill()`` is a server crash (SIGKILL: its in-memory buckets are lost), ``pause()`` a
+    stalled server (SIGSTOP: connections are accepted by the kernel but never answered) and
+    ``resume()`` (SIGCONT) brings a paused one back with its objects.
+    """
+
+    _CODE = ("import sys, time\n"
+             "from moto.server import ThreadedMotoServer\n"
+             "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
+             "server.start()\n"
+             "print(server.get_host_and_port()[1], flush=True)\n"
+             "while True:\n"
+             "    time.sleep(3600)\n")
+
+    def __init__(self) -> None:
+        import subprocess  # noqa: PLC0415
+        import sys  # noqa: PLC0415
+
+        env = dict(os.environ, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+        self.process = subprocess.Popen([sys.executable, "-c", self._CODE], stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, env=env)
+        assert self.process.stdout is not None
+        port = self.process.stdout.readline().strip()
+        if not port:
+            self.process.kill()
+            msg = f"the S3 server process exited with code {self.process.wait()} before listening"
+            raise RuntimeError(msg)
+        self.pid = self.process.pid
+        self.endpoint_url = f"http://127.0.0.1:{int(port)}"
+
+    def bucket(self, name: str) -> S3:
+        """A new empty bucket ``name`` on this server."""
+        options: dict[str, object] = {"endpoint_url": self.endpoint_url, "key": "testing", "secret": "testing",
+                                      "client_kwargs": {"region_name": "eu-west-1"}}
+        s3 = S3(self.endpoint_url, name, options)
+        s3.filesystem().mkdir(name)
+        return s3
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def pause(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.resume()
+            self.process.kill()
+        self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+@pytest.fixture
+def s3_process() -> Iterator[S3Process]:
+    """A loopback S3 server in its own process (to kill or pause), stopped after the test."""
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs (pip install shardkit[test])")
+    pytest.importorskip("moto.server", reason="S3 tests need moto[server]")
+    server = S3Process()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -362,8 +362,8 @@ class _Initializers:
 
 
 def _agree(payload: dict[str, object], group: _comm.ProcessGroup) -> list[dict[str, object]]:
-    """Every rank's ``payload``; raises the same ``ValueError`` everywhere if the models differ."""
-    everyone: list[dict[str, object]] = _comm.all_gather_json(payload, group)
+    """Every rank's ``payload``; raises the same ``ValueError`` everywhere if the models differ. Collective."""
+    _, everyone = _comm.agree("shard_model", lambda: payload, group, share=lambda p: p, error=ValueError)
     first = everyone[0]
     for rank, other in enumerate(everyone):
         for key in ("params", "spec", "src_rank", "seed_given"):

@@ -19,7 +19,7 @@ import torch
 
 import checkpoint
 import sharded_tensor as st
-from checkpoint import CheckpointError, _format, _load, _save
+from checkpoint import CheckpointError, _codec, _load, _save, _schema
 from sharding import single_split
 
 R0 = "rank:0/cpu"
@@ -136,8 +136,8 @@ def test_files_are_plain_safetensors_and_json_without_pickle(tmp_path):
                 # byte_range is exact: the bytes there are the tensor's, and the checksum matches
                 start, end = shard["byte_range"]
                 assert raw[start:end] == tensor.contiguous().view(torch.uint8).numpy().tobytes()
-                assert _format.checksum(raw[start:end]) == shard["checksum"]
-        header, data_start = _format.parse_safetensors_header(raw, file=name)
+                assert _codec.checksum(raw[start:end]) == shard["checksum"]
+        header, data_start = _codec.parse_safetensors_header(raw, file=name)
         assert data_start == 8 + int.from_bytes(raw[:8], "little") and data_start % 8 == 0
     # Loading a file's bytes with pickle machinery would fail: there is no pickle opcode stream.
     with pytest.raises(Exception):
@@ -173,27 +173,31 @@ def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 # -- reading only what is needed ------------------------------------------------------------------
 
-class _CountingReader(_load._Reader):
+class _CountingReader(_load.DataReader):
     log: list[tuple[str, int]] = []
 
-    def readinto(self, task, start, buffer):
+    def readinto(self, path, start, buffer, **kwargs):
         if self.local:
             self.log.append(("read", len(buffer)))
-        super().readinto(task, start, buffer)
+        super().readinto(path, start, buffer, **kwargs)
 
-    def read(self, task, start, end):
+    def read(self, path, start, end, **kwargs):
         if not self.local:
             self.log.append(("read", end - start))
-        return super().read(task, start, end)
+        return super().read(path, start, end, **kwargs)
 
-    def read_many(self, task, ranges):
+    def read_many(self, path, ranges, **kwargs):
         if not self.local and len(ranges) > 1:
             self.log.extend(("read", b - a) for a, b in ranges)
-        return super().read_many(task, ranges)
+        return super().read_many(path, ranges, **kwargs)
 
-    def copy_mapped(self, task, inner):
-        self.log.append(("mapped", task.nbytes))  # what the strided copy touches
-        return super().copy_mapped(task, inner)
+
+_copy_mapped = _load._copy_mapped
+
+
+def _counting_copy_mapped(task, inner, reader):
+    reader.log.append(("mapped", task.nbytes))  # what the strided copy touches
+    return _copy_mapped(task, inner, reader)
 
 
 @pytest.mark.parametrize("backend", ["local", "memory"])
@@ -209,7 +213,8 @@ def test_load_reads_only_needed_bytes(tmp_path, memory_url, monkeypatch, backend
     checkpoint.save({"w": _sharded(full, _split(*saved))}, path)
     log: list[tuple[str, int]] = []
     monkeypatch.setattr(_CountingReader, "log", log)
-    monkeypatch.setattr(_load, "_Reader", _CountingReader)
+    monkeypatch.setattr(_load, "DataReader", _CountingReader)
+    monkeypatch.setattr(_load, "_copy_mapped", _counting_copy_mapped)
     out = checkpoint.load({"w": st.zeros(*shape, sharding_spec=_split(*target))}, path)["w"]
     assert torch.equal(_full(out), full)
     read = sum(n for kind, n in log if kind == "read")
@@ -377,7 +382,7 @@ def test_unsupported_dtype_and_key_collisions(tmp_path):
 
 
 def test_metadata_file_is_compact_and_validated_before_commit():
-    md = _format.parse_metadata(json.dumps({
+    md = _schema.parse_metadata(json.dumps({
         "format": "shardkit-checkpoint", "version": 1, "generation": "ab", "world_size": 1,
         "files": {"data-ab-r00000.safetensors": {"bytes": 72}},
         "tensors": {"x": {"dtype": "float32", "size": [2], "shards": [
@@ -385,5 +390,5 @@ def test_metadata_file_is_compact_and_validated_before_commit():
              "checksum": "crc32c:00000000"}]}},
         "values": {"n": 1}}), source="t")
     assert md.tensors["x"].shards[0].nbytes == 8 and md.nbytes == 8 and md.values["n"] == 1
-    assert _format.parse_metadata(md.to_json()) == md
+    assert _schema.parse_metadata(md.to_json()) == md
     assert math.prod(md.tensors["x"].size) == 2

@@ -1,4 +1,4 @@
-"""The on-disk checkpoint format (version 1): safetensors data files plus one JSON metadata file.
+"""The metadata of a checkpoint (format version 1): the JSON model of ``shardkit.json`` and its validation.
 
 A checkpoint is a folder (local or any fsspec URL)::
 
@@ -24,46 +24,37 @@ A checkpoint is a folder (local or any fsspec URL)::
 Names are dotted paths of the (possibly nested) state_dict. The saved regions of a tensor
 tile it exactly once (replicated regions are written once). A region's data is its block of
 the global tensor in row-major (C) order, little-endian, as in safetensors. The full
-specification is ``docs/format.md``; this module is the reference implementation of its
-reading and validation side, shared by save, load, consolidate and the CLI.
+specification is ``docs/format.md``. This module is pure (no file system): the values below,
+``parse_metadata`` (the reference validation, shared by every reader) and the dtype names;
+``_storage`` reads and writes the files, ``_codec`` the bytes inside data files.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import posixpath
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-import crc32c
-import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
 from sharding import ShardMetadata
 from sharding.layout import check_tiling
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
-    "CheckpointError", "CheckpointMetadata", "TensorEntry", "SavedShard",
-    "read_metadata", "parse_metadata", "resolve", "member", "is_local",
-    "data_file_name", "check_file_name", "dtype_from_name", "dtype_name", "safetensors_dtype",
-    "checksum", "Checksum", "verify_checksum", "build_safetensors_header", "parse_safetensors_header",
-    "read_safetensors_header", "read_range", "read_saved_shard", "flatten_state_dict", "check_json_value",
+    "CheckpointError", "CheckpointMetadata", "TensorEntry", "SavedShard", "parse_metadata", "check_file_name",
+    "dtype_from_name", "dtype_from_code", "dtype_name", "safetensors_dtype",
 ]
 
 FORMAT_NAME = "shardkit-checkpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "shardkit.json"
 CHECKSUM_ALGORITHM = "crc32c"
-_DATA_FILE = re.compile(r"^data-(?P<generation>[0-9a-f]+)-r(?P<rank>\d{5,})(?:-p(?P<part>\d+))?\.safetensors$")
 _GENERATION = re.compile(r"^[0-9a-f]{1,64}$")
-_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 
 class CheckpointError(RuntimeError):
@@ -122,57 +113,16 @@ def dtype_from_name(name: object, *, source: str = "?", tensor: str = "?") -> to
     return dtype
 
 
-# -- checksums ---------------------------------------------------------------------------------
-
-class Checksum:
-    """Incremental CRC-32C (Castagnoli, hardware accelerated) over a stream of buffers."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self) -> None:
-        self._value = 0
-
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        self._value = crc32c.crc32c(data, self._value)
-
-    def hexdigest(self) -> str:
-        """``"crc32c:"`` followed by 8 lowercase hex digits, as stored in ``shardkit.json``."""
-        return f"{CHECKSUM_ALGORITHM}:{self._value:08x}"
+_BY_CODE = {code: dtype for dtype, (_, code) in _DTYPES.items()}
 
 
-def checksum(data: bytes | bytearray | memoryview) -> str:
-    """The checksum string of ``data`` as stored in ``shardkit.json`` (``"crc32c:1a2b3c4d"``)."""
-    c = Checksum()
-    c.update(data)
-    return c.hexdigest()
-
-
-def verify_checksum(data: bytes | bytearray | memoryview, expected: str, *, file: str, tensor: str) -> None:
-    """Raise ``CheckpointError`` naming ``file`` and ``tensor`` unless ``data`` has checksum ``expected``."""
-    actual = checksum(data)
-    if actual != expected:
-        msg = (f"checksum mismatch in {file!r} for tensor {tensor!r}: the metadata records {expected} but "
-               f"the data has {actual}; the file is corrupt (restore it or save the checkpoint again).")
+def dtype_from_code(code: object, *, where: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (``"F32"``); an unknown code raises ``CheckpointError``."""
+    dtype = _BY_CODE.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        msg = f"{where} has dtype {code!r}, which shardkit does not read; known: {sorted(_BY_CODE)}."
         raise CheckpointError(msg)
-
-
-# -- storage -----------------------------------------------------------------------------------
-
-def resolve(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-            ) -> tuple[fsspec.AbstractFileSystem, str]:
-    """``(filesystem, folder path)`` for a local path or fsspec URL, like ``fsspec.core.url_to_fs``."""
-    text = os.fspath(path)
-    if not isinstance(text, str) or not text:
-        msg = f"checkpoint path must be a non-empty str or os.PathLike, got {path!r}."
-        raise ValueError(msg)
-    fs, root = fsspec.core.url_to_fs(text, **dict(storage_options or {}))
-    root = root.rstrip("/") or root
-    return fs, root
-
-
-def is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    """Whether ``fs`` is the local file system (enables os-level fast paths: fsync, os.replace)."""
-    return isinstance(fs, LocalFileSystem)
+    return dtype
 
 
 def check_file_name(name: object, *, source: str = "?", tensor: str | None = None) -> str:
@@ -189,110 +139,6 @@ def check_file_name(name: object, *, source: str = "?", tensor: str | None = Non
                f"name inside the checkpoint folder; refusing to read it (the metadata is corrupt or unsafe).")
         raise CheckpointError(msg)
     return name  # type: ignore[return-value]  # checked to be a str above
-
-
-def member(root: str, name: str) -> str:
-    """The path of file ``name`` (validated with ``check_file_name``) inside folder ``root``."""
-    check_file_name(name, source=posixpath.join(root, METADATA_FILE))
-    return posixpath.join(root, name)
-
-
-def data_file_name(generation: str, rank: int, part: int | None = None) -> str:
-    """``data-<generation>-r<rank:05d>[-p<part>].safetensors``: the data file of one rank in one save."""
-    suffix = "" if part is None else f"-p{part:03d}"
-    return f"data-{generation}-r{rank:05d}{suffix}.safetensors"
-
-
-def data_file_generation(name: str) -> str | None:
-    """The generation of a data file name, or ``None`` if ``name`` is not one."""
-    match = _DATA_FILE.match(name)
-    return match.group("generation") if match else None
-
-
-def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, *, tensor: str) -> bytes:
-    """Bytes ``[start, end)`` of ``path``; a missing or short file raises ``CheckpointError``."""
-    if end <= start:
-        return b""
-    try:
-        data = fs.cat_file(path, start=start, end=end)
-    except FileNotFoundError as exc:
-        msg = (f"data file {path!r} of tensor {tensor!r} is missing; the checkpoint is incomplete or was "
-               f"modified after it was saved.")
-        raise CheckpointError(msg) from exc
-    if len(data) != end - start:
-        msg = (f"data file {path!r} of tensor {tensor!r} is truncated: needed bytes [{start}, {end}) but "
-               f"only {len(data)} of {end - start} could be read.")
-        raise CheckpointError(msg)
-    return data  # type: ignore[no-any-return]
-
-
-# -- safetensors headers -----------------------------------------------------------------------
-
-def build_safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-                             metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[tuple[int, int]]]:
-    """The first bytes of a safetensors file holding ``entries`` back to back, in order.
-
-    Returns ``(prefix, byte_ranges)``: ``prefix`` is the 8-byte little-endian header length
-    followed by the JSON header (space padded so the data starts at a multiple of 8, as
-    safetensors does); ``byte_ranges[i]`` is the absolute ``[start, end)`` of entry ``i``'s data
-    in the file. Writing ``prefix`` and then each entry's raw bytes gives a valid file.
-    """
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    relative = []
-    position = 0
-    for key, dtype, shape in entries:
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": safetensors_dtype(dtype), "shape": [int(s) for s in shape],
-                       "data_offsets": [position, position + nbytes]}
-        relative.append((position, position + nbytes))
-        position += nbytes
-    if len(header) != len(entries) + (1 if metadata else 0):
-        msg = "safetensors keys must be unique within one file."
-        raise ValueError(msg)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
-    start = 8 + len(text)
-    return len(text).to_bytes(8, "little") + text, [(start + b, start + e) for b, e in relative]
-
-
-def parse_safetensors_header(prefix: bytes, *, file: str = "?") -> tuple[dict[str, Any], int]:
-    """``(header JSON, data start)`` from the first bytes of a safetensors file.
-
-    ``prefix`` must hold at least ``8 + header length`` bytes. The absolute byte range of a
-    tensor is ``data_start + data_offsets``.
-    """
-    if len(prefix) < 8:
-        msg = f"safetensors file {file!r} is truncated: it has {len(prefix)} bytes, fewer than the 8-byte header length."
-        raise CheckpointError(msg)
-    length = int.from_bytes(prefix[:8], "little")
-    if length > _MAX_HEADER or len(prefix) < 8 + length:
-        msg = (f"safetensors file {file!r} has a header length of {length} bytes, but only "
-               f"{len(prefix) - 8} header bytes are available; the file is truncated or not safetensors.")
-        raise CheckpointError(msg)
-    try:
-        header = json.loads(prefix[8:8 + length])
-    except (UnicodeDecodeError, ValueError) as exc:
-        msg = f"safetensors file {file!r} has a malformed JSON header: {exc}."
-        raise CheckpointError(msg) from exc
-    if not isinstance(header, dict):
-        msg = f"safetensors file {file!r} has a header that is {type(header).__name__}, not a JSON object."
-        raise CheckpointError(msg)
-    return header, 8 + length
-
-
-def read_safetensors_header(fs: fsspec.AbstractFileSystem, path: str) -> tuple[dict[str, Any], int]:
-    """Read and parse the header of safetensors file ``path`` with two range reads."""
-    try:
-        head = fs.cat_file(path, start=0, end=8)
-        length = int.from_bytes(head[:8], "little") if len(head) == 8 else 0
-        if len(head) == 8 and 0 < length <= _MAX_HEADER:
-            head += fs.cat_file(path, start=8, end=8 + length)
-    except FileNotFoundError as exc:
-        msg = f"data file {path!r} is missing; the checkpoint is incomplete or was modified after it was saved."
-        raise CheckpointError(msg) from exc
-    return parse_safetensors_header(head, file=path)
 
 
 # -- metadata ------------------------------------------------------------------------------------
@@ -349,7 +195,7 @@ class TensorEntry:
     Attributes:
         size: the full tensor's size.
         dtype: its dtype.
-        shards: the saved regions ([`SavedShard`][checkpoint._format.SavedShard]), in save order.
+        shards: the saved regions ([`SavedShard`][checkpoint._schema.SavedShard]), in save order.
 
     Example:
         >>> entry = checkpoint.read_metadata("ckpt").tensors["0.weight"]  # doctest: +SKIP
@@ -377,7 +223,7 @@ class CheckpointMetadata:
     Returned by ``checkpoint.read_metadata``; reading it reads no tensor data.
 
     Attributes:
-        tensors: dotted name -> [`TensorEntry`][checkpoint._format.TensorEntry] (``.size``,
+        tensors: dotted name -> [`TensorEntry`][checkpoint._schema.TensorEntry] (``.size``,
             ``.dtype``, ``.shards``).
         values: dotted name -> the non-tensor value (JSON data).
         files: data file name -> size in bytes.
@@ -525,138 +371,3 @@ def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: st
     return TensorEntry(torch.Size(size), dtype, tuple(shards))
 
 
-def read_metadata(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
-                  ) -> CheckpointMetadata:
-    """Read a checkpoint's metadata without reading tensor data.
-
-    Args:
-        path: the checkpoint folder, a local path or fsspec URL (``"s3://bucket/ckpt"``).
-        storage_options: passed to the fsspec file system (credentials, endpoint, ...).
-
-    Returns:
-        ``CheckpointMetadata``: ``.tensors`` (name -> ``.size``, ``.dtype``, ``.shards``) and
-        ``.values`` (the non-tensor entries), with nested state_dicts flattened to dotted names.
-
-    Raises:
-        CheckpointError: the folder holds data files but no committed metadata (an incomplete
-            save), or the metadata is malformed.
-        FileNotFoundError: there is no checkpoint at ``path``.
-
-    Example:
-        >>> md = checkpoint.read_metadata("ckpt")  # doctest: +SKIP
-        >>> md.tensors["fc.weight"].size, md.values["epoch"]  # doctest: +SKIP
-        (torch.Size([10, 4]), 3)
-    """
-    fs, root = resolve(path, storage_options)
-    return _read_metadata(fs, root)
-
-
-def _read_metadata(fs: fsspec.AbstractFileSystem, root: str) -> CheckpointMetadata:
-    source = posixpath.join(root, METADATA_FILE)
-    try:
-        text = fs.cat_file(source)
-    except FileNotFoundError:
-        text = None
-    except (IsADirectoryError, NotADirectoryError) as exc:
-        msg = f"{source!r} is not a readable checkpoint metadata file ({exc})."
-        raise CheckpointError(msg) from exc
-    if text is None:
-        leftovers = _list_names(fs, root)
-        data = sorted(n for n in leftovers if data_file_generation(n) is not None)
-        if data:
-            msg = (f"checkpoint {root!r} is incomplete: it holds {len(data)} data file(s) (e.g. {data[0]!r}) "
-                   f"but no {METADATA_FILE!r}, so the save that wrote them never committed (it crashed "
-                   f"or is still running); save it again.")
-            raise CheckpointError(msg)
-        msg = f"no shardkit checkpoint at {root!r}: {source!r} does not exist."
-        raise FileNotFoundError(msg)
-    return parse_metadata(text, source=source)
-
-
-def _list_names(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
-    """Plain names of the entries of folder ``root`` (empty if it does not exist)."""
-    fs.invalidate_cache(root)  # other processes write here: a cached listing (s3fs) may be stale
-    try:
-        entries = fs.ls(root, detail=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return [posixpath.basename(str(e).rstrip("/")) for e in entries]
-
-
-def read_saved_shard(fs: fsspec.AbstractFileSystem, root: str, name: str, entry: TensorEntry,
-                     shard: SavedShard, *, verify: bool = True) -> torch.Tensor:
-    """One whole saved region as a CPU tensor of shape ``shard.dims``, checksum verified.
-
-    For offline tools (consolidate, verify): one exact range read, one buffer, no extra copy.
-    """
-    path = member(root, shard.file)
-    data = bytearray(read_range(fs, path, *shard.byte_range, tensor=name))
-    if verify:
-        verify_checksum(data, shard.checksum, file=path, tensor=name)
-    if not data:
-        return torch.empty(shard.dims, dtype=entry.dtype)
-    return torch.frombuffer(data, dtype=entry.dtype).reshape(shard.dims)
-
-
-# -- state_dict structure ------------------------------------------------------------------------
-
-_SCALARS = (str, int, float, bool, type(None))
-
-
-def check_json_value(name: str, value: object) -> None:
-    """Raise ``TypeError`` naming ``name`` unless ``value`` is JSON data (and not a tensor).
-
-    JSON data: None, bool, int, float, str, and lists/tuples/dicts (str keys) of those.
-    """
-    stack: list[tuple[str, object]] = [(name, value)]
-    while stack:
-        where, v = stack.pop()
-        if isinstance(v, _SCALARS):
-            continue
-        if isinstance(v, (list, tuple)):
-            stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
-            continue
-        if isinstance(v, dict):
-            for k, x in v.items():
-                if not isinstance(k, str):
-                    msg = (f"state_dict entry {name!r} holds a dict with key {k!r} of type {type(k).__name__} "
-                           f"at {where!r}; only str keys can be stored as JSON.")
-                    raise TypeError(msg)
-                stack.append((f"{where}[{k!r}]", x))
-            continue
-        msg = (f"state_dict entry {name!r} is {type(v).__name__}"
-               + (f" at {where!r}" if where != name else "")
-               + "; a checkpoint stores tensors, ShardedTensors and JSON values (None, bool, int, float, "
-               "str and lists/dicts of them), never pickled objects. Convert it, or drop it from the state_dict.")
-        raise TypeError(msg)
-
-
-def flatten_state_dict(state_dict: Mapping[Any, Any]) -> Iterator[tuple[str, Mapping[Any, Any], Any, Any]]:
-    """Yield ``(dotted name, parent mapping, key, value)`` for every leaf of a nested state_dict.
-
-    A non-empty nested ``Mapping`` is a state_dict level and is descended into; keys are ``str``
-    or ``int`` (as in optimizer state: ``{"opt": {"state": {0: ...}}}`` gives ``"opt.state.0"``).
-    Every other value, an empty mapping included, is a leaf. Two leaves with the same dotted
-    name (``{"a.b": x}`` and ``{"a": {"b": y}}``) raise ``ValueError``.
-    """
-    seen: dict[str, str] = {}
-
-    def walk(prefix: str, where: str, mapping: Mapping[Any, Any]
-             ) -> Iterator[tuple[str, Mapping[Any, Any], Any, Any]]:
-        for key, value in mapping.items():
-            if isinstance(key, bool) or not isinstance(key, (str, int)):
-                msg = (f"state_dict key {key!r} at {where or 'the top level'} is {type(key).__name__}; "
-                       f"keys must be str (or int, as in optimizer state).")
-                raise TypeError(msg)
-            name, path = f"{prefix}{key}", f"{where}[{key!r}]"
-            if isinstance(value, Mapping) and value:
-                yield from walk(f"{name}.", path, value)
-                continue
-            if name in seen:
-                msg = (f"state_dict entries {seen[name]} and {path} both flatten to the name {name!r}; "
-                       f"rename one of them.")
-                raise ValueError(msg)
-            seen[name] = path
-            yield name, mapping, key, value
-
-    yield from walk("", "", state_dict)
