@@ -7,11 +7,13 @@ and the folder is left with a ``shardkit.json`` whose data files are gone.
 ``shardkit.lock`` in the folder holds the lease. Its content names the save that holds it::
 
     {"generation": "3f9a2c1b", "token": "<random>", "pid": 1234, "host": "node7",
-     "state": "writing" | "done", "expires": 1732350000.0}
+     "state": "writing" | "done", "expires": 1732350000.0, "orphans": ["9c0d1e2f"]}
 
 Local folders: the lease is an exclusive ``flock`` on the open lock file, taken without
 waiting; the kernel releases it when the holder exits or crashes, so a dead save never
-blocks the next one. Other file systems (object stores, ``memory://``) have no locks: the
+blocks the next one. A save that finishes cleanly removes the file (so a folder holds only
+the checkpoint between saves); a save that locked a file just as it was removed notices
+that the path no longer names its file and tries again. Other file systems (object stores, ``memory://``) have no locks: the
 lease is the file's content, valid until ``expires``, and the holder checks at commit time
 that the file still names it (``check``), so a save whose lease was taken over fails instead
 of committing. On object stores this narrows the window to the time between that check and
@@ -19,7 +21,8 @@ the commit; it does not close it.
 
 A lease left in state ``writing`` names a save that died before finishing: its data files
 (``data-<generation>-r*``) were written by shardkit and may be removed by the next save
-after it commits (``orphan``). Nothing else in the folder is ever inferred to be shardkit's.
+after it commits (``orphans``, kept in the lease until a save has removed them). Nothing
+else in the folder is ever inferred to be shardkit's.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from typing import Any
 
 import fsspec
 
-from ._format import CheckpointError, is_local
+from ._schema import CheckpointError
+from ._storage import is_local
 
 __all__ = ["LOCK_FILE", "SaveLease"]
 
@@ -47,15 +51,15 @@ class SaveLease:
 
     Attributes:
         generation: the generation of the save holding it.
-        orphan: the generation of an earlier save that died holding the lease (its data
-            files are shardkit's to remove once this save has committed), or ``None``.
+        orphans: generations of earlier saves that died holding the lease: their data files
+            are shardkit's to remove once a save has committed (then clear this list).
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, generation: str, token: str,
-                 fd: int | None, orphan: str | None, ttl: float) -> None:
+                 fd: int | None, orphans: list[str], ttl: float) -> None:
         self._fs, self._root, self._token, self._fd, self._ttl = fs, root, token, fd, ttl
         self.generation = generation
-        self.orphan = orphan
+        self.orphans = orphans
 
     @property
     def path(self) -> str:
@@ -78,7 +82,7 @@ class SaveLease:
         now = time.time()
         if previous is not None and previous.get("state") == "writing" and float(previous.get("expires", 0)) > now:
             raise _busy(root, previous)
-        lease = cls(fs, root, generation, token, None, _orphan(previous), ttl)
+        lease = cls(fs, root, generation, token, None, _orphans(previous), ttl)
         lease._write("writing")
         return lease
 
@@ -97,11 +101,14 @@ class SaveLease:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise _busy(root, _parse(_read_fd(fd))) from None
+            if not _same_file(fd, path):  # the holder removed it as it finished: take a fresh one
+                os.close(fd)
+                return cls._acquire_local(fs, root, path, generation, token, ttl)
             previous = _parse(_read_fd(fd))
         except BaseException:
             os.close(fd)
             raise
-        lease = cls(fs, root, generation, token, fd, _orphan(previous), ttl)
+        lease = cls(fs, root, generation, token, fd, _orphans(previous), ttl)
         lease._write("writing")
         return lease
 
@@ -110,7 +117,7 @@ class SaveLease:
     def _content(self, state: str) -> bytes:
         return json.dumps({"generation": self.generation, "token": self._token, "pid": os.getpid(),
                            "host": socket.gethostname(), "state": state,
-                           "expires": time.time() + self._ttl}).encode()
+                           "expires": time.time() + self._ttl, "orphans": self.orphans}).encode()
 
     def _write(self, state: str) -> None:
         data = self._content(state)
@@ -123,11 +130,7 @@ class SaveLease:
     def check(self) -> None:
         """Raise ``CheckpointError`` unless this save still holds the lease (call right before committing)."""
         if self._fd is not None:
-            try:
-                same = os.path.samestat(os.fstat(self._fd), os.stat(self.path, follow_symlinks=False))
-            except OSError:
-                same = False
-            current = _parse(_read_fd(self._fd)) if same else None
+            current = _parse(_read_fd(self._fd)) if _same_file(self._fd, self.path) else None
         else:
             current = _parse(_read_remote(self._fs, self.path))
         if current is None or current.get("token") != self._token:
@@ -138,9 +141,16 @@ class SaveLease:
             self._write("writing")  # renew
 
     def release(self, *, finished: bool) -> None:
-        """Give the lease up; ``finished=False`` leaves it marked ``writing`` (data files may remain)."""
+        """Give the lease up. ``finished=False`` leaves it marked ``writing`` (this save's data files
+        may remain, for the next save to remove); a finished save with no orphans left removes the file."""
         try:
-            if finished:
+            if finished and not self.orphans:
+                # Removed while still locked: a save waiting on this file sees it is gone and retries.
+                if self._fd is not None:
+                    os.unlink(self.path)
+                else:
+                    self._fs.rm_file(self.path)
+            elif finished:
                 self._write("done")
         except OSError:
             pass  # the lease is released below either way; a stale "writing" only marks an orphan
@@ -148,6 +158,14 @@ class SaveLease:
             if self._fd is not None:
                 os.close(self._fd)  # also drops the flock
                 self._fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed or replaced since)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+    except OSError:
+        return False
 
 
 def _read_fd(fd: int) -> bytes:
@@ -172,12 +190,19 @@ def _parse(data: bytes | None) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _orphan(previous: dict[str, Any] | None) -> str | None:
-    if previous is None or previous.get("state") != "writing":
-        return None
-    generation = previous.get("generation")
-    ok = isinstance(generation, str) and 0 < len(generation) <= 64 and all(c in "0123456789abcdef" for c in generation)
-    return generation if ok else None
+def _is_generation(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _orphans(previous: dict[str, Any] | None) -> list[str]:
+    """Generations whose data files an earlier save left behind, from the lease file's last content."""
+    if previous is None:
+        return []
+    listed = previous.get("orphans")
+    out = [g for g in listed if _is_generation(g)] if isinstance(listed, list) else []
+    if previous.get("state") == "writing" and _is_generation(previous.get("generation")):
+        out.append(previous["generation"])
+    return sorted(set(out))[:1000]
 
 
 def _who(content: dict[str, Any] | None) -> str:

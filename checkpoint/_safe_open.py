@@ -16,8 +16,9 @@ import stat
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
-from ._format import CheckpointError, is_local
+from ._schema import CheckpointError
 
 __all__ = ["open_regular", "read_regular", "check_regular"]
 
@@ -89,7 +90,7 @@ def check_regular(fs: fsspec.AbstractFileSystem, path: str) -> int:
     Local files are checked on an opened descriptor (see ``open_regular``); on other file
     systems the entry's ``type`` must be ``"file"``. ``FileNotFoundError`` if it is missing.
     """
-    if is_local(fs):
+    if isinstance(fs, LocalFileSystem):
         fd, size = open_regular(path)
         os.close(fd)
         return size
