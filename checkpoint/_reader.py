@@ -10,10 +10,15 @@ is **missing**, it is **truncated** (shorter than a range needs), or a **checksu
 (the bytes differ from what the metadata records).
 
 Checksums are checked per *checksummed span*: a byte range inside a saved region that carries
-its own checksum (``checksum_spans``). Today each region has one span, the whole region.
-``RegionCheck`` verifies every span that a read covers whole, whether the bytes arrive in one
-piece or streamed in order; a read that covers only part of a span leaves it unchecked. So
-finer spans (per chunk) need a change in ``checksum_spans`` only, and every reader gains them.
+its own checksum (``checksum_spans``): each chunk of the region in format version 2, the
+whole region in version 1. ``RegionCheck`` verifies every span that a read covers whole,
+whether the bytes arrive in one piece or streamed in order; ``covering`` widens a wanted
+byte range to whole spans, so that a partial read can be verified (version 2: at most one
+chunk of extra bytes at each end; version 1: only a whole region can be).
+
+Files are opened through ``_safe_open``: a data file that is a symlink, FIFO, directory or
+device is refused without blocking, and ``check_size`` compares a file's real size with the
+size the metadata records before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ import os
 from collections.abc import Iterator, Sequence
 
 import fsspec
+import torch
 
-from ._codec import Checksum, header_length, parse_header
-from ._schema import CheckpointError, SavedShard
+from ._chunks import plan_read
+from ._codec import Checksum, check_header_entry, header_length, parse_header
+from ._safe_open import check_regular, open_regular
+from ._schema import CHECKSUM_ALGORITHM, CheckpointError, SavedShard
 from ._storage import is_local
 
-__all__ = ["DataReader", "RegionCheck", "checksum_spans", "missing_error", "truncated_error"]
+__all__ = ["DataReader", "RegionCheck", "checksum_spans", "covering", "missing_error", "truncated_error"]
 
 Tensors = str | Sequence[str] | None
 """Which tensors a file or range belongs to, for messages: one name, several, or unknown (``None``)."""
@@ -65,9 +73,27 @@ def checksum_spans(shard: SavedShard) -> list[tuple[int, int, str]]:
 
     One span, the whole region; none for files that carry no checksums (Hugging Face files).
     """
+    if shard.chunks:
+        start, end = shard.byte_range
+        step = shard.chunk_bytes
+        return [(a, min(a + step, end), f"{CHECKSUM_ALGORITHM}:{value:08x}")
+                for a, value in zip(range(start, end, step), shard.chunks)]
     if not shard.checksum:
         return []
     return [(shard.byte_range[0], shard.byte_range[1], shard.checksum)]
+
+
+def covering(shard: SavedShard, start: int, end: int) -> tuple[int, int]:
+    """The smallest range of whole checksummed spans around bytes ``[start, end)`` of ``shard``'s region.
+
+    Version 2: chunk-aligned (``_chunks.plan_read``). Version 1 (one span): the whole region if
+    the wanted range is the whole region, else the wanted range itself, which cannot be verified.
+    """
+    first, last = shard.byte_range
+    if shard.chunks:
+        plan = plan_read(start - first, end - first, last - first, shard.chunk_bytes)
+        return first + plan.read_start, first + plan.read_end
+    return start, end
 
 
 class RegionCheck:
@@ -103,8 +129,9 @@ class RegionCheck:
             self._spans.pop(0)
             if actual != expected:
                 shard = self._shard
+                what = "" if not shard.chunks else f"chunk {(first - shard.byte_range[0]) // shard.chunk_bytes}, "
                 msg = (f"checksum mismatch in {self._path!r} for tensor {self._tensor!r} (region "
-                       f"offsets={list(shard.offsets)}, dims={list(shard.dims)}, bytes [{first}, {last})): the "
+                       f"offsets={list(shard.offsets)}, dims={list(shard.dims)}, {what}bytes [{first}, {last})): the "
                        f"metadata records {expected} but the data has {actual}; the file is corrupt (restore it "
                        f"or save the checkpoint again).")
                 raise CheckpointError(msg)
@@ -121,6 +148,7 @@ class DataReader:
         self._fs = fs
         self.local = is_local(fs)
         self._files: dict[str, tuple[int, int]] = {}  # local path -> (fd, size)
+        self._sizes: dict[str, int] = {}  # other file systems: path -> size
 
     def __enter__(self) -> DataReader:
         return self
@@ -137,10 +165,9 @@ class DataReader:
         entry = self._files.get(path)
         if entry is None:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                entry = self._files[path] = open_regular(path)
             except FileNotFoundError as exc:
                 raise missing_error(path, tensors, exc) from exc
-            entry = self._files[path] = (fd, os.fstat(fd).st_size)
         return entry
 
     def _descriptor(self, path: str, start: int, end: int, tensors: Tensors) -> int:
@@ -154,10 +181,26 @@ class DataReader:
         """The file's size in bytes."""
         if self.local:
             return self._open(path, tensors)[1]
-        try:
-            return int(self._fs.size(path))
-        except FileNotFoundError as exc:
-            raise missing_error(path, tensors, exc) from exc
+        size = self._sizes.get(path)
+        if size is None:
+            try:
+                size = self._sizes[path] = check_regular(self._fs, path)
+            except FileNotFoundError as exc:
+                raise missing_error(path, tensors, exc) from exc
+        return size
+
+    def check_size(self, path: str, expected: int, *, tensors: Tensors = None) -> None:
+        """Raise ``CheckpointError`` unless the file has exactly the ``expected`` size the metadata records.
+
+        Called before anything is allocated or read for the file: a metadata file claiming
+        sizes its data files do not have is refused here, not by the allocator.
+        """
+        actual = self.size(path, tensors=tensors)
+        if actual != expected:
+            what = "is truncated" if actual < expected else "is longer than recorded"
+            msg = (f"data file {path!r}{_of(tensors)} {what}: it has {actual} bytes, but the checkpoint metadata "
+                   f"records {expected} bytes; the file was cut short or replaced, or the metadata is corrupt.")
+            raise CheckpointError(msg)
 
     def readinto(self, path: str, start: int, buffer: memoryview, *, tensors: Tensors = None) -> None:
         """Fill ``buffer`` with the file's bytes from ``start``."""
@@ -177,6 +220,9 @@ class DataReader:
         """The file's bytes ``[start, end)``."""
         if end <= start:
             return b""
+        size = self.size(path, tensors=tensors)  # before allocating: a range past the end is refused first
+        if size < end:
+            raise truncated_error(path, tensors, start, end, size - start)
         if self.local:
             buffer = bytearray(end - start)
             self.readinto(path, start, memoryview(buffer), tensors=tensors)
@@ -232,6 +278,21 @@ class DataReader:
             raise truncated_error(path, tensors, 0, 8, size)
         length = header_length(self.read(path, 0, 8, tensors=tensors), size, file=path)
         return parse_header(self.read(path, 8, 8 + length, tensors=tensors), file=path), 8 + length, size
+
+    def check_data_file(self, path: str, expected: int, regions: Sequence[tuple[str, SavedShard, torch.dtype]]
+                        ) -> None:
+        """Check a shardkit data file before reading from it: its size is the ``expected`` one, and its
+        safetensors header describes each of ``regions`` (``(tensor, shard, dtype)``) as the metadata does.
+
+        So a relabelled dtype or shape, or sizes the file does not have, are refused before any
+        allocation or copy (``CheckpointError`` naming the file and the tensor).
+        """
+        names = sorted({name for name, _, _ in regions})
+        tensors: Tensors = names[0] if len(names) == 1 else names
+        self.check_size(path, expected, tensors=tensors)
+        header, data_start, _ = self.read_header(path, tensors=tensors)
+        for name, shard, dtype in regions:
+            check_header_entry(header, data_start, shard, dtype, file=path, tensor=name)
 
     def read_region(self, path: str, shard: SavedShard, out: memoryview, *, tensor: str) -> None:
         """A whole saved region into ``out`` (exactly ``shard.nbytes`` long), checksums verified."""
