@@ -8,10 +8,10 @@ Not a test: prints one JSON document. Saves a 1 GiB fp32 state dict (16 tensors 
 - ``rows``: each tensor split into 3 row blocks (partial reads, one contiguous range each);
 - ``cols``: each tensor split into 2 column blocks (partial reads, one run per row).
 
-For each, the best of ``--repeat`` loads is compared with the time CRC-32C takes over the
-bytes that load verifies (every chunk a read touches), measured alone on the same
-machine just before (reading the files, with and without CRC-32C over every chunk):
-``checksum_share = crc time / load time``.
+For each, the best of ``--repeat`` loads is reported with the time spent verifying inside
+it: ``RegionCheck.update`` (where every checksum of a load is computed and compared) is
+wrapped with a timer for the run, so ``checksum_share = checksum time / load time`` of the
+same load. CRC-32C's raw speed over the files (read from the page cache) is reported too.
 
 Usage::
 
@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 import sharded_tensor as st  # noqa: E402
+from checkpoint import _reader  # noqa: E402
 from checkpoint._chunks import CHUNK_BYTES  # noqa: E402
 from sharding import single_split  # noqa: E402
 
@@ -94,15 +95,35 @@ def main() -> None:
         crc_plus_read, _ = _best(crc_all, args.repeat)
         read_only, _ = _best(read_all, args.repeat)
         crc_time = max(crc_plus_read - read_only, 0.0)
-        for layout in ("whole", "rows", "cols"):
-            targets = _targets(layout, n, side)
-            checkpoint.load(targets, folder, quiet=True)  # warm
-            best, times = _best(lambda t=targets: checkpoint.load(t, folder, quiet=True), args.repeat)
-            results[layout] = {"load_s": round(best, 4), "all_s": [round(x, 4) for x in times],
-                               "gbps": round(total / best / 1e9, 2),
-                               "checksum_share": round(crc_time / best, 3)}
+        spent = [0.0]
+        update = _reader.RegionCheck.update
+
+        def timed(self, data):  # the benchmark's instrument, not part of shardkit
+            t = time.perf_counter()
+            try:
+                return update(self, data)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        _reader.RegionCheck.update = timed
+        try:
+            for layout in ("whole", "rows", "cols"):
+                targets = _targets(layout, n, side)
+                checkpoint.load(targets, folder, quiet=True)  # warm
+                runs = []
+                for _ in range(args.repeat):
+                    spent[0] = 0.0
+                    t = time.perf_counter()
+                    checkpoint.load(targets, folder, quiet=True)
+                    runs.append((time.perf_counter() - t, spent[0]))
+                best, checking = min(runs)
+                results[layout] = {"load_s": round(best, 4), "checksum_s": round(checking, 4),
+                                   "all_s": [round(x, 4) for x, _ in runs], "gbps": round(total / best / 1e9, 2),
+                                   "checksum_share": round(checking / best, 3)}
+        finally:
+            _reader.RegionCheck.update = update
     print(json.dumps({"bytes": total, "format_version": version, "chunk_bytes": CHUNK_BYTES,
-                      "crc_alone_s": round(crc_time, 4), "crc_gbps": round(total / max(crc_time, 1e-9) / 1e9, 2),
+                      "crc_gbps": round(total / max(crc_time, 1e-9) / 1e9, 2),
                       "layouts": results}, indent=1))
 
 

@@ -367,8 +367,9 @@ def test_sizes_beyond_the_files_are_refused_before_allocating(tmp_path: Path,
     huge = 1 << 40  # elements: 4 TiB of float32, claimed by a file of a few hundred bytes
     w = md["tensors"]["w"]
     start = w["shards"][0]["byte_range"][0]
-    w["size"], w["shards"][0]["dims"] = [huge], [huge]
+    w["size"], w["shards"][0]["dims"], w["shards"][0]["offsets"] = [huge], [huge], [0]
     w["shards"][0]["byte_range"] = [start, start + 4 * huge]
+    w["shards"][0]["chunks"] = {"bytes": 1 << 30, "crc32c": "0" * 8 * ((4 * huge) >> 30)}
     md["files"][w["shards"][0]["file"]]["bytes"] = start + 4 * huge + 64
     _write_metadata(folder, md)
     with pytest.raises(CheckpointError, match="bytes") as info:
