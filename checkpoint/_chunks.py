@@ -127,33 +127,32 @@ def _power(k: int) -> list[int]:
     return _POWERS[k]
 
 
-def _zeros_operator(nbytes: int) -> list[int]:
-    matrix = [1 << n for n in range(32)]
+def _shift(crc: int, nbytes: int) -> int:
+    """The CRC state ``crc`` after ``nbytes`` zero bytes: one matrix-vector product per set bit of ``nbytes``."""
     k = 0
     while nbytes:
         if nbytes & 1:
-            matrix = _compose(_power(k), matrix)
+            crc = _times(_power(k), crc)
         nbytes >>= 1
         k += 1
-    return matrix
+    return crc
 
 
 def crc32c_combine(first: int, second: int, second_bytes: int) -> int:
     """The CRC-32C of ``A + B`` from ``first = crc(A)``, ``second = crc(B)`` and ``len(B)``."""
-    return _times(_zeros_operator(second_bytes), first) ^ second
+    return _shift(first, second_bytes) ^ second
 
 
 def combine_chunks(checksums: Sequence[int], nbytes: int, chunk_bytes: int) -> int:
-    """The CRC-32C of a whole region from its chunk checksums (one matrix per distinct chunk length)."""
+    """The CRC-32C of a whole region from its chunk checksums (each step costs a few hundred bit operations)."""
     if not checksums:
         return 0
-    full = _zeros_operator(chunk_bytes)
     last = nbytes - chunk_bytes * (len(checksums) - 1)
     crc = checksums[0]
     for value in checksums[1:-1]:
-        crc = _times(full, crc) ^ value
+        crc = _shift(crc, chunk_bytes) ^ value
     if len(checksums) > 1:
-        crc = _times(full if last == chunk_bytes else _zeros_operator(last), crc) ^ checksums[-1]
+        crc = _shift(crc, last) ^ checksums[-1]
     return crc
 
 

@@ -15,11 +15,11 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from ._codec import check_header_entry
 from ._consolidate import consolidate_files, parse_size
 from ._dcp import convert
 from ._progress import progress
 from ._reader import DataReader, truncated_error
-from ._codec import check_header_entry
 from ._schema import CheckpointError, CheckpointMetadata, TensorEntry
 from ._storage import member, read_metadata_at, resolve
 

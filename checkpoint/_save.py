@@ -46,10 +46,16 @@ from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
 from sharding.layout import Box
 
-from ._chunks import CHUNK_BYTES, ChunkedChecksum, chunk_count, decode_chunks, encode_chunks
+from ._chunks import (
+    CHUNK_BYTES,
+    ChunkedChecksum,
+    chunk_count,
+    decode_chunks,
+    encode_chunks,
+)
 from ._codec import build_safetensors_header, checksum, tensor_bytes
-from ._lease import SaveLease
 from ._dtensor import dtensor_views
+from ._lease import SaveLease
 from ._progress import progress
 from ._schema import (
     CHECKSUM_ALGORITHM,
@@ -63,15 +69,15 @@ from ._schema import (
     parse_metadata,
 )
 from ._storage import (
+    Watchdog,
     atomic_write,
     data_file_generation,
     data_file_name,
+    discard,
     is_local,
     list_names,
     member,
     read_metadata_at,
-    Watchdog,
-    discard,
     remove_quietly,
     resolve,
     run_bounded,
@@ -636,7 +642,7 @@ def _cleanup_phase(job: _Job) -> None:
 def _is_committed(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> bool:
     """Whether ``shardkit.json`` at ``root`` is the one of ``generation`` (after an ambiguous failure)."""
     try:
-        return bool(json.loads(fs.cat_file(posixpath.join(root, METADATA_FILE))).get("generation") == generation)
+        return read_metadata_at(fs, root).generation == generation  # never through a symlink or FIFO
     except Exception:  # unreadable or absent: not ours
         return False
 

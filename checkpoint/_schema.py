@@ -41,10 +41,11 @@ from typing import Any
 
 import torch
 
-from . import _strict_json as strict_json
-from ._chunks import chunk_count, decode_chunks, encode_chunks
 from sharding import ShardMetadata
 from sharding.layout import check_tiling
+
+from . import _strict_json as strict_json
+from ._chunks import chunk_count, decode_chunks, encode_chunks
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",

@@ -33,14 +33,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # before this folder, whose checkpoint.py would shadow the package
 
-import crc32c  # noqa: E402
-import torch  # noqa: E402
+import crc32c
+import torch
 
-import checkpoint  # noqa: E402
-import sharded_tensor as st  # noqa: E402
-from checkpoint import _reader  # noqa: E402
-from checkpoint._chunks import CHUNK_BYTES  # noqa: E402
-from sharding import single_split  # noqa: E402
+import checkpoint
+import sharded_tensor as st
+from checkpoint import _reader
+from checkpoint._chunks import CHUNK_BYTES
+from sharding import single_split
 
 R0 = "rank:0/cpu"
 

@@ -160,7 +160,7 @@ def _apply(folder: Path, target: str, path_index: int, op: str, value: Any, leng
         text = _serialize(tree, paths[path_index % len(paths)], op, value)
         (folder / "shardkit.json").write_text(text)
         return "shardkit.json"
-    data = sorted(folder.glob("data-*.safetensors"))[0]
+    data = min(folder.glob("data-*.safetensors"))
     header, n, body = _read_header(data)
     if length is not None:  # only the 8-byte header length changes
         data.write_bytes(length.to_bytes(8, "little") + data.read_bytes()[8:])
@@ -254,7 +254,7 @@ def test_the_mutations_reach_the_readers(saved: Path, tmp_path: Path) -> None:
     _apply(folder, "metadata", 0, "duplicate", 1, None)
     assert (folder / "shardkit.json").read_text().count('"format"') == 2
     folder = Path(shutil.copytree(saved, tmp_path / "b"))
-    header, _, _ = _read_header(sorted(saved.glob("data-*.safetensors"))[0])
+    header, _, _ = _read_header(min(saved.glob("data-*.safetensors")))
     paths = _paths(header)
     index = next(i for i, p in enumerate(paths) if p and p[-1] == "dtype")
     name = _apply(folder, "header", index, "replace", "I32", None)
