@@ -123,8 +123,9 @@ def _copy_mapped(task: _Task, where: tuple[int, int, int], reader: DataReader) -
     """Local: map bytes ``[lo, hi)`` of the file, verify them, then copy the overlap (from byte ``first``)
     into ``task.dest`` with one strided ``copy_``; the kernel reads only the pages that are touched."""
     lo, hi, first = where
-    with reader.mapped(task.path, lo, hi, tensors=task.name) as view:
-        RegionCheck(task.shard, task.path, task.name, lo).update(view)
+    verifying = bool(task.shard.chunks) or (lo, hi) == task.shard.byte_range  # every byte is read then
+    with reader.mapped(task.path, lo, hi, tensors=task.name, populate=verifying) as view:
+        RegionCheck(task.shard, task.path, task.name, lo, reader.verified).update(view)
         source = _block(view, task, first - lo, task.common[1][0])
         try:
             _copy(task.dest, source)
@@ -153,7 +154,7 @@ def _execute(task: _Task, reader: DataReader, scratch: memoryview) -> None:
     if direct is not None and reader.local and span <= len(scratch):
         # Contiguous in file and target: stream whole spans through a small buffer (kept in
         # the CPU cache), verifying each piece before copying its wanted bytes into the target.
-        check = RegionCheck(shard, task.path, task.name, lo)
+        check = RegionCheck(shard, task.path, task.name, lo, reader.verified)
         step = len(scratch) - (len(scratch) % span if span else 0)
         for start in range(lo, hi, step):
             piece = scratch[:min(step, hi - start)]
@@ -173,7 +174,7 @@ def _execute(task: _Task, reader: DataReader, scratch: memoryview) -> None:
         a, b = _span(task, row, count)
         ca, cb = covering(shard, a, b) if shard.chunks else (lo, hi)
         data = reader.read(task.path, ca, cb, tensors=task.name)
-        RegionCheck(shard, task.path, task.name, ca).update(data)
+        RegionCheck(shard, task.path, task.name, ca, reader.verified).update(data)
         _copy(task.dest[row:row + count], _block(data, task, a - ca, count))
         if not shard.chunks:
             return

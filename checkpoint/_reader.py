@@ -102,15 +102,19 @@ class RegionCheck:
     Every span that begins at or after ``start`` is checked once its last byte has been fed to
     ``update``; a mismatch raises ``CheckpointError`` naming the file, the tensor, the region
     and the span. Spans that begin before ``start`` or end after the last byte fed are not
-    checked (a partial read cannot check them).
+    checked (a partial read cannot check them). With ``verified`` (a set shared by the reads of
+    one operation), spans already verified are skipped and the ones verified here are added:
+    two target blocks reading one chunk check it once.
     """
 
-    __slots__ = ("_digest", "_path", "_position", "_shard", "_spans", "_tensor")
+    __slots__ = ("_digest", "_path", "_position", "_shard", "_spans", "_tensor", "_verified")
 
-    def __init__(self, shard: SavedShard, path: str, tensor: str, start: int | None = None) -> None:
-        self._shard, self._path, self._tensor = shard, path, tensor
+    def __init__(self, shard: SavedShard, path: str, tensor: str, start: int | None = None,
+                 verified: set[tuple[str, int]] | None = None) -> None:
+        self._shard, self._path, self._tensor, self._verified = shard, path, tensor, verified
         self._position = shard.byte_range[0] if start is None else start
-        self._spans = [span for span in checksum_spans(shard) if span[0] >= self._position]
+        self._spans = [span for span in checksum_spans(shard) if span[0] >= self._position
+                       and (verified is None or (path, span[0]) not in verified)]
         self._digest: Checksum | None = None
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
@@ -135,6 +139,8 @@ class RegionCheck:
                        f"metadata records {expected} but the data has {actual}; the file is corrupt (restore it "
                        f"or save the checkpoint again).")
                 raise CheckpointError(msg)
+            if self._verified is not None:
+                self._verified.add((self._path, first))
 
 
 class DataReader:
@@ -149,6 +155,7 @@ class DataReader:
         self.local = is_local(fs)
         self._files: dict[str, tuple[int, int]] = {}  # local path -> (fd, size)
         self._sizes: dict[str, int] = {}  # other file systems: path -> size
+        self.verified: set[tuple[str, int]] = set()  # (path, span start) checked by this reader's user
 
     def __enter__(self) -> DataReader:
         return self
@@ -253,15 +260,19 @@ class DataReader:
         return out  # type: ignore[no-any-return]
 
     @contextlib.contextmanager
-    def mapped(self, path: str, start: int, end: int, *, tensors: Tensors = None) -> Iterator[memoryview]:
+    def mapped(self, path: str, start: int, end: int, *, tensors: Tensors = None,
+               populate: bool = False) -> Iterator[memoryview]:
         """Local only: a read-only view of bytes ``[start, end)`` through a memory map, while in the block.
 
         Only those pages are mapped, and the kernel reads only the ones the caller touches.
-        Every tensor made over the view must be dropped before the block ends.
+        ``populate=True`` (for a caller that reads every byte, e.g. to verify checksums) maps
+        all pages at once instead of one page fault at a time. Every tensor made over the
+        view must be dropped before the block ends.
         """
         fd = self._descriptor(path, start, end, tensors)
         first = start - start % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(fd, end - first, access=mmap.ACCESS_READ, offset=first)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        mapping = mmap.mmap(fd, end - first, flags=flags, prot=mmap.PROT_READ, offset=first)
         try:
             view = memoryview(mapping)[start - first:]
             try:
