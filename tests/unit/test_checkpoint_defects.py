@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,52 @@ def test_concurrent_saves_never_destroy_the_checkpoint(tmp_path: Path) -> None:
         matches = [s for s in candidates if torch.equal(out["w"], _ramp(64, 1024, shift=s))]
         assert matches, f"round {round_}: the checkpoint holds none of the successful saves {ok}"
         shifts.append(matches[0])
+
+
+_JOB = """
+import sys, time, os, torch, checkpoint
+folder, go, shift = sys.argv[1], sys.argv[2], float(sys.argv[3])
+sd = {"w": (torch.arange(64 * 4096, dtype=torch.float64) * 0.5 + shift).float().reshape(64, 4096)}
+while not os.path.exists(go):
+    time.sleep(0.001)
+try:
+    checkpoint.save(sd, folder, quiet=True)
+    print("saved")
+except checkpoint.CheckpointError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_two_jobs_saving_to_one_path_at_once(tmp_path: Path) -> None:
+    """Two independent 1-rank processes, released together: at most one commits, the other fails clearly."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(64, 4096, shift=-1.0)}, folder, quiet=True)
+    last = -1.0
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for round_ in range(2):
+        go = tmp_path / f"go{round_}"
+        shifts = [float(2 * round_ + k) for k in range(2)]
+        jobs = [subprocess.Popen([sys.executable, "-c", _JOB, str(folder), str(go), str(shift)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for shift in shifts]
+        time.sleep(2.0)  # both interpreters are up and waiting
+        go.touch()
+        outs = [job.communicate(timeout=120) for job in jobs]
+        for job, (out, err) in zip(jobs, outs):
+            assert job.returncode == 0, err
+            assert out.startswith(("saved", "refused:")), (out, err)
+            if out.startswith("refused:"):
+                assert "another save" in out and str(folder) in out, out
+        saved = [shift for shift, (out, _) in zip(shifts, outs) if out.startswith("saved")]
+        target = {"w": torch.zeros(64, 4096)}
+        checkpoint.load(target, folder)  # always loadable
+        matches = [shift for shift in (saved or [last]) if torch.equal(target["w"], _ramp(64, 4096, shift=shift))]
+        assert matches, f"round {round_}: the checkpoint holds none of the successful saves {saved}"
+        last = matches[0]
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("data-")) == ["shardkit.json"]
+        assert len(_data_files(folder)) == 1
 
 
 def test_a_save_in_progress_makes_a_second_save_fail_and_keeps_the_previous(tmp_path: Path) -> None:
