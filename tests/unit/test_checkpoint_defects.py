@@ -89,7 +89,7 @@ def test_concurrent_saves_never_destroy_the_checkpoint(tmp_path: Path) -> None:
         results: dict[float, BaseException | None] = {}
         barrier = threading.Barrier(2)
 
-        def job(shift: float) -> None:
+        def job(shift: float, barrier: threading.Barrier, results: dict[float, BaseException | None]) -> None:
             sd = {"w": _ramp(64, 1024, shift=shift)}
             barrier.wait()
             try:
@@ -98,7 +98,7 @@ def test_concurrent_saves_never_destroy_the_checkpoint(tmp_path: Path) -> None:
             except BaseException as exc:  # noqa: BLE001  # examined below
                 results[shift] = exc
 
-        threads = [threading.Thread(target=job, args=(float(2 * round_ + k),)) for k in range(2)]
+        threads = [threading.Thread(target=job, args=(float(2 * round_ + k), barrier, results)) for k in range(2)]
         for t in threads:
             t.start()
         for t in threads:
