@@ -1,19 +1,24 @@
 """Large CPU tensors that are about to be filled: where their memory comes from, and where it goes.
 
-For a large new tensor, the memory behind it can cost more than filling it. Measured with
-``scripts/bench/memory.py`` on the machines this project is tested on (a VM with 2 cores;
-docs/benchmarks.md, "memory"), allocating and filling one 256 MiB buffer took, median and
-worst:
-
-- pages faulted in one by one as the fill first writes them (``torch.empty``): 0.18 s, 0.79 s;
-- the same advised to use transparent huge pages: 0.61 s, 0.73 s;
-- the whole range committed by the ``mmap`` call (``MAP_POPULATE``): 0.12 s, 0.71 s;
-- a buffer the process already holds: 0.013 s.
+For a large new tensor, the memory behind it can cost more than filling it: pages faulted in
+one by one as the fill first writes them (what ``torch.empty`` gets) were slower, and less
+steady, than a range committed by the ``mmap`` call (``MAP_POPULATE``), and both were slower
+than a buffer the process already holds (figures in docs/benchmarks.md, "memory", measured
+with ``scripts/bench/memory.py``).
 
 So a large tensor gets a populated anonymous mapping of its own, and once every tensor on it
 is gone the mapping is kept for the next request of exactly that size (a reshard done in a
 loop, the staging buffers of the next call), up to a per-process cap:
 ``SHARDKIT_CPU_CACHE_MB`` in the environment, 1024 by default, 0 to give memory back at once.
+
+``SHARDKIT_PLAIN_MEMORY=1`` in the environment turns all of this off: every tensor comes from
+``torch.empty``, nothing is kept for reuse or released early, and the reference counts below
+are never consulted (``unshared`` and ``sole_owner`` answer False, so callers copy instead of
+reusing memory in place). Results are the same, only slower and larger. Both variables are
+read at each call, not at import: setting one in a running process affects the tensors
+allocated from then on (tensors already on a mapping keep it until they are freed).
+
+Only :func:`unshared` relies on torch internals; see the section above it.
 """
 
 from __future__ import annotations
@@ -30,13 +35,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["empty_for_fill", "sole_owner", "release_outside", "wait_for_releases", "cached_bytes",
-           "empty_cache"]
+__all__ = ["empty_for_fill", "plain", "unshared", "sole_owner", "release_outside", "wait_for_releases",
+           "cached_bytes", "empty_cache"]
 
 # Below this size a tensor is allocated the usual way; from it on, by this module.
 _MIN_BYTES = 8 << 20
 
 _FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def plain() -> bool:
+    """True if ``SHARDKIT_PLAIN_MEMORY`` asks for ordinary ``torch.empty`` memory (read at each call)."""
+    text = os.environ.get("SHARDKIT_PLAIN_MEMORY", "")
+    if text in ("", "0"):
+        return False
+    if text == "1":
+        return True
+    msg = (f"SHARDKIT_PLAIN_MEMORY={text!r} is neither 1 nor 0; set it to 1 to allocate every tensor with "
+           f"torch.empty (no mappings, reuse or early release), or to 0 or unset it for the default.")
+    raise ValueError(msg)
 
 
 def _cache_limit() -> int:
@@ -69,7 +86,7 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
 
     Like ``torch.empty``, the contents are undefined (a reused mapping holds old data), so the
     caller must write every element. Elsewhere (other devices, tensors under 8 MiB, platforms
-    without anonymous mappings) this is ``torch.empty``. ``populate=False`` leaves a new
+    without anonymous mappings, ``SHARDKIT_PLAIN_MEMORY=1``) this is ``torch.empty``. ``populate=False`` leaves a new
     mapping's pages to be faulted in by the first write: cheaper when that write is the
     kernel's (a file read straight into the tensor), where committing first would touch
     every page twice.
@@ -77,7 +94,7 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
     shape = tuple(shape)
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes < _MIN_BYTES:
+    if plain() or device.type != "cpu" or nbytes < _MIN_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     _cache_limit()  # a bad setting is reported here, to the caller, not when memory is freed
     buffer = _reuse(nbytes)
@@ -97,7 +114,8 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
         _live[address] = buffer
     # Not at interpreter exit: the tensor may still be alive then, and the OS takes the memory back anyway.
     weakref.finalize(exported, _release_mapping, address).atexit = False
-    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
+    # The stubs lack set_(source, offset, size) (contiguous strides), which torch has.
+    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload,no-any-return]
 
 
 def _reuse(nbytes: int) -> mmap.mmap | None:
@@ -158,28 +176,104 @@ def cached_bytes() -> int:
         return sum(len(b) for b in _free)
 
 
-def _storage_users(tensor: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+# -- is a tensor referred to by one dict entry and nothing else? (torch internals) ----------------
+#
+# Why: two optimizations reuse memory in place and are only safe when nothing else can see it.
+# reshard keeps a block of an old shard as a new shard and gives the old shard's other pages
+# back to the OS (sole_owner, release_outside), and a partial value is all-reduced in its own
+# buffer (sharded_tensor._partial). A view, a parameter, an autograd graph or a user's variable
+# holding the tensor or its memory would see that memory change. No public torch API answers
+# the question, so three counts are compared with what they read for a fresh tensor held by one
+# dict entry:
+#
+#   sys.getrefcount(tensor)        Python references to the tensor object (CPython, public);
+#   tensor._use_count()            C++ references to its TensorImpl, e.g. an autograd graph
+#                                  that saved it (private torch API);
+#   torch._C._storage_Use_Count()  tensors using its storage, i.e. views and aliases (private).
+#
+# The baseline is measured at import through the same function, rather than assumed, since
+# it includes the probes' own temporaries. At the same time a self-check makes sure a view, an
+# extra reference and an autograd graph holding the tensor still move the counts. If torch
+# renames or removes either private call, or stops counting what is checked, the self-check
+# fails and ``unshared`` answers False for
+# every tensor: reshard then copies and keeps every page, a partial value is reduced in a new
+# buffer. That is slower and uses more memory, never a wrong result. SHARDKIT_PLAIN_MEMORY=1
+# has the same effect on purpose.
 
 
-# What the counts read for a tensor that nothing else refers to (the probes hold one more
-# reference each, e.g. the temporary storage object); measured rather than assumed.
-_PROBE = {0: torch.empty(1)}
-_ALONE = (sys.getrefcount(_PROBE[0]), _PROBE[0]._use_count(), _storage_users(_PROBE[0]))
-del _PROBE
+def _counts(holder: dict[int, torch.Tensor], key: int) -> tuple[int, int, int]:
+    references = sys.getrefcount(holder[key])  # before a local name adds one
+    tensor = holder[key]
+    storage_users = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    return references, int(tensor._use_count()), int(storage_users)  # type: ignore[attr-defined]  # not in stubs
+
+
+def _measure_alone() -> tuple[int, int, int] | None:
+    """The counts of a tensor nothing else refers to, or ``None`` if the counts cannot tell."""
+    try:
+        probe = {0: torch.empty(1)}
+        alone = _counts(probe, 0)
+        view = probe[0][:]
+        with_view = _counts(probe, 0)
+        del view
+        extra = probe[0]
+        with_extra = _counts(probe, 0)
+        del extra
+        again = _counts(probe, 0)
+        leaf = {0: torch.ones(1, requires_grad=True)}
+        saved = leaf[0] * leaf[0]  # autograd keeps the input for the backward
+        in_graph = _counts(leaf, 0)
+        del saved
+        leaf_alone = _counts(leaf, 0)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    tells = alone == again == leaf_alone and alone not in (with_view, with_extra, in_graph)
+    return alone if tells else None
+
+
+_ALONE = _measure_alone()
+
+
+def unshared(holder: dict[int, torch.Tensor], key: int) -> bool:
+    """True if ``holder[key]`` and its memory are referred to by ``holder`` and nothing else.
+
+    Then no other tensor, view, parameter, autograd graph or user variable can see its memory,
+    and the caller may overwrite it or give pages of it back. False whenever that cannot be
+    told (see above) or ``SHARDKIT_PLAIN_MEMORY=1``. The caller must not hold
+    ``holder[key]`` in a variable of its own while asking.
+    """
+    try:
+        if _ALONE is None or plain():
+            return False
+    except ValueError:  # a bad SHARDKIT_PLAIN_MEMORY is reported by empty_for_fill; here, play safe
+        return False
+    return _counts(holder, key) == _ALONE
+
+
+def storage_alone(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is the only tensor using its storage: no view, alias or detached copy.
+
+    Then pointing ``tensor`` at other memory (``Tensor.set_``) leaves nothing behind that
+    still sees the old memory; Python references to ``tensor`` itself see the change. False
+    whenever that cannot be told (see above) or ``SHARDKIT_PLAIN_MEMORY=1``.
+    """
+    try:
+        if _ALONE is None or plain():
+            return False
+        return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)) == _ALONE[2]
+    except (AttributeError, TypeError, RuntimeError, ValueError):
+        return False
 
 
 def sole_owner(holder: dict[int, torch.Tensor], key: int) -> bool:
-    """True if ``holder[key]`` is referred to only by ``holder`` and alone uses a mapping of ours.
+    """True if ``holder[key]`` is :func:`unshared` and alone uses a mapping of ours.
 
-    Then no other tensor, view, parameter, autograd graph or user variable can see its
-    memory, and pages of it may be given back with :func:`release_outside`.
+    Then pages of it may be given back with :func:`release_outside`.
     """
-    references = sys.getrefcount(holder[key])  # before a local name adds one
-    tensor = holder[key]
-    if tensor.device.type != "cpu" or _mapping_of(tensor) is None:
+    if not unshared(holder, key):  # first: before this frame holds a reference of its own
         return False
-    return (references, tensor._use_count(), _storage_users(tensor)) == _ALONE
+    tensor = holder[key]
+    return tensor.device.type == "cpu" and _mapping_of(tensor) is not None
 
 
 def release_outside(storage: torch.UntypedStorage, keep: Sequence[tuple[int, int]]) -> None:
@@ -187,8 +281,9 @@ def release_outside(storage: torch.UntypedStorage, keep: Sequence[tuple[int, int
 
     The storage keeps its address range; released pages read as zeros if touched again, so
     only pages no tensor will read may be released (see :func:`sole_owner`). The release
-    runs on a background thread where it can (about 75 us per MiB here, the cost of a copy),
-    and the mapping is not reused or unmapped before it has finished.
+    runs on a background thread where it can (it costs about as much as a copy of the same
+    bytes; docs/benchmarks.md, "Figures behind implementation choices"), and the mapping is
+    not reused or unmapped before it has finished.
     """
     address = storage.data_ptr()
     with _lock:

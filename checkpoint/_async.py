@@ -16,7 +16,7 @@ Why this shape:
   never overwritten while being written. An error of a background save is raised by
   ``handle.result()``, or else by the next ``async_save``: it is never lost.
 - **Its own process group.** The background thread runs ``save``'s remaining phases
-  (``_save.run_plan``: prepare, write, exchange, commit, report) whose collectives would
+  (``_save.run_plan``: prepare, write, commit, cleanup) whose collectives would
   otherwise race with the user's collectives on the default group (Gloo and NCCL match
   collectives by issue order per group). So checkpointing uses a separate Gloo group over
   the same ranks, created once, on the training thread, by the first ``async_save`` (creating
@@ -28,6 +28,7 @@ Why this shape:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -202,8 +203,9 @@ class _Waves:
 
 _BACKGROUND_PIECE = 16 << 20
 """Checksum-then-write unit of the background thread: each piece hands the interpreter lock
-to the training thread and must win it back (up to ``sys.getswitchinterval()``, 5 ms), so
-1 MiB pieces made a 256 MiB write wait on the lock hundreds of times."""
+to the training thread and must win it back (up to ``sys.getswitchinterval()`` each time), so
+fewer, larger pieces than ``save``'s keep the writer from waiting on the lock (measured in
+docs/benchmarks.md, async_save)."""
 
 _lock = threading.Lock()
 _inflight: AsyncSaveHandle | None = None
@@ -244,6 +246,16 @@ def _wait_previous(if_busy: str) -> None:
         msg = (f"the previous async_save to {previous.path!r} failed (nothing was committed there): "
                f"{type(previous._error).__name__}: {previous._error}")
         raise CheckpointError(msg) from previous._error
+
+
+def _tell_peers(problem: Exception, fs: Any, root: str, group: Any, timeout: float) -> None:
+    """Report ``problem`` (raised on this rank before writing) to the other ranks' saves, which then stop.
+
+    The others wait in ``save``'s prepare phase on the checkpoint group; this rank joins it with
+    nothing to write, so every rank gives up together. The caller raises ``problem`` itself.
+    """
+    with contextlib.suppress(Exception):
+        run_plan(_Plan(), problem, fs, root, process_group=group, timeout=timeout, quiet=True)
 
 
 def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
@@ -310,11 +322,7 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
             state_dict, _ = dtensor_views(state_dict, process_group)
             plan = _plan(state_dict, rank, world, _reduce_partials(state_dict, reduce_partial))
         except Exception as exc:
-            # Tell the other ranks (their background save stops before writing), then raise here.
-            try:
-                run_plan(_Plan(), exc, fs, root, process_group=group, timeout=timeout, quiet=True)
-            except Exception:
-                pass
+            _tell_peers(exc, fs, root, group, timeout)
             raise
         plan.values = json.loads(json.dumps(plan.values))  # a snapshot of lists and dicts too
         handle = AsyncSaveHandle(os.fspath(path))
@@ -325,10 +333,7 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
             try:
                 waves = _Waves(mine, max_staging_bytes, _staging, handle)
             except ValueError as exc:
-                try:
-                    run_plan(_Plan(), exc, fs, root, process_group=group, timeout=timeout, quiet=True)
-                except Exception:
-                    pass
+                _tell_peers(exc, fs, root, group, timeout)
                 raise
         else:
             _staging.stage(plan, rank)

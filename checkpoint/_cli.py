@@ -92,31 +92,31 @@ def _parser() -> argparse.ArgumentParser:
                         metavar="KEY=VALUE",
                         help="fsspec storage option for the checkpoint's file system, repeatable; VALUE is "
                              "parsed as JSON when it can be, dotted KEYs nest (client_kwargs.region_name=eu-west-1)")
+    folder = argparse.ArgumentParser(add_help=False)
+    folder.add_argument("path", metavar="PATH", help="checkpoint folder (local path or fsspec URL)")
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument("-q", "--quiet", action="store_true", help="no progress bar (also: environment SHARDKIT_QUIET=1)")
 
     inspect = commands.add_parser(
-        "inspect", parents=[common], help="list tensors, sizes, dtypes, layouts and values",
+        "inspect", parents=[common, folder], help="list tensors, sizes, dtypes, layouts and values",
         description="List a checkpoint's tensors (dtype, shape, bytes, saved shards and how they split the tensor: "
                     "the split dimension and block sizes, or the grid of a mesh), its non-tensor values and "
                     "its data files, from the metadata alone (no tensor data is read).")
-    inspect.add_argument("path", metavar="PATH", help="checkpoint folder (local path or fsspec URL)")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
 
-    verify_cmd = commands.add_parser(
-        "verify", parents=[common], help="re-read every byte: checksums, file sizes, headers",
+    commands.add_parser(
+        "verify", parents=[common, folder, quiet], help="re-read every byte: checksums, file sizes, headers",
         description="Re-read the whole checkpoint: validate the metadata, check that every data file exists with "
                     "the recorded size and a safetensors header matching the metadata, and check the checksum of "
                     "every saved region. Exits 1 and names the file and tensor of every problem found.")
-    verify_cmd.add_argument("path", metavar="PATH", help="checkpoint folder (local path or fsspec URL)")
-    verify_cmd.add_argument("-q", "--quiet", action="store_true", help="no progress bar (also: environment SHARDKIT_QUIET=1)")
 
     cons = commands.add_parser(
-        "consolidate", parents=[common], help="write one .safetensors file or a Hugging Face style folder",
+        "consolidate", parents=[common, folder, quiet], help="write one .safetensors file or a Hugging Face style folder",
         description="Assemble the full tensors into one .safetensors file (OUTPUT is the file), or with "
                     "--max-shard-size into a Hugging Face style folder (OUTPUT is the folder: "
                     "model-0000k-of-0000N.safetensors plus model.safetensors.index.json). Streams one tensor at a "
                     "time and verifies every checksum; non-tensor values are kept as JSON under "
                     "'shardkit.values' (safetensors __metadata__, or the index's metadata).")
-    cons.add_argument("path", metavar="PATH", help="checkpoint folder (local path or fsspec URL)")
     cons.add_argument("output", metavar="OUTPUT", help="output file, or folder with --max-shard-size")
     cons.add_argument("--max-shard-size", type=_size, metavar="SIZE",
                       help="largest output file: bytes, or 5GB / 500MB (powers of 1000) / 2GiB (powers of 1024)")
@@ -126,7 +126,6 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--strip-prefix", metavar="PREFIX",
                       help="remove this prefix from the exported names, e.g. 'model' turns model.fc.weight "
                            "into fc.weight (for load_state_dict or from_pretrained)")
-    cons.add_argument("-q", "--quiet", action="store_true", help="no progress bar (also: environment SHARDKIT_QUIET=1)")
     conv = commands.add_parser(
         "convert", parents=[common], help="convert between shardkit checkpoints and torch.distributed.checkpoint (DCP) folders",
         description="Convert a DCP folder (written by torch.distributed.checkpoint.save) into a shardkit checkpoint "

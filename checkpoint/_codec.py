@@ -19,8 +19,8 @@ import torch
 from . import _strict_json as strict_json
 from ._schema import CHECKSUM_ALGORITHM, CheckpointError, SavedShard, safetensors_dtype
 
-__all__ = ["MAX_HEADER", "build_safetensors_header", "parse_safetensors_header", "header_length", "parse_header", "check_header_entry",
-           "tensor_bytes", "tensor_from_bytes", "Checksum", "checksum"]
+__all__ = ["MAX_HEADER", "build_safetensors_header", "parse_safetensors_header", "header_length", "parse_header",
+           "check_header_entry", "tensor_bytes", "tensor_from_bytes", "Checksum", "checksum"]
 
 MAX_HEADER = 100_000_000
 """safetensors' own limit on the JSON header, in bytes."""

@@ -11,8 +11,9 @@ import torch
 from _shardkit import comm as _comm
 from _shardkit.memory import empty_for_fill
 from sharded_tensor import ShardedTensor
-from sharded_tensor._plan import Piece, box_slices, plan_reshard
+from sharded_tensor._plan import Piece, plan_reshard
 from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
+from sharding.layout import box_slices
 
 from ._dtensor import dtensor_views
 
@@ -96,7 +97,7 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
         gathered[id(value)] = full
     if rank != dst:
         return None
-    return _rebuild(state_dict, gathered)  # type: ignore[return-value]
+    return _rebuild(state_dict, gathered)  # type: ignore[no-any-return]
 
 
 def _sharded_entries(value: Any, prefix: str = "") -> Iterator[tuple[str, ShardedTensor]]:

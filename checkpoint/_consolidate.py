@@ -170,7 +170,7 @@ def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[st
         try:
             if limit is not None:
                 out_fs.makedirs(out_path, exist_ok=True)
-            for k, file in enumerate(files):
+            for file in files:
                 header = {"format": "pt"}
                 if limit is None and metadata.values:
                     header[VALUES_KEY] = json.dumps(dict(metadata.values), separators=(",", ":"))

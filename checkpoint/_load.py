@@ -33,6 +33,7 @@ import fsspec
 import torch
 
 from _shardkit import comm as _comm
+from _shardkit.memory import storage_alone
 from sharded_tensor import ShardedTensor
 from sharding.layout import RegionIndex, box_slices
 
@@ -68,6 +69,7 @@ class _Task:
     shard: SavedShard
     common: tuple[tuple[int, ...], tuple[int, ...]]
     dest: torch.Tensor  # view of the target with shape common dims
+    target: torch.Tensor | None = None  # the whole target block, when this overlap covers all of it
 
     @property
     def whole(self) -> bool:
@@ -119,6 +121,40 @@ def _block(data: memoryview | bytes | bytearray, task: _Task, offset: int, rows:
                            offset // dtype.itemsize)
 
 
+def _map_into(task: _Task, reader: DataReader) -> bool:
+    """Point the whole target block at the file's pages instead of copying; False where it cannot.
+
+    Possible when the block lies in one contiguous range of a local file, has the file's dtype,
+    sits on the CPU in row-major order, is aligned for its dtype, and is the only tensor using
+    its memory (otherwise a view or alias, e.g. the parameter behind a ``state_dict()`` entry,
+    would keep the old memory). The mapping is private: writes (an optimizer step) copy the
+    page they touch and never reach the file. Checksummed spans the block covers are
+    verified first, from the same pages.
+    """
+    target, shard, dtype = task.target, task.shard, task.entry.dtype
+    if (target is None or not reader.local or target.device.type != "cpu" or target.dtype != dtype
+            or not target.is_contiguous() or target.storage_offset() != 0
+            or target.untyped_storage().nbytes() != target.numel() * dtype.itemsize
+            or math.prod(task.common[1][:_run_structure(task)]) != 1
+            or not storage_alone(target)):
+        return False
+    rel = tuple(c - o for c, o in zip(task.common[0], shard.offsets))
+    strides = [math.prod(shard.dims[d + 1:]) for d in range(len(shard.dims))]
+    start = shard.byte_range[0] + sum(r * s for r, s in zip(rel, strides)) * dtype.itemsize
+    if start % dtype.itemsize:
+        return False
+    storage = reader.file_storage(task.path, tensors=task.name)
+    if storage.nbytes() < start + task.nbytes:
+        return False  # a short file: the ordinary read reports it as truncated
+    # Verify the whole chunks (version 2) or the whole region (version 1) the block covers.
+    lo, hi = covering(shard, start, start + task.nbytes)
+    with reader.mapped(task.path, lo, hi, tensors=task.name, populate=True) as data:
+        RegionCheck(shard, task.path, task.name, lo, reader.verified).update(data)
+    with torch.no_grad():
+        target.set_(storage, start // dtype.itemsize, target.shape, target.stride())
+    return True
+
+
 def _copy_mapped(task: _Task, where: tuple[int, int, int], reader: DataReader) -> None:
     """Local: map bytes ``[lo, hi)`` of the file, verify them, then copy the overlap (from byte ``first``)
     into ``task.dest`` with one strided ``copy_``; the kernel reads only the pages that are touched."""
@@ -133,13 +169,16 @@ def _copy_mapped(task: _Task, where: tuple[int, int, int], reader: DataReader) -
             del source  # drop every export of the mapping before it is unmapped
 
 
-def _execute(task: _Task, reader: DataReader, scratch: memoryview) -> None:
-    """Copy the overlap ``task.common`` of a saved region into ``task.dest``, verified before it is copied.
+def _execute(task: _Task, reader: DataReader, scratch: memoryview, mmap: bool = False) -> None:
+    """Copy the overlap ``task.common`` of a saved region into ``task.dest``, verified before it is copied
+    (or, with ``mmap``, map the target onto the file's verified pages where ``_map_into`` can).
 
     Every read is widened to whole checksummed spans (``covering``) and verified before any of
     its bytes reach the target, so a failed load never leaves corrupt bytes in it. Version-1
     regions have one span, so only whole regions are verified there, as version 1 specified.
     """
+    if mmap and _map_into(task, reader):
+        return
     shard, dtype = task.shard, task.entry.dtype
     if not task.common[1]:  # 0-d tensor: one element
         data = reader.read(task.path, *shard.byte_range, tensors=task.name)
@@ -195,7 +234,7 @@ def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
          key_map: KeyMap | None = None, quiet: bool | None = None,
-         timeout: float | None = _comm.DEFAULT_TIMEOUT) -> dict[str, Any]:
+         timeout: float | None = _comm.DEFAULT_TIMEOUT, mmap: bool = False) -> dict[str, Any]:
     """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
 
     A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
@@ -235,6 +274,16 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         timeout: seconds a rank waits for the others once its own part is read; a rank that
             crashed or hangs makes the others raise ``CheckpointError`` within this time (at
             once when its connection closes). ``None`` waits for ever.
+        mmap: local files only: a target block that lies in one contiguous range of a file
+            (whole saved regions, row blocks, the output-feature blocks of a Hugging Face
+            weight), with the file's dtype, and that no other tensor shares, is pointed at the
+            file's pages (a private, copy-on-write mapping) instead of receiving a copy; other
+            blocks are copied as usual. Loading then costs almost nothing and pages are read
+            when first used; a write (an optimizer step) copies the page it touches and never
+            reaches the file. A ``model.state_dict()`` entry shares its parameter's memory, so
+            pass ``model.state_dict(keep_vars=True)`` to map the parameters themselves. The
+            files must not be modified or truncated while the tensors live (replacing them with
+            new files, as ``checkpoint.save`` does, is fine).
 
     Returns:
         ``state_dict`` itself.
@@ -243,7 +292,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         CheckpointError: the checkpoint is incomplete (no committed metadata), corrupt
             (checksum, truncated or missing file, malformed metadata, unsafe file name), or does
             not match the state_dict (missing/unexpected names under ``strict``, size, dtype);
-            the message names the file and the tensor. A failure on any rank raises on all.
+            the message names the file and the tensor. A failure on any rank raises on all,
+            as does a rank that does not finish within ``timeout``.
         FileNotFoundError: there is no checkpoint at ``path``.
 
     Example:
@@ -256,7 +306,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         if is_dcp_checkpoint(path, storage_options):
             load_dcp(views, path, strict=strict, cast=cast)
         else:
-            _load(views, path, storage_options, strict, cast, key_map, quiet, process_group)
+            _load(views, path, storage_options, strict, cast, key_map, quiet, process_group, mmap)
         restore()
 
     step = f"checkpoint.load from {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"
@@ -272,7 +322,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None,
           strict: bool, cast: bool, key_map: KeyMap | None, quiet: bool | None,
-          process_group: _comm.ProcessGroup) -> None:
+          process_group: _comm.ProcessGroup, mmap: bool = False) -> None:
     rank, _ = _comm.rank_and_world(process_group)
     fs, root = resolve(path, storage_options)
     metadata, root, source = _read_source(fs, root, key_map)
@@ -288,11 +338,12 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
             raise CheckpointError(msg, missing=missing, unexpected=unexpected)
     with DataReader(fs) as reader:
         checks = _FileChecks(reader, metadata, root, enabled=source.endswith(METADATA_FILE))
-        _fill(leaves, metadata, source, root, cast, reader, checks, rank, quiet)
+        _fill(leaves, metadata, source, root, cast, reader, checks, rank, quiet, mmap)
 
 
 def _fill(leaves: list[tuple[str, Any, Any, Any]], metadata: CheckpointMetadata, source: str, root: str,
-          cast: bool, reader: DataReader, checks: _FileChecks, rank: int, quiet: bool | None) -> None:
+          cast: bool, reader: DataReader, checks: _FileChecks, rank: int, quiet: bool | None,
+          mmap: bool) -> None:
     tasks: list[_Task] = []
     scalars: list[tuple[Any, Any, type, torch.Tensor]] = []
     for name, parent, key, value in leaves:
@@ -305,7 +356,7 @@ def _fill(leaves: list[tuple[str, Any, Any, Any]], metadata: CheckpointMetadata,
                 msg = (f"checkpoint {source!r} holds a non-tensor value for {name!r}, but the state_dict has a "
                        f"{type(value).__name__} there.")
                 raise CheckpointError(msg)
-            parent[key] = metadata.values[name]  # type: ignore[index]
+            parent[key] = metadata.values[name]
             continue
         entry = metadata.tensors.get(name)
         if entry is None:
@@ -318,7 +369,7 @@ def _fill(leaves: list[tuple[str, Any, Any, Any]], metadata: CheckpointMetadata,
             # Every file of the tensor must hold what the metadata claims before its memory is allocated.
             checks.check(name, entry, entry.shards)
             value = torch.empty(entry.size, dtype=entry.dtype)
-            parent[key] = value  # type: ignore[index]
+            parent[key] = value
         if not isinstance(value, (torch.Tensor, ShardedTensor)):
             msg = (f"checkpoint {source!r} holds a tensor for {name!r}, but the state_dict has "
                    f"{type(value).__name__} {value!r} there; put a tensor (or None) under that name.")
@@ -344,7 +395,7 @@ def _fill(leaves: list[tuple[str, Any, Any, Any]], metadata: CheckpointMetadata,
     with progress(sum(t.nbytes for t in tasks), "load", rank=rank, quiet=quiet) as bar:
         scratch = memoryview(bytearray(_SCRATCH_BYTES))
         for task in tasks:
-            _execute(task, reader, scratch)
+            _execute(task, reader, scratch, mmap)
             bar.update(task.nbytes)
     for parent, key, kind, tensor in scalars:
         parent[key] = kind(tensor.item())
@@ -415,6 +466,10 @@ def _plan_tensor(name: str, entry: TensorEntry, value: Any, root: str) -> list[_
     for offsets, tensor in _targets(value):
         for box_id, common in index.overlapping((tuple(offsets), tuple(tensor.shape))):
             shard = shards[box_id]
-            dest = tensor[box_slices(common, offsets)]
-            tasks.append(_Task(name, member(root, shard.file), entry, shard, common, dest))
+            if common == (tuple(offsets), tuple(tensor.shape)):
+                # The whole block from one region: the block itself (a view would share its memory).
+                tasks.append(_Task(name, member(root, shard.file), entry, shard, common, tensor, tensor))
+            else:
+                tasks.append(_Task(name, member(root, shard.file), entry, shard, common,
+                                   tensor[box_slices(common, offsets)]))
     return tasks

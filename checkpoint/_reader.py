@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import typing
 from collections.abc import Iterator, Sequence
 
 import fsspec
@@ -156,6 +157,7 @@ class DataReader:
         self._files: dict[str, tuple[int, int]] = {}  # local path -> (fd, size)
         self._sizes: dict[str, int] = {}  # other file systems: path -> size
         self.verified: set[tuple[str, int]] = set()  # (path, span start) checked by this reader's user
+        self._storages: dict[str, torch.UntypedStorage] = {}
 
     def __enter__(self) -> DataReader:
         return self
@@ -167,6 +169,7 @@ class DataReader:
         for fd, _ in self._files.values():
             os.close(fd)
         self._files.clear()
+        self._storages.clear()  # tensors mapped onto them keep them alive
 
     def _open(self, path: str, tensors: Tensors) -> tuple[int, int]:
         entry = self._files.get(path)
@@ -281,6 +284,21 @@ class DataReader:
                 view.release()
         finally:
             mapping.close()
+
+    def file_storage(self, path: str, *, tensors: Tensors = None) -> torch.UntypedStorage:
+        """Local only: the whole file as a private, copy-on-write memory mapping (one per file).
+
+        Nothing is read until a page is touched; writes to the storage never reach the file.
+        Opened through the descriptor already checked by this reader, so the mapping is of
+        that very file.
+        """
+        if path not in self._storages:
+            fd, size = self._open(path, tensors)
+            through = f"/proc/self/fd/{fd}"
+            name = through if os.path.exists(through) else path
+            mapped = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
+            self._storages[path] = typing.cast(torch.UntypedStorage, mapped)  # the stubs say _StorageBase
+        return self._storages[path]
 
     def read_header(self, path: str, *, tensors: Tensors = None) -> tuple[dict[str, object], int, int]:
         """``(header, data start, file size)`` of a safetensors file, from two small range reads."""

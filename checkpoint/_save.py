@@ -213,7 +213,7 @@ def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
         return None
     function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     function.restype = ctypes.c_int
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 _sync_file_range = _find_sync_file_range()

@@ -195,8 +195,8 @@ class SavedShard:
         return self.byte_range[1] - self.byte_range[0]
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"offsets": list(self.offsets), "dims": list(self.dims), "file": self.file, "key": self.key,
-               "byte_range": list(self.byte_range), "checksum": self.checksum}
+        out: dict[str, Any] = {"offsets": list(self.offsets), "dims": list(self.dims), "file": self.file,
+                               "key": self.key, "byte_range": list(self.byte_range), "checksum": self.checksum}
         if self.chunk_bytes:
             out["chunks"] = {"bytes": self.chunk_bytes, CHECKSUM_ALGORITHM: encode_chunks(self.chunks)}
         return out

@@ -155,9 +155,9 @@ def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_
     # Every rank learns the source tensor's description, or that src_rank has none (then all raise).
     _, described = _comm.agree("shard_tensor", describe, process_group, share=lambda d: d, error=TypeError)
     info: dict[str, Any] = described[src_rank]
-    size = tuple(info["size"])  # type: ignore[arg-type]
+    size = tuple(info["size"])
     dtype = getattr(torch, str(info["dtype"]))
-    names = tuple(info["names"]) if info["names"] is not None else None  # type: ignore[arg-type]
+    names = tuple(info["names"]) if info["names"] is not None else None
     target = _build(sharding_spec, size, dtype, names, world)
     source = ShardedTensorMetadata([ShardMetadata((0,) * len(size), size,
                                                   RemoteDevice.of(src_rank, str(info["device"])))], size, dtype)

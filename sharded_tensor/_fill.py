@@ -21,8 +21,9 @@ value that the *global* tensor would hold at that element's global index:
 
 The generator is the one in ``_random`` (SplitMix64 of ``index * golden + seed``); this
 module evaluates the same formula in fixed-size, vector-aligned chunks with numpy's uint64
-arithmetic, about 10x faster than ``_random``'s int64 torch ops (which have no vector
-multiply on CPU) and as fast as ``torch.Tensor.uniform_``. Without numpy it falls back to
+arithmetic, much faster than ``_random``'s int64 torch ops (which have no vector multiply
+on CPU) and as fast as ``torch.Tensor.uniform_`` (docs/benchmarks.md, "Figures behind
+implementation choices"). Without numpy it falls back to
 ``_random`` itself. The chunks are always processed at full width, so no element ever
 takes a scalar code path that another layout would take vectorized.
 """
@@ -134,7 +135,7 @@ def _precision(dtype: torch.dtype) -> int:
 def _uniform_transform(low: float, high: float, precision: int = 53) -> Transform:
     scale = 2.0 ** -precision * (high - low)  # a power-of-two rescale: rounds exactly as u * (high - low)
     if _np is None:  # pragma: no cover
-        return None  # type: ignore[return-value]
+        return None
     shift = _np.uint64(64 - precision)
     # An integer m < 2**52 becomes a double exactly as (2**52 + m) - 2**52, where 2**52 + m is
     # m's bits under the exponent of 2**52: two cheap vector ops instead of a slow conversion.
@@ -234,8 +235,8 @@ def draw_uniform_(tensor: torch.Tensor, seed: int, low: float, high: float) -> t
     """Fill ``tensor`` with U[low, high) from one generator seeded with ``seed`` (not layout-invariant).
 
     A contiguous float32/float64 CPU tensor is filled by numpy's PCG64 straight into its
-    memory, in cache-sized steps that are scaled while still in cache: 1.9 ns per float32
-    here, against 3.0 ns for ``Tensor.uniform_`` (docs/benchmarks.md, shard_model). Other
+    memory, in cache-sized steps that are scaled while still in cache, faster than
+    ``Tensor.uniform_`` (docs/benchmarks.md, "Figures behind implementation choices"). Other
     tensors use ``Tensor.uniform_`` with a torch generator seeded with ``seed``. Either way
     the values depend only on ``seed``, so replicas of a block agree.
     """
@@ -243,12 +244,12 @@ def draw_uniform_(tensor: torch.Tensor, seed: int, low: float, high: float) -> t
             or tensor.dtype not in (torch.float32, torch.float64)):
         generator = torch.Generator(device=tensor.device).manual_seed(seed & _MASK64)
         return tensor.uniform_(low, high, generator=generator)
-    generator = _np.random.Generator(_np.random.PCG64(seed & _MASK64))
+    rng = _np.random.Generator(_np.random.PCG64(seed & _MASK64))
     flat = tensor.detach().view(-1).numpy()
     width = high - low
     for start in range(0, flat.size, _DRAW_CHUNK):
         part = flat[start:start + _DRAW_CHUNK]
-        generator.random(dtype=flat.dtype, out=part)
+        rng.random(dtype=flat.dtype, out=part)
         _np.multiply(part, width, out=part)
         _np.add(part, low, out=part)
     return tensor

@@ -22,12 +22,12 @@ keeps the full values, as in a replica.
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 
 import torch
 
 from _shardkit import comm as _comm
-from _shardkit.memory import _ALONE, _storage_users, empty_for_fill
+from _shardkit.memory import empty_for_fill, unshared
 from sharding import ShardedTensorMetadata, ShardMetadata
 from sharding.layout import chunk_bounds
 
@@ -42,7 +42,8 @@ from ._reshard import _direct_or_staged, _Staging, redistribute
 
 __all__ = ["redistribute_partial"]
 
-_FOLD = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}
+_FOLD: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "avg": torch.add, "max": torch.maximum,
+                                                  "min": torch.minimum}
 
 
 def redistribute_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
@@ -67,7 +68,7 @@ def redistribute_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetad
 
 
 def _split_over(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:
-    """A plain layout splitting the first dimension with room (else the longest) over the holders of a partial layout."""
+    """A plain layout over the holders of a partial layout: the first dimension with room (else the longest) split."""
     size = tuple(metadata.size)
     devices = [s.device for s in sorted(metadata.shards, key=lambda s: s.rank)]  # type: ignore[arg-type, return-value]
     if not size:
@@ -78,13 +79,6 @@ def _split_over(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:
                             tuple(length if d == dim else n for d, n in enumerate(size)), device)
               for device, (start, length) in zip(devices, chunk_bounds(size[dim], len(devices)))]
     return ShardedTensorMetadata(shards, size, metadata.dtype)
-
-
-def _unshared(local: dict[int, torch.Tensor], key: int) -> bool:
-    """True if nothing but ``local`` refers to ``local[key]`` or its memory (then it may be reduced in place)."""
-    references = sys.getrefcount(local[key])  # before a local name adds one
-    tensor = local[key]
-    return (references, tensor._use_count(), _storage_users(tensor)) == _ALONE
 
 
 def _all_reduce_applies(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int) -> bool:
@@ -110,7 +104,7 @@ def reduce_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, d
     mine_index = next((i for i, _ in src.shards_on(rank)), None)
     with torch.no_grad():
         if _all_reduce_applies(src, dst, world):
-            in_place = reuse and mine_index is not None and _unshared(local, mine_index)
+            in_place = reuse and mine_index is not None and unshared(local, mine_index)
             buffer = local[mine_index] if in_place else local[mine_index].clone()  # type: ignore[index]
             (dst_index, _), = dst.shards_on(rank)
             return {dst_index: _comm.all_reduce_values(buffer, group, op=op)}

@@ -167,8 +167,8 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: i
     spread the load. Pure and deterministic: every rank computes consistent plans.
 
     Cost: linear in the number of shards of the two layouts (building their region indexes)
-    plus the number of pieces this rank sends and receives; thousands of ranks plan in
-    milliseconds.
+    plus the number of pieces this rank sends and receives (timings for up to 4096 ranks:
+    docs/benchmarks.md, "reshard planning").
     """
     if tuple(src.size) != tuple(dst.size):
         msg = f"cannot reshard a tensor of size {tuple(src.size)} into a layout of size {tuple(dst.size)}."
@@ -185,7 +185,7 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: i
 def _cyclic_gc_paused() -> Iterator[None]:
     # A plan for thousands of ranks allocates tens of thousands of small objects and no cycles;
     # left on, the cyclic collector would run full passes over the whole heap meanwhile
-    # (measured: 3x the planning time at 4096 ranks).
+    # (what that costs: docs/benchmarks.md, "Figures behind implementation choices").
     enabled = gc.isenabled()
     gc.disable()
     try:

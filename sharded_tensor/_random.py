@@ -7,7 +7,7 @@ depend on how the tensor is split or how many ranks there are.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -68,7 +68,7 @@ def _global_index(offsets: Sequence[int], dims: Sequence[int], global_shape: Seq
 
 
 def _fill(tensor: torch.Tensor, seed: int, offsets: Sequence[int], global_shape: Sequence[int],
-          transform) -> torch.Tensor:  # type: ignore[no-untyped-def]
+          transform: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     if tensor.dim() == 0:
         tensor.copy_(transform(_bits(seed, torch.zeros((), dtype=torch.int64))))
         return tensor

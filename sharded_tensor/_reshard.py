@@ -131,7 +131,7 @@ def _blocks_to_keep(plan: ReshardPlan, local: dict[int, torch.Tensor], src: Shar
         if not owned[p.src_shard]:
             continue
         block = local[p.src_shard][box_slices(p.box, src.shards[p.src_shard].offsets)]
-        start = block.storage_offset() * block.element_size()
+        start = int(block.storage_offset()) * block.element_size()
         end = start + block.numel() * block.element_size()
         taken = spans.setdefault(p.src_shard, [])
         if not block.is_contiguous() or any(lo < end and start < hi for lo, hi in taken):

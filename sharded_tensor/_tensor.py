@@ -51,6 +51,13 @@ class ShardedTensor:
     """
 
     __slots__ = ("_metadata", "_spec", "_local", "_group", "_rank", "_names", "_requires_grad", "__weakref__")
+    _metadata: ShardedTensorMetadata
+    _spec: PlacementSpec | None
+    _local: list[Shard]
+    _group: _comm.ProcessGroup
+    _rank: int
+    _names: tuple[str | None, ...] | None
+    _requires_grad: bool
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         msg = ("ShardedTensor is not built directly; use st.empty/zeros/ones/full/rand/randn, "
@@ -349,7 +356,8 @@ class ShardedTensor:
 
         Example:
             >>> # 4 ranks, (10, 4) split by rows 3/3/3/1 -> DTensor with [Shard(0)]
-            >>> t = st.zeros(10, 4, sharding_spec=single_split(0, [f"rank:{r}/cpu" for r in range(4)]))  # doctest: +SKIP
+            >>> spec = single_split(0, [f"rank:{r}/cpu" for r in range(4)])  # doctest: +SKIP
+            >>> t = st.zeros(10, 4, sharding_spec=spec)  # doctest: +SKIP
             >>> dt = t.to_dtensor(init_device_mesh("cpu", (4,)))  # doctest: +SKIP
             >>> dt.placements  # doctest: +SKIP
             (Shard(dim=0),)
@@ -362,8 +370,8 @@ class ShardedTensor:
         """A new ShardedTensor with the reduced values of this partial one, split over its holders. Collective.
 
         This tensor is left as it is. The split is along the first dimension with a row for
-        every holder (else the longest), over the holding ranks in order (one reduce-scatter); a tensor without partial values comes
-        back as a copy in its own layout.
+        every holder (else the longest), over the holding ranks in order (one reduce-scatter); a
+        tensor without partial values comes back as a copy in its own layout.
 
         Example:
             >>> # 2 ranks, partial sums of a (4, 4) tensor -> rows 0:2 on rank 0, 2:4 on rank 1
@@ -382,7 +390,7 @@ class ShardedTensor:
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
         header = json.dumps({"version": _FORMAT_VERSION, "rank": self._rank,
                              "metadata": self._metadata.to_dict(),
-                             "spec": None if self._spec is None else self._spec.to_dict(),  # type: ignore[attr-defined]
+                             "spec": None if self._spec is None else self._spec.to_dict(),
                              "names": None if self._names is None else list(self._names),
                              "requires_grad": self._requires_grad})
         # torch.save writes whole storages; a shard that kept part of an old one goes compact.
@@ -421,7 +429,8 @@ def _check_partial_shards(shards: list[ShardMetadata], size: tuple[int, ...], re
     """Partial values: one full-size shard per rank, at least one; the same ``ValueError`` on every rank."""
     check_reduce_op(reduce_op)
     if not shards:
-        msg = f"from_local_shards(reduce_op={reduce_op!r}): no rank passed a shard; every holder passes its partial value."
+        msg = (f"from_local_shards(reduce_op={reduce_op!r}): no rank passed a shard; every holder passes its "
+               f"partial value.")
         raise ValueError(msg)
     not_full = [str(s.device) for s in shards if s.dims != size or any(s.offsets)]
     if not_full:
@@ -440,12 +449,11 @@ def _check_partial_shards(shards: list[ShardMetadata], size: tuple[int, ...], re
 def _build(spec: PlacementSpec, size: Sequence[int], dtype: torch.dtype | None,
            names: Sequence[str | None] | None, world: int) -> ShardedTensorMetadata:
     """``spec.build_metadata`` with the world size known, refusing non-tensor specs clearly."""
-    build = getattr(spec, "build_metadata", None)
-    if build is None or not isinstance(spec, PlacementSpec):
+    if not isinstance(spec, PlacementSpec):
         msg = (f"sharding_spec must be a SingleSplitShardingSpec, MeshShardingSpec, DevicePlacement or "
                f"EnumerableShardingSpec, got {type(spec).__name__} {spec!r}.")
         raise TypeError(msg)
-    return build(tuple(size), dtype, names, world_size=world)  # type: ignore[no-any-return]
+    return spec.build_metadata(tuple(size), dtype, names, world_size=world)
 
 
 torch.serialization.add_safe_globals([_rebuild_sharded_tensor])

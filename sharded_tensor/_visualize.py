@@ -24,8 +24,8 @@ def _cuts(metadata: ShardedTensorMetadata, dim: int) -> list[int]:
 
 
 def _holders(metadata: ShardedTensorMetadata, lo: tuple[int, ...]) -> str:
-    ranks = sorted({s.rank for s in metadata.shards
-                    if s.numel > 0 and all(o <= x < o + n for x, o, n in zip(lo, s.offsets, s.dims))})
+    ranks = sorted({s.rank for s in metadata.shards if s.rank is not None
+                    and s.numel > 0 and all(o <= x < o + n for x, o, n in zip(lo, s.offsets, s.dims))})
     if not ranks:
         return "-"
     holders = "rank " + ",".join(str(r) for r in ranks)

@@ -1,7 +1,7 @@
 """Declarative sharding specs and shard metadata: pure data, no communication."""
 
 from ._metadata import ShardedTensorMetadata, ShardMetadata
-from ._placement import PlacementSpec, RemoteDevice
+from ._placement import PlacementSpec, RemoteDevice, spec_from_dict
 from ._specs import (
     CompositeShardingSpec,
     DevicePlacement,
@@ -14,7 +14,6 @@ from ._specs import (
     mesh,
     partial,
     single_split,
-    spec_from_dict,
 )
 
 __all__ = [

@@ -9,12 +9,12 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Union, cast
 
 import torch
 
 from ._metadata import ShardedTensorMetadata, ShardMetadata
-from ._placement import PlacementSpec, RemoteDevice
+from ._placement import PlacementSpec, RemoteDevice, register_spec, spec_from_dict
 from .layout import check_reduce_op, check_tiling, chunk_bounds
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
 DeviceLike = Union[str, RemoteDevice, "DevicePlacement"]
 
 
+@register_spec("device")
 @dataclass(frozen=True, slots=True, init=False)
 class DevicePlacement(PlacementSpec):
     """The whole tensor on one device.
@@ -55,7 +56,12 @@ class DevicePlacement(PlacementSpec):
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
-        return {"type": "device", "device": str(self.device)}
+        return {"type": self.spec_type, "device": str(self.device)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> DevicePlacement:
+        """Inverse of ``to_dict``."""
+        return cls(cast(str, data["device"]))
 
     def __reduce__(self) -> tuple[type[DevicePlacement], tuple[str]]:
         return (DevicePlacement, (str(self.device),))
@@ -107,6 +113,7 @@ def _rank_limit(placements: Iterable[DevicePlacement], world_size: int | None, w
             raise ValueError(msg)
 
 
+@register_spec("single_split")
 @dataclass(frozen=True, slots=True, init=False)
 class SingleSplitShardingSpec(PlacementSpec):
     """Split a tensor along one dimension, one shard per placement entry.
@@ -214,9 +221,16 @@ class SingleSplitShardingSpec(PlacementSpec):
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
-        return {"type": "single_split", "shard_placement": [str(p.device) for p in self.shard_placement],
+        return {"type": self.spec_type, "shard_placement": [str(p.device) for p in self.shard_placement],
                 "split_dimension": self.split_dimension,
                 "shard_sizes": None if self.shard_sizes is None else list(self.shard_sizes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> SingleSplitShardingSpec:
+        """Inverse of ``to_dict``."""
+        # The constructor checks every field's type, so the casts only inform the checker.
+        return cls(cast("Sequence[str]", data["shard_placement"]), cast("int | str", data["split_dimension"]),
+                   cast("Sequence[int] | None", data.get("shard_sizes")))
 
     def __reduce__(self) -> tuple[type[SingleSplitShardingSpec], tuple[object, ...]]:
         return (SingleSplitShardingSpec, (self.shard_placement, self.split_dimension, self.shard_sizes))
@@ -243,6 +257,7 @@ def _flatten(array: object) -> list[object]:
     return [x for a in array for x in _flatten(a)]  # type: ignore[attr-defined]
 
 
+@register_spec("mesh")
 @dataclass(frozen=True, slots=True, init=False)
 class MeshShardingSpec(PlacementSpec):
     """Split every tensor dimension: an N-d array of placements for an N-d tensor.
@@ -305,12 +320,18 @@ class MeshShardingSpec(PlacementSpec):
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
         def strs(a: object) -> object:
             return str(a.device) if isinstance(a, DevicePlacement) else [strs(x) for x in a]  # type: ignore[attr-defined]
-        return {"type": "mesh", "shard_placement": strs(self.placement_array())}
+        return {"type": self.spec_type, "shard_placement": strs(self.placement_array())}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> MeshShardingSpec:
+        """Inverse of ``to_dict``."""
+        return cls(cast("Sequence[object]", data["shard_placement"]))
 
     def __reduce__(self) -> tuple[type[MeshShardingSpec], tuple[object, ...]]:
         return (MeshShardingSpec, (self.placement_array(),))
 
 
+@register_spec("enumerable")
 @dataclass(frozen=True, slots=True, init=False)
 class EnumerableShardingSpec(PlacementSpec):
     """An explicit list of shards; their distinct regions must tile the tensor.
@@ -346,12 +367,18 @@ class EnumerableShardingSpec(PlacementSpec):
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
-        return {"type": "enumerable", "shards": [s.to_dict() for s in self.shards]}
+        return {"type": self.spec_type, "shards": [s.to_dict() for s in self.shards]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> EnumerableShardingSpec:
+        """Inverse of ``to_dict``."""
+        return cls(ShardMetadata.from_dict(s) for s in cast("list[dict[str, object]]", data["shards"]))
 
     def __reduce__(self) -> tuple[type[EnumerableShardingSpec], tuple[object, ...]]:
         return (EnumerableShardingSpec, (self.shards,))
 
 
+@register_spec("partial")
 @dataclass(frozen=True, slots=True, init=False)
 class PartialSpec(PlacementSpec):
     """Full-size partial values on several ranks, pending one element-wise reduction.
@@ -413,8 +440,13 @@ class PartialSpec(PlacementSpec):
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
-        return {"type": "partial", "shard_placement": [str(p.device) for p in self.shard_placement],
+        return {"type": self.spec_type, "shard_placement": [str(p.device) for p in self.shard_placement],
                 "reduce_op": self.reduce_op}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> PartialSpec:
+        """Inverse of ``to_dict``."""
+        return cls(cast("Sequence[str]", data["shard_placement"]), reduce_op=cast(str, data.get("reduce_op", "sum")))
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         return (spec_from_dict, (self.to_dict(),))
@@ -435,12 +467,13 @@ def _check_reduce_dtype(reduce_op: str, dtype: torch.dtype) -> None:
         raise ValueError(msg)
 
 
-ShardingSpec = Union[DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec, PartialSpec]
+ShardingSpec = DevicePlacement | SingleSplitShardingSpec | MeshShardingSpec | EnumerableShardingSpec | PartialSpec
 """A spec that lays out one tensor."""
 
 _TENSOR_SPECS = (DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec)
 
 
+@register_spec("composite")
 @dataclass(frozen=True, slots=True, init=False)
 class CompositeShardingSpec(PlacementSpec):
     """A spec per parameter or submodule name (dotted paths allowed).
@@ -510,7 +543,9 @@ class CompositeShardingSpec(PlacementSpec):
                 if n not in result or result[n][0] < depth:
                     result[n] = (depth, spec, path)  # type: ignore[assignment]
 
-    def build_metadata(self, *args: object, **kwargs: object) -> ShardedTensorMetadata:
+    def build_metadata(self, size: Sequence[int], dtype: torch.dtype | None = None,
+                       names: Sequence[str | None] | None = None, *,
+                       world_size: int | None = None) -> ShardedTensorMetadata:
         """Refused: a composite spec applies to modules, not to one tensor."""
         msg = ("a CompositeShardingSpec maps names to specs and applies to a module (shard_model); "
                "give a tensor a SingleSplitShardingSpec, MeshShardingSpec or DevicePlacement.")
@@ -518,8 +553,14 @@ class CompositeShardingSpec(PlacementSpec):
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
-        return {"type": "composite",
-                "param_placement": {k: v.to_dict() for k, v in self.param_placement.items()}}  # type: ignore[attr-defined]
+        return {"type": self.spec_type,
+                "param_placement": {k: v.to_dict() for k, v in self.param_placement.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> CompositeShardingSpec:
+        """Inverse of ``to_dict``."""
+        placement = cast("Mapping[str, Mapping[str, object]]", data["param_placement"])
+        return cls({k: spec_from_dict(v) for k, v in placement.items()})
 
     def __reduce__(self) -> tuple[type[CompositeShardingSpec], tuple[object, ...]]:
         return (CompositeShardingSpec, (dict(self.param_placement),))
@@ -560,29 +601,8 @@ def composite(**kwargs: PlacementSpec | str) -> CompositeShardingSpec:
 
 
 def partial(shard_placement: Sequence[DeviceLike] | DeviceLike, *, reduce_op: str = "sum") -> PartialSpec:
-    """Helper for ``PartialSpec``: ``partial(["rank:0/cpu", "rank:1/cpu"], reduce_op="max")``; ``partial("cpu")``: every rank."""
+    """Helper for ``PartialSpec``: ``partial(["rank:0/cpu", "rank:1/cpu"], reduce_op="max")``.
+
+    ``partial("cpu")`` means every rank.
+    """
     return PartialSpec(shard_placement, reduce_op=reduce_op)
-
-
-def spec_from_dict(data: Mapping[str, object]) -> PlacementSpec:
-    """Rebuild a spec from ``spec.to_dict()``."""
-    if not isinstance(data, Mapping) or "type" not in data:
-        msg = f"spec_from_dict expects a mapping with a 'type' key (from spec.to_dict()), got {data!r}."
-        raise ValueError(msg)
-    kind = data["type"]
-    if kind == "device":
-        return DevicePlacement(data["device"])  # type: ignore[arg-type]
-    if kind == "single_split":
-        return SingleSplitShardingSpec(data["shard_placement"], data["split_dimension"],  # type: ignore[arg-type]
-                                       data.get("shard_sizes"))  # type: ignore[arg-type]
-    if kind == "mesh":
-        return MeshShardingSpec(data["shard_placement"])  # type: ignore[arg-type]
-    if kind == "enumerable":
-        return EnumerableShardingSpec(ShardMetadata.from_dict(s) for s in data["shards"])  # type: ignore[attr-defined]
-    if kind == "partial":
-        return PartialSpec(data["shard_placement"], reduce_op=data.get("reduce_op", "sum"))  # type: ignore[arg-type]
-    if kind == "composite":
-        return CompositeShardingSpec({k: spec_from_dict(v) for k, v in data["param_placement"].items()})  # type: ignore[attr-defined]
-    msg = (f"unknown spec type {kind!r}; expected one of 'device', 'single_split', 'mesh', "
-           f"'enumerable', 'partial', 'composite'.")
-    raise ValueError(msg)

@@ -68,8 +68,9 @@ class RegionIndex:
 
     The boxes' cut points split every dimension into intervals; a grid over those intervals
     records which box owns each cell, so a query only looks at the cells it spans. Building
-    the grid is vectorized (one ``searchsorted`` per dimension and one scatter), so an index
-    over thousands of boxes costs milliseconds.
+    the grid is vectorized (one ``searchsorted`` per dimension and one scatter), so building
+    it costs no Python loop over cells (planning timings that include it: docs/benchmarks.md,
+    "reshard planning").
     """
 
     def __init__(self, boxes: Sequence[Box], size: Sequence[int]) -> None:

@@ -11,7 +11,7 @@ _DISTRIBUTED_DIR = Path(__file__).parent / "distributed"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "distributed: multi-process test (Gloo on CPU, spawned by tests/distributed/_launch.py)")
+        "markers", "distributed: multi-process test (Gloo on CPU, spawned by _shardkit/launch.py)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -15,6 +15,9 @@
   between) is that block's expected output: what it prints (on rank 0 for a multi-rank
   script) must match it line by line, trailing spaces aside; ``...`` matches any text.
 - Blocks tagged anything else (``bash``, ``text``, ...) are not run.
+
+Every test here is marked ``docs`` (registered in setup.cfg), so ``pytest -m "not docs"``
+leaves them out.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from typing import Any
 import pytest
 
 from tests.distributed._launch import run_distributed
+
+pytestmark = pytest.mark.docs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

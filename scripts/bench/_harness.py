@@ -1,9 +1,10 @@
 """Shared plumbing for the distributed benchmarks: spawn Gloo ranks, time, count bytes.
 
 Not a test helper: benchmarks print JSON and never assert timings. Each benchmark spawns
-its ranks once per world size (``torch.multiprocessing`` spawn, Gloo on 127.0.0.1, a free
-port) and runs every case inside, so the ratios it reports come from the same processes
-on the same (shared, noisy) machine a few seconds apart.
+its ranks once per world size (``_shardkit.launch``: spawned interpreters, Gloo on 127.0.0.1,
+rendezvous through a file store, no port to race for) and runs every case inside, so the
+ratios it reports come from the same processes on the same (shared, noisy) machine a few
+seconds apart.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -25,57 +25,32 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from _shardkit.launch import LaunchError  # noqa: E402
+from _shardkit.launch import launch as _launch  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, queue: Any, args: tuple[Any, ...]) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # Two cores are shared by all ranks: one intra-op thread per rank unless there is room.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
-    try:
-        result = fn(rank, world, *args)
-        queue.put((rank, result, None))
-    except BaseException:  # report, then re-raise so the spawn fails loudly
-        import traceback
-        queue.put((rank, None, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
+# Ranks run as long as a benchmark needs; a collective that waits this long is stuck.
+COLLECTIVE_TIMEOUT = 1800.0
 
 
 def launch(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned Gloo ranks; results in rank order."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = mp.spawn(_entry, args=(fn, world, free_port(), queue, args), nprocs=world, join=False)
-    results: list[Any] = [None] * world
-    errors = []
-    for _ in range(world):
-        rank, result, error = queue.get()
-        results[rank] = result
-        if error:
-            errors.append(f"rank {rank}:\n{error}")
-            break
-    if errors:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
-        raise RuntimeError("benchmark rank failed\n" + "\n".join(errors))
-    while not procs.join():
-        pass
-    return results
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned Gloo ranks; results in rank order.
+
+    Ranks print live (progress goes to stderr); a failing rank raises ``LaunchError`` with
+    its traceback after the others are stopped.
+    """
+    return _launch(fn, world, args, timeout=None, collective_timeout=COLLECTIVE_TIMEOUT, **rank_options(world))
+
+
+def rank_options(world: int) -> dict[str, Any]:
+    """``_shardkit.launch`` options shared by every benchmark."""
+    # Two cores are shared by all ranks: one intra-op thread per rank unless there is room.
+    return {"env": {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")},
+            "threads": max(1, (os.cpu_count() or 1) // world), "capture_output": False, "start_method": "spawn"}
 
 
 def timed(fn: Callable[[], Any], cpu: list[float] | None = None) -> tuple[float, int]:
@@ -177,33 +152,18 @@ def llama_tp_names(layers: int) -> tuple[list[str], list[str]]:
     return cols, rows
 
 
-def run_fresh(target: Callable[..., None], world: int, *args: Any, what: str = "benchmark") -> list[dict[str, Any]]:
-    """Run ``target(rank, world, store_path, *args, queue)`` in ``world`` fresh spawned processes.
+def run_fresh(target: Callable[..., dict[str, Any]], world: int, *args: Any,
+              what: str = "benchmark") -> list[dict[str, Any]]:
+    """Run ``target(rank, world, *args)`` in ``world`` fresh spawned processes joined by Gloo.
 
-    Each rank puts ``(rank, result_dict)`` on the queue (with an ``"error"`` key on failure);
-    returns the results in rank order, or raises with the first failure.
+    ``target`` returns a dict of figures; returns them in rank order, or raises
+    ``LaunchError`` with the first failure (``what`` names the run in the message).
     """
-    import multiprocessing
-    import tempfile
-
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=target, args=(r, world, str(Path(tmp) / "store"), *args, out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        while len(results) < world:
-            rank, result = out.get(timeout=3600)
-            results[rank] = result
-            if "error" in result:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{what} failed on rank {rank}:\n{result['error']}")
-        for p in procs:
-            p.join()
-    return [results[r] for r in range(world)]
+    try:
+        return _launch(target, world, args, timeout=None, collective_timeout=COLLECTIVE_TIMEOUT,
+                       **rank_options(world))
+    except LaunchError as exc:
+        raise RuntimeError(f"{what} failed:\n{exc}") from exc
 
 
 class PeakGrowth:

@@ -64,7 +64,7 @@ if str(ROOT) not in sys.path:
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 from _harness import PeakGrowth  # noqa: E402
 
-from tests.distributed._launch import run_distributed  # noqa: E402 - after the path set-up
+from _shardkit.launch import run_distributed  # noqa: E402 - after the path set-up
 
 GB = 1e9
 

@@ -120,59 +120,47 @@ def _local(p: Any) -> Any:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _rank(rank: int, world: int, store: str, method: str, dims: dict[str, int], out: Any) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def _rank(rank: int, world: int, method: str, dims: dict[str, int]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=30))
-    try:
-        def run(config: Any, phases: dict[str, float]) -> Any:
-            if method == "torch_parallelize_module":
-                return _torch_path(config, world, phases)
-            return _shardkit(config, world, 0 if method == "shardkit_meta_seeded" else None, phases)
+    def run(config: Any, phases: dict[str, float]) -> Any:
+        if method == "torch_parallelize_module":
+            return _torch_path(config, world, phases)
+        return _shardkit(config, world, 0 if method == "shardkit_meta_seeded" else None, phases)
 
-        # Warm up on a tiny Llama: imports and one-time set-up are not what is measured.
-        warm = run(_config(64, 1, 128, 256, 4), {})
-        warm(torch.zeros(1, 4, dtype=torch.long))
-        del warm
-        config = _config(**dims)
-        dist.barrier()
-        before = reset_peak()
-        phases: dict[str, float] = {}
-        start, cpu_start = time.perf_counter(), time.process_time()
-        model = run(config, phases)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        peak = proc_status("VmHWM")
-        dist.barrier()
-        with torch.no_grad():
-            logits = model(torch.arange(8).reshape(1, 8) % config.vocab_size).logits
-            logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-            mine = _local(model.model.layers[0].self_attn.q_proj.weight)[0, :64].double().contiguous()
-            everyone = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(everyone, mine)
-            distinct = len({tuple(t.tolist()) for t in everyone}) == world
-            # lm_head is whole on every rank: do the replicas hold the same values?
-            head = _local(model.lm_head.weight)[0, :64].double().contiguous()
-            heads = [torch.empty_like(head) for _ in range(world)]
-            dist.all_gather(heads, head)
-            replicas_agree = all(torch.equal(heads[0], h) for h in heads)
-            std = float(_local(model.model.layers[0].mlp.down_proj.weight).std())
-            norm_ones = bool((_local(model.model.norm.weight) == 1).all())
-        out.put((rank, {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before,
-                        "shard_bytes": local_param_bytes(model), "phases": phases,
-                        "output_finite": bool(torch.isfinite(logits).all()), "distinct_blocks": distinct,
-                        "replicas_agree": replicas_agree,
-                        "weight_std": std, "norm_ones": norm_ones}))
-    except BaseException as exc:
-        import traceback
-
-        out.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
-        raise
-    finally:
-        dist.destroy_process_group()
+    # Warm up on a tiny Llama: imports and one-time set-up are not what is measured.
+    warm = run(_config(64, 1, 128, 256, 4), {})
+    warm(torch.zeros(1, 4, dtype=torch.long))
+    del warm
+    config = _config(**dims)
+    dist.barrier()
+    before = reset_peak()
+    phases: dict[str, float] = {}
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model = run(config, phases)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = proc_status("VmHWM")
+    dist.barrier()
+    with torch.no_grad():
+        logits = model(torch.arange(8).reshape(1, 8) % config.vocab_size).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        mine = _local(model.model.layers[0].self_attn.q_proj.weight)[0, :64].double().contiguous()
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        distinct = len({tuple(t.tolist()) for t in everyone}) == world
+        # lm_head is whole on every rank: do the replicas hold the same values?
+        head = _local(model.lm_head.weight)[0, :64].double().contiguous()
+        heads = [torch.empty_like(head) for _ in range(world)]
+        dist.all_gather(heads, head)
+        replicas_agree = all(torch.equal(heads[0], h) for h in heads)
+        std = float(_local(model.model.layers[0].mlp.down_proj.weight).std())
+        norm_ones = bool((_local(model.model.norm.weight) == 1).all())
+    return {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before,
+            "shard_bytes": local_param_bytes(model), "phases": phases,
+            "output_finite": bool(torch.isfinite(logits).all()), "distinct_blocks": distinct,
+            "replicas_agree": replicas_agree,
+            "weight_std": std, "norm_ones": norm_ones}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -110,49 +110,37 @@ def _torch_path(world: int, dim: int, blocks: int) -> Any:
     return model
 
 
-def _rank(rank: int, world: int, store: str, method: str, dim: int, blocks: int, out: Any) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def _rank(rank: int, world: int, method: str, dim: int, blocks: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=30))
-    try:
-        # Warm up on a tiny model: imports and one-time set-up are not what is measured.
-        run = {"shardkit_meta": lambda d, b: _shardkit(world, d, b, True),
-               "shardkit_meta_seeded": lambda d, b: _shardkit(world, d, b, True, seed=0),
-               "materialize_then_shard": lambda d, b: _shardkit(world, d, b, False),
-               "torch_parallelize_module": lambda d, b: _torch_path(world, d, b)}[method]
-        warm = run(64, 1)
-        warm(torch.randn(2, 64))
-        del warm
-        dist.barrier()
-        before = reset_peak()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        model = run(dim, blocks)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        peak = proc_status("VmHWM")
-        dist.barrier()
-        with torch.no_grad():
-            y = model(torch.randn(2, dim))
-            # Does each rank hold different values in its block of fc1.weight (rows r*k..)?
-            weight = model[0].fc1.weight
-            block = weight.to_local() if hasattr(weight, "to_local") else weight
-            mine = block[0, :64].double().contiguous()
-            everyone = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(everyone, mine)
-            distinct = len({tuple(t.tolist()) for t in everyone}) == world
-        out.put((rank, {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before, "shard_bytes": local_param_bytes(model),
-                        "output_finite": bool(torch.isfinite(y if not hasattr(y, "full_tensor") else y.full_tensor()).all()),
-                        "distinct_blocks": distinct}))
-    except BaseException as exc:
-        import traceback
-
-        out.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
-        raise
-    finally:
-        dist.destroy_process_group()
+    # Warm up on a tiny model: imports and one-time set-up are not what is measured.
+    run = {"shardkit_meta": lambda d, b: _shardkit(world, d, b, True),
+           "shardkit_meta_seeded": lambda d, b: _shardkit(world, d, b, True, seed=0),
+           "materialize_then_shard": lambda d, b: _shardkit(world, d, b, False),
+           "torch_parallelize_module": lambda d, b: _torch_path(world, d, b)}[method]
+    warm = run(64, 1)
+    warm(torch.randn(2, 64))
+    del warm
+    dist.barrier()
+    before = reset_peak()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model = run(dim, blocks)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = proc_status("VmHWM")
+    dist.barrier()
+    with torch.no_grad():
+        y = model(torch.randn(2, dim))
+        # Does each rank hold different values in its block of fc1.weight (rows r*k..)?
+        weight = model[0].fc1.weight
+        block = weight.to_local() if hasattr(weight, "to_local") else weight
+        mine = block[0, :64].double().contiguous()
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        distinct = len({tuple(t.tolist()) for t in everyone}) == world
+    return {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before, "shard_bytes": local_param_bytes(model),
+            "output_finite": bool(torch.isfinite(y if not hasattr(y, "full_tensor") else y.full_tensor()).all()),
+            "distinct_blocks": distinct}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:

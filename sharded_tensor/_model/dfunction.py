@@ -176,7 +176,7 @@ def _resharded(tensor: ShardedTensor, spec: PlacementSpec | None) -> ShardedTens
     """``tensor`` itself, or a copy of it laid out as ``spec`` (collective; the original is untouched)."""
     if spec is None:
         return tensor
-    target = spec.build_metadata(tensor.shape, tensor.dtype, world_size=tensor._world())  # type: ignore[attr-defined]
+    target = spec.build_metadata(tensor.shape, tensor.dtype, world_size=tensor._world())
     if target.shards == tensor.sharding_metadata().shards:
         return tensor
     rank, group = tensor._rank, tensor._group

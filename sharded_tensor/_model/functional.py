@@ -31,6 +31,7 @@ device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -77,46 +78,46 @@ def _slice(tensor: torch.Tensor, dim: int, intervals: Intervals, group: _comm.Pr
 
 class _CopyToRanks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRanks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
         return _all_reduce(tensor, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, dim: int, intervals: Intervals,  # type: ignore[override]
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, intervals: Intervals,
                 group: _comm.ProcessGroup) -> torch.Tensor:
         ctx.args = (dim, intervals, group)
         return _gather(tensor, dim, intervals, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _slice(grad, *ctx.args), None, None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, dim: int, intervals: Intervals,  # type: ignore[override]
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, intervals: Intervals,
                 group: _comm.ProcessGroup) -> torch.Tensor:
         ctx.args = (dim, intervals, group)
         return _slice(tensor, dim, intervals, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _gather(grad, *ctx.args), None, None, None
 
 

@@ -45,7 +45,8 @@ def remember(param: torch.Tensor, sharded: ShardedParameter) -> None:
 
 def layout_of(param: torch.Tensor) -> ShardedParameter | None:
     """The layout recorded for ``param``, or ``None`` for a parameter shardkit did not shard."""
-    return _layouts.get(param)
+    found: ShardedParameter | None = _layouts.get(param)
+    return found
 
 
 def retire(replaced: Iterable[tuple[str, torch.Tensor]]) -> None:

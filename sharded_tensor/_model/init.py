@@ -21,8 +21,9 @@ value that the *global* tensor would hold at that element's global index:
 
 The generator is the one in ``_random`` (SplitMix64 of ``index * golden + seed``); this
 module evaluates the same formula in fixed-size, vector-aligned chunks with numpy's uint64
-arithmetic, about 10x faster than ``_random``'s int64 torch ops (which have no vector
-multiply on CPU) and as fast as ``torch.Tensor.uniform_``. Without numpy it falls back to
+arithmetic, much faster than ``_random``'s int64 torch ops (which have no vector multiply
+on CPU) and as fast as ``torch.Tensor.uniform_`` (docs/benchmarks.md, "Figures behind
+implementation choices"). Without numpy it falls back to
 ``_random`` itself. The chunks are always processed at full width, so no element ever
 takes a scalar code path that another layout would take vectorized.
 """
@@ -40,7 +41,7 @@ from torch.nn import init as _nn_init
 from torch.overrides import TorchFunctionMode
 
 from .. import _random
-from .._fill import trunc_bounds, draw_uniform_, fill_normal_, fill_trunc_normal_, fill_uniform_
+from .._fill import draw_uniform_, fill_normal_, fill_trunc_normal_, fill_uniform_, trunc_bounds
 
 __all__ = ["LayoutInvariantInit"]
 
@@ -178,13 +179,15 @@ class LayoutInvariantInit:
         with torch._C.DisableTorchFunction(), torch.no_grad():
             if not self.invariant:
                 return draw_uniform_(tensor, self._block_seed(region), float(low), float(high))  # type: ignore[arg-type]
-            return fill_uniform_(tensor, self._seed(region), region.offsets, region.global_shape, float(low), float(high))  # type: ignore[arg-type]
+            return fill_uniform_(tensor, self._seed(region), region.offsets, region.global_shape,
+                                 float(low), float(high))  # type: ignore[arg-type]
 
     def _normal(self, tensor: torch.Tensor, region: _Region, mean: object, std: object) -> torch.Tensor:
         with torch._C.DisableTorchFunction(), torch.no_grad():
             if not self.invariant:
                 return tensor.normal_(float(mean), float(std), generator=self._generator(tensor, region))  # type: ignore[arg-type]
-            return fill_normal_(tensor, self._seed(region), region.offsets, region.global_shape, float(mean), float(std))  # type: ignore[arg-type]
+            return fill_normal_(tensor, self._seed(region), region.offsets, region.global_shape,
+                                float(mean), float(std))  # type: ignore[arg-type]
 
     def _trunc_normal(self, tensor: torch.Tensor, region: _Region, mean: float, std: float, a: float,
                       b: float) -> torch.Tensor:
@@ -221,7 +224,8 @@ class LayoutInvariantInit:
 
     # -- patches -------------------------------------------------------------------------------
 
-    def _patched_fans(self, original: Callable[[torch.Tensor], tuple[int, int]]) -> Callable[[torch.Tensor], tuple[int, int]]:
+    def _patched_fans(self, original: Callable[[torch.Tensor], tuple[int, int]]
+                      ) -> Callable[[torch.Tensor], tuple[int, int]]:
         def fans(tensor: torch.Tensor) -> tuple[int, int]:
             region = self.lookup(tensor)
             return self._fans(region) if region is not None else original(tensor)

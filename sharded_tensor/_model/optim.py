@@ -102,7 +102,8 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
             state whose shape is neither the parameter's nor a scalar.
 
     Example:
-        >>> checkpoint.save({"model": model.state_dict(), "optim": optim_state_dict(model, optim)}, path)  # doctest: +SKIP
+        >>> state = {"model": model.state_dict(), "optim": optim_state_dict(model, optim)}  # doctest: +SKIP
+        >>> checkpoint.save(state, path)  # doctest: +SKIP
     """
     names, sharded = _names(model)
     template = not optim.state
@@ -215,7 +216,7 @@ def load_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_
                 rank, _ = _comm.rank_and_world(sp.group)
                 out[key] = sp.local_from(value, where, rank).clone()
             elif key == "step" and not isinstance(value, torch.Tensor):
-                out[key] = torch.tensor(float(value), dtype=_scalar_dtype())  # type: ignore[arg-type]
+                out[key] = torch.tensor(float(value), dtype=_scalar_dtype())
             elif isinstance(value, torch.Tensor):
                 out[key] = value.clone()
             else:

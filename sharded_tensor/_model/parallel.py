@@ -31,7 +31,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.fx
@@ -81,7 +81,7 @@ class ParamLayout:
         box = self.boxes[rank]
         assert box is not None
         if self.pieces is None:
-            return tuple(o - b for o, b in zip(region[0], box[0])), region[1]  # type: ignore[return-value]
+            return tuple(o - b for o, b in zip(region[0], box[0])), region[1]
         dim = self.dim
         assert dim is not None
         local = 0
@@ -148,7 +148,7 @@ def _union_box(regions: Sequence[Box]) -> Box | None:
     ndim = len(regions[0][0])
     lo = tuple(min(o[d] for o, _ in regions) for d in range(ndim))
     hi = tuple(max(o[d] + s[d] for o, s in regions) for d in range(ndim))
-    box = (lo, tuple(h - l for h, l in zip(hi, lo)))
+    box = (lo, tuple(high - low for high, low in zip(hi, lo)))
     return box if _volume(box) == sum(_volume(r) for r in regions) else None
 
 
@@ -287,15 +287,16 @@ def plan_module(module_name: str, module: nn.Module, layouts: Mapping[str, Param
     Raises:
         ValueError: the layout cannot be computed correctly; the message names the module and why.
     """
-    split = {p: l for p, l in layouts.items() if l.kind != "replicated"}
+    split = {p: layout for p, layout in layouts.items() if layout.kind != "replicated"}
     if not split:
         return None
-    label = f"module {module_name!r} ({type(module).__name__})" if module_name else f"the root module ({type(module).__name__})"
+    kind = type(module).__name__
+    label = f"module {module_name!r} ({kind})" if module_name else f"the root module ({kind})"
     handler, why = _registry.handler_for(module)
     if handler is not None:
         inner = handler.plan(module, layouts, name=label)
         return None if inner is None else Plan(handler, inner, group)
-    names = ", ".join(f"{p!r} is {_what(l)}" for p, l in split.items())
+    names = ", ".join(f"{p!r} is {_what(layout)}" for p, layout in split.items())
     because = f" ({why})" if why else ""
     msg = (f"{label}: {names}; shardkit computes with split parameters only in modules with a sharded "
            f"registration{because}: {', '.join(_registry.registered_types())} (whose forward is not overridden), "
@@ -390,6 +391,7 @@ class ShardedLinear(_registry.ShardedModule):
 
     def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         plan: LinearPlan = call.plan
+        module = cast(nn.Linear, module)  # registered for nn.Linear
         weight, bias = module.weight, module.bias
         if plan.mode == "bias":
             return F.linear(call.replicated(input), weight) + call.gather(bias, 0, plan.bias_intervals)  # type: ignore[arg-type]
@@ -422,6 +424,7 @@ class ShardedEmbedding(_registry.ShardedModule):
 
     def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         plan: EmbeddingPlan = call.plan
+        module = cast(nn.Embedding, module)  # registered for nn.Embedding
         input = call.replicated(input)
         weight = module.weight
         if plan.mode == "dim":

@@ -565,7 +565,7 @@ def _cross_entropy(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, split: Split,  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, split: Split,
                 ignore: int) -> torch.Tensor:
         rank, _ = _comm.rank_and_world(split.group)
         start, length = split.intervals[rank]
@@ -586,7 +586,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         exp, total, local, inside, valid = ctx.saved_tensors
         probs = exp / total.unsqueeze(1)
         probs.scatter_add_(1, local.unsqueeze(1), -inside.to(probs.dtype).unsqueeze(1))
@@ -621,7 +621,7 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
             bounds = list(zip(edges, edges[1:]))
     rank, _ = _comm.rank_and_world(packed.group)
     per_part: list[list[tuple[int, int]]] = [[] for _ in bounds]
-    for r, slices in enumerate(packed.pieces):
+    for slices in packed.pieces:
         for j, (low, high) in enumerate(bounds):
             inside = [(s, n) for s, n in slices if low <= s and s + n <= high]
             if sum(n for a, n in slices if a < high and a + n > low) != sum(n for _, n in inside) or len(inside) != 1:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -205,7 +205,7 @@ def handler_for(module: nn.Module) -> tuple[ShardedModule | None, str | None]:
         handler = _REGISTRY.get(base)
         if handler is None:
             continue
-        if base is not cls and cls.forward is not base.forward:
+        if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward:
             return None, (f"{cls.__name__} overrides the forward of {base.__name__}, whose registration "
                           f"therefore does not apply")
         return handler, None

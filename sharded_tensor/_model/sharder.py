@@ -28,7 +28,7 @@ import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -258,7 +258,7 @@ def _plans(model: nn.Module, entries: Sequence[_Entry],
             owners[id(module)] = (mod_name, module)
             covered.update(id(m) for m in module.modules() if m is not module)
     owner_of = {}
-    for key, (mod_name, module) in owners.items():
+    for key, (_, module) in owners.items():
         for sub_name, sub in module.named_modules():
             owner_of[id(sub)] = (key, sub_name)
     for entry in entries:
@@ -314,8 +314,10 @@ def _device_for(layout: ParamLayout | None, rank: int, default: torch.device) ->
     return default
 
 
-def _reset_method(module: nn.Module):  # type: ignore[no-untyped-def]
-    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+def _reset_method(module: nn.Module) -> Callable[[], object] | None:
+    method: Callable[[], object] | None = (getattr(module, "reset_parameters", None)
+                                           or getattr(module, "_reset_parameters", None))
+    return method
 
 
 InitArg = Callable[[nn.Module], object] | Literal[False] | None
@@ -352,7 +354,7 @@ class _Initializers:
 
     def for_module(self, module: nn.Module) -> Callable[[], object] | None:
         """The call that initializes ``module``'s own parameters and buffers, or ``None``."""
-        if callable(self.init) and self.init is not False:
+        if callable(self.init):
             fn = self.init
             return lambda: fn(module)
         owner = self.owner.get(id(module))
@@ -361,7 +363,7 @@ class _Initializers:
         return _reset_method(module)
 
 
-def _agree(payload: dict[str, object], group: _comm.ProcessGroup) -> list[dict[str, object]]:
+def _agree(payload: dict[str, Any], group: _comm.ProcessGroup) -> list[dict[str, Any]]:
     """Every rank's ``payload``; raises the same ``ValueError`` everywhere if the models differ. Collective."""
     _, everyone = _comm.agree("shard_model", lambda: payload, group, share=lambda p: p, error=ValueError)
     first = everyone[0]
@@ -442,6 +444,24 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
         >>> shard_model(mlp, spec, seed=0)  # doctest: +SKIP
     """
     rank, world = _comm.rank_and_world(process_group)
+    _check_arguments(model, src_rank, seed, world)
+    entries, plans = _plan_model(model, sharding_spec, process_group, world)
+    seed_value = _agree_on_model(entries, sharding_spec, src_rank, seed, process_group, world)
+    _assign_sources(entries, src_rank)
+    initializers = _check_initialization(model, entries, seed, init)
+    default_device = _default_device(entries, rank)
+    commit = _install_forwards(model, entries, plans)
+    _materialize(model, entries, plans, rank, process_group, src_rank, seed_value, default_device,
+                 invariant=seed is not None, initializers=initializers)
+    _finish(model, entries, process_group)
+    commit()
+    return model
+
+
+# -- the steps of shard_model, in order ------------------------------------------------------------
+
+def _check_arguments(model: object, src_rank: int | None, seed: int | None, world: int) -> None:
+    """Refuse arguments that are wrong on their own (before the model is looked at)."""
     if src_rank is not None and (isinstance(src_rank, bool) or not isinstance(src_rank, int)
                                  or not 0 <= src_rank < world):
         msg = f"src_rank={src_rank!r} is outside the world of {world} ranks; use 0..{world - 1} or None."
@@ -453,49 +473,67 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
         msg = f"shard_model expects an nn.Module, got {type(model).__name__}."
         raise TypeError(msg)
 
+
+def _plan_model(model: nn.Module, sharding_spec: PlacementSpec, group: _comm.ProcessGroup,
+                world: int) -> tuple[list[_Entry], dict[int, tuple[str, nn.Module, Plan | None]]]:
+    """Each parameter's spec and layout, and each module's compute plan (validation only; nothing changes)."""
     entries = _collect(model)
     _resolve(sharding_spec, entries)
     for entry in entries:
         if entry.spec is None:
             continue
-        for mod_name, module, attr in entry.owners:
+        for _, module, attr in entry.owners:
             if attr in sharded_parameters(module):
                 msg = (f"parameter {entry.name!r} is already sharded; reshard its values through "
                        f"model.state_dict() / load_state_dict instead of sharding it twice.")
                 raise ValueError(msg)
         entry.layout = _layout(entry, world)
-    plans = _plans(model, entries, process_group)
+    return entries, _plans(model, entries, group)
 
-    # Agree across ranks on the model, the arguments and the seed before any data moves.
+
+def _agree_on_model(entries: Sequence[_Entry], sharding_spec: PlacementSpec, src_rank: int | None,
+                    seed: int | None, group: _comm.ProcessGroup, world: int) -> int:
+    """Agree across ranks on the model, the arguments and the seed before any data moves.
+
+    Returns the seed every rank uses (``seed``, or rank 0's draw when meta parameters need one).
+    """
     is_meta = [e.param.is_meta for e in entries]
     proposal = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()) if any(is_meta) else 0
-    payload = {"params": [[e.name, list(e.param.shape), str(e.param.dtype)] for e in entries],
-               "spec": sharding_spec.to_dict(),  # type: ignore[attr-defined]
+    payload: dict[str, Any] = {"params": [[e.name, list(e.param.shape), str(e.param.dtype)] for e in entries],
+               "spec": sharding_spec.to_dict(),
                "src_rank": src_rank, "seed_given": seed is not None, "meta": is_meta, "seed": proposal}
-    everyone = _agree(payload, process_group) if world > 1 else [payload]
+    everyone = _everyones_payload(payload, group, world)
     if src_rank is None:
         for r, other in enumerate(everyone):
             if other["meta"] != is_meta:
-                names = [e.name for e, a, b in zip(entries, is_meta, other["meta"]) if a != b][:5]  # type: ignore[call-overload]
+                names = [e.name for e, a, b in zip(entries, is_meta, other["meta"]) if a != b][:5]
                 msg = (f"parameters {names} are on the meta device on some ranks and not on others (ranks 0 and "
                        f"{r} differ); build the model the same way everywhere, or pass src_rank= to take the "
                        f"values from one rank.")
                 raise ValueError(msg)
     else:
-        src_meta = [e.name for e, m in zip(entries, everyone[src_rank]["meta"]) if m]  # type: ignore[arg-type]
+        src_meta = [e.name for e, m in zip(entries, everyone[src_rank]["meta"]) if m]
         if src_meta:
             msg = (f"src_rank={src_rank} has parameters on the meta device ({src_meta[:5]}); the source rank "
                    f"must hold real values, or pass src_rank=None to initialize meta parameters.")
             raise ValueError(msg)
-    seed_value = int(everyone[0]["seed"])  # type: ignore[arg-type]
+    return int(everyone[0]["seed"])
 
-    for entry, meta in zip(entries, is_meta):
+
+def _assign_sources(entries: Sequence[_Entry], src_rank: int | None) -> None:
+    """Where each parameter's values come from: ``src_rank``, its own init, this rank's copy, or nowhere."""
+    for entry in entries:
         if src_rank is not None:
             entry.source = "src"
-        elif meta:
+        elif entry.param.is_meta:
             entry.source = "init"
         else:
             entry.source = "local" if entry.layout is not None else "keep"
+
+
+def _check_initialization(model: nn.Module, entries: Sequence[_Entry], seed: int | None,
+                          init: InitArg) -> _Initializers:
+    """What initializes each meta parameter; refuse a meta parameter nothing can initialize."""
     if init is not None and init is not False and not callable(init):
         msg = f"init must be None, False or a callable taking a module, got {type(init).__name__} {init!r}."
         raise TypeError(msg)
@@ -514,28 +552,37 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
                    f"method, pass init=False to leave them uninitialized for a checkpoint.load, or build the "
                    f"model with real weights and pass src_rank=.")
             raise ValueError(msg)
+    return initializers
 
-    default_device = torch.device("cpu")
+
+def _default_device(entries: Sequence[_Entry], rank: int) -> torch.device:
+    """Where this rank puts what no layout places: the device of its first sharded block, else the CPU."""
     for entry in entries:
         if entry.layout is not None and entry.layout.metadata.shards_on(rank):
-            default_device = _device_for(entry.layout, rank, default_device)
-            break
+            return _device_for(entry.layout, rank, torch.device("cpu"))
+    return torch.device("cpu")
 
-    # Install the sharded forwards and trace before any data moves: fx only needs shapes, and
-    # a forward that reads a split parameter directly is refused with the model unchanged.
+
+def _install_forwards(model: nn.Module, entries: Sequence[_Entry],
+                      plans: Mapping[int, tuple[str, nn.Module, Plan | None]]) -> Callable[[], object]:
+    """Install the sharded forwards and trace the model; returns the call that makes the trace take effect.
+
+    This runs before any data moves: fx only needs shapes, and a forward that reads a split
+    parameter directly is refused with the model unchanged.
+    """
     for _, module, plan in plans.values():
         _parallel.install(module, plan)
     try:
-        commit = _parallel.optimize(model, _split_labels(entries))
+        return _parallel.optimize(model, _split_labels(entries))
     except BaseException:
         for _, module, _plan in plans.values():
             _parallel.install(module, None)
         raise
-    _materialize(model, entries, plans, rank, process_group, src_rank, seed_value, default_device,
-                 invariant=seed is not None, initializers=initializers)
-    _finish(model, entries, process_group)
-    commit()
-    return model
+
+
+def _everyones_payload(payload: dict[str, Any], group: _comm.ProcessGroup, world: int) -> list[dict[str, Any]]:
+    """Every rank's ``payload`` (the one place ``_agree`` is called from)."""
+    return _agree(payload, group) if world > 1 else [payload]
 
 
 def _split_labels(entries: Sequence[_Entry]) -> dict[str, str]:
@@ -667,8 +714,7 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
             ctx.register(span, entry.name, tuple(entry.param.shape), tuple(offsets))
             spans.append((attr, entry, span))
             continue
-        offsets = entry.box(rank)[0]
-        ctx.register(entry.new, entry.name, tuple(entry.param.shape), offsets)  # type: ignore[arg-type]
+        ctx.register(entry.new, entry.name, tuple(entry.param.shape), entry.box(rank)[0])  # type: ignore[arg-type]
     # Parameters initialized elsewhere (tied to an earlier module) or holding real values are
     # swapped for scratch tensors, so this module's reset cannot overwrite them.
     swapped = {}
@@ -677,7 +723,7 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
         ctx.register(scratch, f"{entry.name}#scratch", tuple(entry.param.shape), entry.box(rank)[0])
         swapped[attr] = module._parameters[attr]
         module._parameters[attr] = scratch
-    for attr, entry, span in spans:
+    for attr, _, span in spans:
         swapped[attr] = module._parameters[attr]
         module._parameters[attr] = span
     padding = None
@@ -691,7 +737,7 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
         if padding is not None:
             module.padding_idx = padding  # type: ignore[assignment]
         module._parameters.update(swapped)
-    for attr, entry, span in spans:
+    for _, entry, span in spans:
         layout = entry.layout
         assert layout is not None and layout.pieces is not None and layout.dim is not None
         base = layout.pieces[rank][0][0]
@@ -702,10 +748,10 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
         for attr, entry in to_init:
             if attr != "weight":
                 continue
-            offsets, sizes = entry.box(rank)
-            if offsets[0] <= padding < offsets[0] + sizes[0]:
+            box_offsets, box_sizes = entry.box(rank)
+            if box_offsets[0] <= padding < box_offsets[0] + box_sizes[0]:
                 with torch.no_grad():
-                    entry.new[padding - offsets[0]].fill_(0)  # type: ignore[index]
+                    entry.new[padding - box_offsets[0]].fill_(0)  # type: ignore[index]
 
 
 def _finish(model: nn.Module, entries: Sequence[_Entry], group: _comm.ProcessGroup) -> None:
@@ -791,10 +837,10 @@ def shard_parameter(module: nn.Module, param_name: str, sharding_spec: Placement
     entry.spec = sharding_spec
     entry.layout = _layout(entry, world)
     plans = _plans(module, [entry], process_group)
-    payload = {"params": [[param_name, list(entry.param.shape), str(entry.param.dtype)]],
-               "spec": sharding_spec.to_dict(), "src_rank": src_rank, "seed_given": False,  # type: ignore[attr-defined]
+    payload: dict[str, Any] = {"params": [[param_name, list(entry.param.shape), str(entry.param.dtype)]],
+               "spec": sharding_spec.to_dict(), "src_rank": src_rank, "seed_given": False,
                "meta": [entry.param.is_meta], "seed": 0}
-    everyone = _agree(payload, process_group) if world > 1 else [payload]
+    everyone = _everyones_payload(payload, process_group, world)
     if everyone[src_rank]["meta"] == [True]:
         msg = (f"parameter {param_name!r} is on the meta device on src_rank={src_rank}; shard_parameter shards "
                f"existing values. For a model built on meta, use shard_model(), which initializes it shard by shard.")

@@ -43,7 +43,7 @@ __all__ = ["clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_gr
 def _parameters_and_layouts(parameters_or_model: nn.Module | torch.Tensor | Iterable[torch.Tensor]
                             ) -> tuple[list[torch.Tensor], dict[int, ShardedParameter]]:
     if isinstance(parameters_or_model, nn.Module):
-        params = list(parameters_or_model.parameters())
+        params: list[torch.Tensor] = list(parameters_or_model.parameters())
         layouts: dict[int, ShardedParameter] = {}
         for module in parameters_or_model.modules():
             for attr, sp in sharded_parameters(module).items():
@@ -54,13 +54,13 @@ def _parameters_and_layouts(parameters_or_model: nn.Module | torch.Tensor | Iter
     if isinstance(parameters_or_model, torch.Tensor):
         params = [parameters_or_model]
     else:
-        params = list(dict.fromkeys(parameters_or_model))  # type: ignore[arg-type]
+        params = list(dict.fromkeys(parameters_or_model))
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             msg = (f"clip_grad_norm_ takes a model, a tensor or an iterable of tensors; item {i} is a "
                    f"{type(p).__name__}.")
             raise TypeError(msg)
-    found = {id(p): sp for p in params if (sp := _guard.layout_of(p)) is not None}
+    found = {id(p): layout for p in params if (layout := _guard.layout_of(p)) is not None}
     return params, found
 
 
@@ -78,7 +78,7 @@ def _owned(grad: torch.Tensor, sp: ShardedParameter, rank: int) -> torch.Tensor 
     mine = boxes[rank]
     if mine is None or grad.numel() == 0:
         return None
-    overlaps = [o for r in range(rank) if boxes[r] is not None and (o := _intersect(mine, boxes[r])) is not None]
+    overlaps = [o for box in boxes[:rank] if box is not None and (o := _intersect(mine, box)) is not None]
     if not overlaps:
         return grad
     if any(o == mine for o in overlaps):
@@ -95,7 +95,8 @@ def _partial(values: torch.Tensor | None, norm_type: float) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64)
     if math.isinf(norm_type):
         return values.detach().abs().max().to(torch.float64).cpu()
-    return torch.linalg.vector_norm(values.detach(), norm_type, dtype=torch.float64).pow(norm_type).cpu()
+    share: torch.Tensor = torch.linalg.vector_norm(values.detach(), norm_type, dtype=torch.float64).pow(norm_type)
+    return share.cpu()
 
 
 def clip_grad_norm_(parameters_or_model: nn.Module | torch.Tensor | Iterable[torch.Tensor], max_norm: float,
@@ -166,9 +167,10 @@ def clip_grad_norm_(parameters_or_model: nn.Module | torch.Tensor | Iterable[tor
             combined = combined.pow(1.0 / norm_type)
         for k, i in enumerate(indices):
             grad = with_grad[i][0]
-            norms[i] = combined[k].to(dtype=grad.dtype, device=grad.device)  # type: ignore[union-attr]
-    first = with_grad[0][0].device  # type: ignore[union-attr]
-    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)  # type: ignore[union-attr]
+            norms[i] = combined[k].to(dtype=grad.dtype, device=grad.device)
+    first = with_grad[0][0].device
+    total: torch.Tensor = torch.linalg.vector_norm(
+        torch.stack([n.to(first) for n in norms]), norm_type)  # type: ignore[union-attr]  # every slot is filled above
     if error_if_nonfinite and not torch.isfinite(total):
         msg = (f"the total norm of order {norm_type} of the gradients is {total.item()}, not finite; "
                f"error_if_nonfinite=True refuses to clip them (check the loss, or pass "
@@ -177,7 +179,7 @@ def clip_grad_norm_(parameters_or_model: nn.Module | torch.Tensor | Iterable[tor
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for grad, _ in with_grad:
-            grad.mul_(coef.to(grad.device))  # type: ignore[union-attr]
+            grad.mul_(coef.to(grad.device))
     return total
 
 

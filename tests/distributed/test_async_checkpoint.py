@@ -98,7 +98,9 @@ def _kill_everyone(phase: str) -> None:
 
 
 def _crash_job(rank: int, world: int, root: str, hook_name: str) -> None:
-    manager = checkpoint.CheckpointManager(root, keep_last=3, timeout=8)
+    # timeout=600 is far beyond the launcher's (90 s): a survivor can only raise by noticing
+    # the dead peer at once, else the launcher kills it first.
+    manager = checkpoint.CheckpointManager(root, keep_last=3, timeout=600)
     first = (manager.latest_step() or 0) + 1
     for step in (first, first + 1):
         manager.save(step, _state(rank, world, step), async_=True)
@@ -127,7 +129,6 @@ def _resume(rank: int, world: int, root: str) -> list[int]:
 
 def test_crashes_mid_async_write(tmp_path):
     root = str(tmp_path / "run")
-    start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_crash_job, 4, root, "rank3", timeout=90)
     assert "rank 3 exited with code -9" in info.value.failures[3], info.value
@@ -135,8 +136,7 @@ def test_crashes_mid_async_write(tmp_path):
     assert sorted(survivors) == [0, 1, 2], info.value
     for text in survivors.values():
         assert "CheckpointError" in text and "not every one of the 4 ranks finished writing" in text, text
-        assert float(text.split("[after ")[1].split(" s]")[0]) < 8.0, text
-    assert time.monotonic() - start < 60
+        assert "did not finish" not in text, text  # raised by the save itself, not stopped by the launcher
     # The partial step 3 has data files but no metadata: never listed, removed on restart.
     assert sorted(os.listdir(root)) == ["step-0000000001", "step-0000000002", "step-0000000003"]
     assert run_distributed(_resume, 4, root, timeout=90) == [[1, 2]] * 4

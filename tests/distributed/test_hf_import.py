@@ -54,6 +54,18 @@ def _two_ranks(rank: int, world: int, folder: str, bf16: str) -> dict[str, objec
     ref = LlamaForCausalLM.from_pretrained(folder)
     out["logits"] = (model(x).logits - ref(x).logits).abs().max().item()
 
+    # The parameters themselves, mapped: output-feature blocks map the files' pages,
+    # input-feature blocks (strided in the file) are copied; the logits are the same.
+    with torch.device("meta"):
+        mapped = LlamaForCausalLM(_llama_config())
+    st.shard_model(mapped, llama_spec(world), init=False)
+    checkpoint.load(mapped.state_dict(keep_vars=True), folder, mmap=True)
+    sizes = {os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors")}
+    attention = mapped.model.layers[0].self_attn
+    out["mapped"] = (attention.q_proj.weight.untyped_storage().nbytes() in sizes,
+                     attention.o_proj.weight.untyped_storage().nbytes() in sizes)
+    out["mapped_logits"] = (mapped(x).logits - ref(x).logits).abs().max().item()
+
     # bfloat16 file into float32 parameters.
     with torch.device("meta"):
         model = LlamaForCausalLM(_llama_config())
@@ -123,6 +135,7 @@ def test_import_into_a_meta_model_on_two_ranks(folders):
     embedding = 96 * 64 * 4
     for out in run_distributed(_two_ranks, 2, fp32, bf16, timeout=300):
         assert out["logits"] < 1e-5
+        assert out["mapped"] == (True, False) and out["mapped_logits"] < 1e-5
         assert out["bf16"] and out["rows"]
         # its 48 rows plus headers and the index, far below the whole embedding
         assert out["bytes_read"] < embedding // 2 + 64 * 1024, out["bytes_read"]

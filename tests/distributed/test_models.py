@@ -316,6 +316,7 @@ def check_refusals(world: int) -> dict[str, str]:
     refused("no_reset", lambda: on_meta(NoReset), DevicePlacement("cpu"))
     refused("type", TinyLM, "rank:0/cpu")
     refused("partial", lambda: nn.Linear(8, 8), single_split(0, ["cpu", r[0]]) if world > 1 else "cpu")
+    refused("different", lambda: nn.Linear(8, 8 + (dist.get_rank() > 0)), single_split(0, r))
     return messages
 
 
@@ -527,6 +528,8 @@ def test_mlp_forward_does_one_all_reduce(runs, world):
                  id="not-a-spec"),
     pytest.param("partial", r"ValueError: the root module \(Linear\): weight is held by some ranks but not all",
                  id="partial-replication"),
+    pytest.param("different", r"ValueError: shard_model must be called with the same model and arguments on every "
+                              r"rank, but params differs between rank 0 and rank 1", id="models-differ"),
 ])
 def test_uncomputable_specs_are_refused(runs, label, pattern):
     import re

@@ -114,7 +114,7 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
         dst = spec_from_dict(case["dst"])  # type: ignore[arg-type]
         with st.CommCounter() as comm:
             t.reshard(dst)  # type: ignore[arg-type]
-        dst_md = dst.build_metadata(size, dtype, world_size=world)  # type: ignore[attr-defined]
+        dst_md = dst.build_metadata(size, dtype, world_size=world)
         if t.sharding_metadata() != dst_md:
             problems.append(f"layout after reshard {t.sharding_metadata()} != {dst_md}")
         for s in t.local_shards():

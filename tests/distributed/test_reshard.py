@@ -96,7 +96,7 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
             result = t.reshard(dst)  # type: ignore[arg-type]
         if result is not t:
             problems.append("reshard did not return self")
-        dst_md = dst.build_metadata(size, dtype, world_size=world)  # type: ignore[attr-defined]
+        dst_md = dst.build_metadata(size, dtype, world_size=world)
         if t.sharding_metadata() != dst_md:
             problems.append(f"layout after reshard {t.sharding_metadata()} != {dst_md}")
         if [s.metadata for s in t.local_shards()] != [m for _, m in dst_md.shards_on(rank)]:
@@ -119,8 +119,8 @@ def _check(case_list: list[dict[str, object]], world: int) -> None:
     for i, case in enumerate(case_list):
         size = tuple(case["size"])  # type: ignore[arg-type]
         dtype = getattr(torch, str(case["dtype"]))
-        src_md = spec_from_dict(case["src"]).build_metadata(size, dtype, world_size=world)  # type: ignore[arg-type, attr-defined]
-        dst_md = spec_from_dict(case["dst"]).build_metadata(size, dtype, world_size=world)  # type: ignore[arg-type, attr-defined]
+        src_md = spec_from_dict(case["src"]).build_metadata(size, dtype, world_size=world)  # type: ignore[arg-type]
+        dst_md = spec_from_dict(case["dst"]).build_metadata(size, dtype, world_size=world)  # type: ignore[arg-type]
         problems = [f"rank {r}: {p}" for r in range(world) for p in results[r][i]["problems"]]
         total = sum(results[r][i]["bytes"] for r in range(world))
         minimum = minimum_elements(src_md, dst_md) * torch.empty((), dtype=dtype).element_size()

@@ -1,13 +1,18 @@
 """ShardedTensor core on 4 real Gloo ranks: creation, scatter, validation, gather, save/load.
 
-Spawning ranks costs more than the checks, so one spawn runs every check; each check is a
-plain function called on every rank (its name shows in a failing rank's traceback). Values
-come back to the parent where a single-process reference is needed.
+Spawning ranks costs more than the checks, so one spawn (a module fixture) runs every check;
+each check is a plain function called on every rank and reported as its own test case
+(``test_check[<name>]``, or a named test where the parent compares values with a
+single-process reference). A check that raises on a rank ends the job on that rank; its
+peers then fail in their next collective, so nothing waits for a timeout, and the checks not
+reached are reported as such.
 """
 
 from __future__ import annotations
 
 import math
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -54,7 +59,7 @@ def _check_holds(t: st.ShardedTensor, x: torch.Tensor, spec: object = None) -> N
     assert t.shape == x.shape and t.dtype == x.dtype, (t, x.shape, x.dtype)
     if spec is not None:
         assert t.sharding_spec() == spec
-        assert md == spec.build_metadata(tuple(x.shape), x.dtype, world_size=WORLD)  # type: ignore[attr-defined]
+        assert md == spec.build_metadata(tuple(x.shape), x.dtype, world_size=WORLD)
     assert [s.metadata for s in t.local_shards()] == [m for _, m in md.shards_on(rank)]
     for s in t.local_shards():
         assert s.tensor.dtype == x.dtype and s.tensor.device.type == "cpu"
@@ -301,37 +306,88 @@ def _from_local_shards_inconsistent_size(rank: int) -> None:
         st.ShardedTensor.from_local_shards([st.Shard(torch.zeros(2, 4), md)], size)
 
 
-def _core(rank: int, world_size: int, tmp: str) -> dict[str, object]:
+# In the order they run; each takes (rank, tmp) and returns what the parent checks, if anything.
+CHECKS: dict[str, Callable[[int, str], object]] = {
+    "rfc_row_wise": lambda rank, tmp: _rfc_row_wise(rank),
+    "rfc_mesh": lambda rank, tmp: _rfc_mesh(rank),
+    "shard_tensor_from_any_source": lambda rank, tmp: _shard_tensor_from_any_source(rank),
+    "shard_tensor_non_contiguous": lambda rank, tmp: _shard_tensor_non_contiguous(rank),
+    "shard_tensor_errors": lambda rank, tmp: _shard_tensor_errors(rank),
+    "from_local_shards_valid": lambda rank, tmp: _from_local_shards_valid(rank),
+    "from_local_shards_invalid": lambda rank, tmp: _from_local_shards_invalid(rank),
+    "factories": lambda rank, tmp: _factories(rank),
+    "save_load": _save_load,
+    "requires_grad_is_global": lambda rank, tmp: _requires_grad_is_global(rank),
+    # last: a failure here leaves ranks out of step
+    "from_local_shards_inconsistent_size": lambda rank, tmp: _from_local_shards_inconsistent_size(rank),
+}
+# Checks whose values the parent compares across ranks or with a reference (tests below).
+_COMPARED = ("shard_tensor_from_any_source", "from_local_shards_valid", "factories")
+
+
+def _core(rank: int, world_size: int, tmp: str) -> dict[str, dict[str, object]]:
+    """Every check in order, by name: ``{"error": traceback or None, "value": ...}``."""
     assert world_size == WORLD
-    _rfc_row_wise(rank)
-    _rfc_mesh(rank)
-    sent = _shard_tensor_from_any_source(rank)
-    _shard_tensor_non_contiguous(rank)
-    _shard_tensor_errors(rank)
-    metadata = _from_local_shards_valid(rank)
-    _from_local_shards_invalid(rank)
-    random = _factories(rank)
-    _save_load(rank, tmp)
-    _requires_grad_is_global(rank)
-    _from_local_shards_inconsistent_size(rank)  # last: a failure here leaves ranks out of step
-    return {"sent": sent, "metadata": metadata, "random": random}
+    outcomes: dict[str, dict[str, object]] = {}
+    for name, check in CHECKS.items():
+        try:
+            value = check(rank, tmp)
+        except Exception:
+            outcomes[name] = {"error": traceback.format_exc(), "value": None}
+            # The ranks are out of step now. Returning tears this rank's group down, which makes
+            # the peers' next collective fail at once instead of waiting for the timeout.
+            break
+        outcomes[name] = {"error": None, "value": value}
+    return outcomes
 
 
-def test_sharded_tensor_core_on_4_ranks(tmp_path):
-    results = run_distributed(_core, WORLD, str(tmp_path), timeout=180)
-    # Every rank built the same layout from its own shards.
-    for r in results[1:]:
-        assert r["metadata"] == results[0]["metadata"]
-    # shard_tensor: only the source sends.
-    for key in results[0]["sent"]:
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, object]]]:
+    """One spawn of 4 ranks for every test in this module; each rank's outcomes."""
+    return run_distributed(_core, WORLD, str(tmp_path_factory.mktemp("sharded_tensor")), timeout=180)
+
+
+def _values(outcomes: list[dict[str, dict[str, object]]], name: str) -> list[object]:
+    """Each rank's value of check ``name``; fails the test if the check failed or was not reached."""
+    failed = {r: str(o[name]["error"]) for r, o in enumerate(outcomes) if name in o and o[name]["error"]}
+    if failed:
+        earlier = [n for n in CHECKS if n != name and any(o.get(n, {}).get("error") for o in outcomes)]
+        note = f" (checks that failed too, possibly first: {earlier})" if earlier else ""
+        pytest.fail(f"check {name!r} failed on ranks {sorted(failed)}{note}:\n" + "\n".join(
+            f"--- rank {r} ---\n{text}" for r, text in failed.items()), pytrace=False)
+    missing = [r for r, o in enumerate(outcomes) if name not in o]
+    if missing:
+        pytest.fail(f"check {name!r} was not reached on ranks {missing}: an earlier check failed there.",
+                    pytrace=False)
+    return [o[name]["value"] for o in outcomes]
+
+
+@pytest.mark.parametrize("name", [n for n in CHECKS if n not in _COMPARED])
+def test_check(outcomes, name):
+    """The check's own assertions held on every rank."""
+    _values(outcomes, name)
+
+
+def test_from_local_shards_builds_one_layout_everywhere(outcomes):
+    metadata = _values(outcomes, "from_local_shards_valid")
+    for other in metadata[1:]:
+        assert other == metadata[0]
+
+
+def test_shard_tensor_only_the_source_sends(outcomes):
+    sent = _values(outcomes, "shard_tensor_from_any_source")
+    for key in sent[0]:  # type: ignore[attr-defined]
         src = int(key.rsplit("/", 1)[1])
-        assert all(results[r]["sent"][key] == 0 for r in range(WORLD) if r != src), key
-    # Random factories: identical on every rank and equal to a single process seeded like rank 0.
+        assert all(sent[r][key] == 0 for r in range(WORLD) if r != src), key  # type: ignore[index]
+
+
+def test_random_factories_match_one_process_seeded_like_rank_0(outcomes):
+    random = _values(outcomes, "factories")
     size = (9, 5)
     for kind, factory in (("rand", st.rand), ("randn", st.randn)):
         torch.manual_seed(100)
         reference = factory(*size, sharding_spec=single_split(0, ["rank:0/cpu"]), dtype=torch.float64).full_tensor()
-        for r in results:
-            assert torch.equal(r["random"][kind], reference), kind
-            assert torch.equal(r["random"][f"{kind}-replica"], reference), kind
+        for r in random:
+            assert torch.equal(r[kind], reference), kind  # type: ignore[index]
+            assert torch.equal(r[f"{kind}-replica"], reference), kind  # type: ignore[index]
     assert math.isfinite(float(reference.sum()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +170,94 @@ def test_exit_with_live_buffers_is_quiet():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "SHARDKIT_CPU_CACHE_MB": "0"})
     assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_unshared_sees_views_references_and_autograd():
+    mine = {0: torch.empty(4)}
+    assert _memory.unshared(mine, 0)
+    alias = mine[0].view(2, 2)
+    assert not _memory.unshared(mine, 0)
+    del alias
+    name = mine[0]
+    assert not _memory.unshared(mine, 0)
+    del name
+    leaf = {0: torch.ones(4, requires_grad=True)}
+    saved = leaf[0] * leaf[0]  # autograd keeps the input for the backward
+    assert not _memory.unshared(leaf, 0)
+    del saved
+    assert _memory.unshared(leaf, 0)
+
+
+_PLAIN_CHECK = """
+import gc, json, torch
+from _shardkit import memory
+big = memory.empty_for_fill((4 << 20,), torch.float32)
+big.fill_(3.0)
+holder = {0: big}
+del big
+report = {
+    "mapped": memory._mapping_of(holder[0]) is not None,
+    "resizable": holder[0].untyped_storage().resizable(),  # False for storage on a mapping
+    "sole_owner": memory.sole_owner(holder, 0),
+    "unshared": memory.unshared(holder, 0),
+    "sum": holder[0].sum().item(),
+}
+del holder
+gc.collect()
+report["cached"] = memory.cached_bytes()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    pytest.param("1", {"mapped": False, "resizable": True, "sole_owner": False, "unshared": False,
+                       "sum": 12.0 * MiB, "cached": 0}, id="plain"),
+    pytest.param("0", {"mapped": True, "resizable": False, "sole_owner": True, "unshared": True,
+                       "sum": 12.0 * MiB, "cached": 16 * MiB}, id="default"),
+])
+def test_plain_memory_switch_in_a_fresh_process(value: str, expected: dict[str, object]):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[2])  # this checkout, not an installed copy
+    env = {**os.environ, "SHARDKIT_PLAIN_MEMORY": value,
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env.pop("SHARDKIT_CPU_CACHE_MB", None)
+    done = subprocess.run([sys.executable, "-c", _PLAIN_CHECK], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == expected
+
+
+def test_plain_memory_is_read_at_each_call(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SHARDKIT_PLAIN_MEMORY", "1")
+    plain = _memory.empty_for_fill((8 * MiB,), torch.uint8)
+    assert _memory._mapping_of(plain) is None and plain.untyped_storage().resizable()
+    monkeypatch.setenv("SHARDKIT_PLAIN_MEMORY", "0")
+    assert _memory._mapping_of(_memory.empty_for_fill((8 * MiB,), torch.uint8)) is not None
+    monkeypatch.setenv("SHARDKIT_PLAIN_MEMORY", "yes")
+    with pytest.raises(ValueError, match=r"SHARDKIT_PLAIN_MEMORY='yes' is neither 1 nor 0"):
+        _memory.empty_for_fill((8 * MiB,), torch.uint8)
+    assert not _memory.unshared({0: torch.empty(1)}, 0)  # deep inside a reshard: the safe answer, no error
+
+
+def test_without_the_torch_internals_nothing_counts_as_unshared():
+    """A torch without the private reference counts (simulated by removing one): the probe
+    disables itself at import, and every tensor is treated as shared (copied, never released)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\ndel torch._C._storage_Use_Count\n"
+            "from _shardkit import memory\n"
+            "holder = {0: memory.empty_for_fill((4 << 20,), torch.float32)}\n"
+            "assert memory._ALONE is None\n"
+            "assert memory._mapping_of(holder[0]) is not None  # allocation itself is unaffected\n"
+            "assert not memory.unshared(holder, 0) and not memory.sole_owner(holder, 0)\n")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env.pop("SHARDKIT_PLAIN_MEMORY", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr

@@ -287,7 +287,7 @@ R4 = [f"rank:{r}/cpu" for r in range(4)]
 
 
 def _md(spec: object, size: tuple[int, ...] = (8, 8), world: int = 4) -> ShardedTensorMetadata:
-    return spec.build_metadata(size, world_size=world)  # type: ignore[attr-defined]
+    return spec.build_metadata(size, world_size=world)
 
 
 @pytest.mark.parametrize(("src", "dst", "expected"), [

@@ -5,6 +5,7 @@ No process group anywhere: a spec is a pure function of the global shape.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pickle
@@ -20,6 +21,8 @@ from sharding import (
     DevicePlacement,
     EnumerableShardingSpec,
     MeshShardingSpec,
+    PartialSpec,
+    PlacementSpec,
     RemoteDevice,
     ShardedTensorMetadata,
     ShardMetadata,
@@ -29,6 +32,7 @@ from sharding import (
     single_split,
     spec_from_dict,
 )
+from sharding._placement import register_spec
 from sharding.layout import check_tiling
 
 
@@ -95,6 +99,21 @@ def test_remote_device_is_immutable():
     with pytest.raises(AttributeError, match="immutable"):
         d._rank = 3  # type: ignore[misc]
     assert d.rank == 0
+
+
+def test_remote_device_is_a_frozen_value():
+    d = RemoteDevice("rank:2/cpu")
+    assert dataclasses.is_dataclass(d)
+    assert [f.name for f in dataclasses.fields(d)] == ["rank", "device"]
+    with pytest.raises(dataclasses.FrozenInstanceError, match="immutable"):
+        d.rank = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="immutable"):
+        del d.device
+    assert d == RemoteDevice("rank:2/cpu") and hash(d) == hash(RemoteDevice("rank:2/cpu"))
+    assert d != RemoteDevice("rank:3/cpu") and d != RemoteDevice("cpu") and d != "rank:2/cpu"
+    assert len({d, RemoteDevice("rank:2/cpu"), RemoteDevice("cpu")}) == 2
+    assert pickle.loads(pickle.dumps(d)) == d
+    assert repr(d) == "RemoteDevice('rank:2/cpu')"
 
 
 def test_remote_device_of():
@@ -532,8 +551,10 @@ def test_sharded_tensor_metadata_fields():
 
 
 def test_spec_from_dict_errors():
-    with pytest.raises(ValueError, match=r"unknown spec type 'zzz'"):
+    with pytest.raises(ValueError, match=r"unknown spec type 'zzz'") as info:
         spec_from_dict({"type": "zzz"})
+    for tag in ("'device'", "'single_split'", "'mesh'", "'enumerable'", "'partial'", "'composite'"):
+        assert tag in str(info.value)  # lists every known tag
     with pytest.raises(ValueError, match=r"expects a mapping with a 'type' key"):
         spec_from_dict({"device": "cpu"})
 
@@ -688,3 +709,61 @@ def test_property_specs_round_trip(case):
     _, spec = case
     assert spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     assert pickle.loads(pickle.dumps(spec)) == spec
+
+
+# --------------------------------------------------------------------------- the spec interface
+
+SPEC_CLASSES = [DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec, PartialSpec,
+                CompositeShardingSpec]
+
+
+def test_placement_spec_is_abstract():
+    assert PlacementSpec.__abstractmethods__ == frozenset({"build_metadata", "to_dict", "from_dict"})
+    with pytest.raises(TypeError, match="abstract"):
+        PlacementSpec()  # type: ignore[abstract]
+
+    class NoLayout(PlacementSpec):
+        def to_dict(self) -> dict[str, object]:
+            return {}
+
+        @classmethod
+        def from_dict(cls, data: object) -> NoLayout:  # type: ignore[override]
+            return cls()
+
+    with pytest.raises(TypeError, match="build_metadata"):
+        NoLayout()  # type: ignore[abstract]
+
+
+@pytest.mark.parametrize("cls", SPEC_CLASSES, ids=lambda c: c.__name__)
+def test_every_spec_class_is_registered_under_its_tag(cls):
+    assert issubclass(cls, PlacementSpec) and not cls.__abstractmethods__
+    assert sharding._placement._SPEC_TYPES[cls.spec_type] is cls
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param(DevicePlacement("rank:1/cpu"), id="device"),
+    pytest.param(single_split(1, ranks(3), [1, 0, 2]), id="single-split"),
+    pytest.param(mesh([ranks(2), ranks(2)[::-1]]), id="mesh"),
+    pytest.param(EnumerableShardingSpec([ShardMetadata((0,), (2,), "rank:0/cpu"),
+                                         ShardMetadata((2,), (1,), "rank:1/cpu")]), id="enumerable"),
+    pytest.param(PartialSpec(ranks(2), reduce_op="max"), id="partial"),
+    pytest.param(composite(a="cpu", b=composite(c=single_split(0, ranks(2)))), id="composite"),
+])
+def test_to_dict_carries_the_registered_tag_and_round_trips(spec):
+    data = spec.to_dict()
+    assert data["type"] == type(spec).spec_type
+    assert spec_from_dict(json.loads(json.dumps(data))) == spec
+    assert type(spec).from_dict(data) == spec
+
+
+def test_register_spec_refuses_a_tag_taken_by_another_class():
+    with pytest.raises(ValueError, match=r"spec type 'mesh' is already registered by MeshShardingSpec"):
+        @register_spec("mesh")
+        class Other(PlacementSpec):  # pragma: no cover - never built
+            pass
+    assert sharding._placement._SPEC_TYPES["mesh"] is MeshShardingSpec
+
+
+def test_composite_refuses_build_metadata_with_the_common_signature():
+    with pytest.raises(TypeError, match="applies to a module"):
+        composite(a="cpu").build_metadata((2,), torch.float32, None, world_size=2)
