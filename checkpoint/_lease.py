@@ -15,9 +15,9 @@ blocks the next one. A save that finishes cleanly removes the file (so a folder 
 the checkpoint between saves); a save that locked a file just as it was removed notices
 that the path no longer names its file and tries again. Other file systems (object stores,
 ``memory://``) have no locks: the lease is the file's content, valid until ``expires``, and
-the holder checks at commit time that the file still names it (``check``), so a save whose lease was taken over fails instead
-of committing. On object stores this narrows the window to the time between that check and
-the commit; it does not close it.
+the holder checks at commit time that the file still names it (``check``), so a save whose
+lease was taken over fails instead of committing. On object stores this narrows the window
+to the time between that check and the commit; it does not close it.
 
 A lease left in state ``writing`` names a save that died before finishing: its data files
 (``data-<generation>-r*``) were written by shardkit and may be removed by the next save
