@@ -15,11 +15,12 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from ._codec import check_header_entry
 from ._consolidate import consolidate_files, parse_size
 from ._dcp import convert
 from ._progress import progress
 from ._reader import DataReader, truncated_error
-from ._schema import CheckpointError, CheckpointMetadata, TensorEntry, safetensors_dtype
+from ._schema import CheckpointError, CheckpointMetadata, TensorEntry
 from ._storage import member, read_metadata_at, resolve
 
 __all__ = ["main", "verify", "tensor_layout"]
@@ -335,18 +336,8 @@ def _check_file(reader: DataReader, root: str, file: str, expected: int, tensors
     for name in tensors:
         entry = metadata.tensors[name]
         for shard in entry.shards:
-            if shard.file != file:
-                continue
-            item = header.get(shard.key)
-            expected_item = {"dtype": safetensors_dtype(entry.dtype), "shape": list(shard.dims)}
-            offsets = (None if not isinstance(item, dict) or not isinstance(item.get("data_offsets"), list)
-                       else [data_start + int(o) for o in item["data_offsets"]])
-            if (not isinstance(item, dict) or {k: item.get(k) for k in expected_item} != expected_item
-                    or offsets != list(shard.byte_range)):
-                msg = (f"data file {path!r}: the safetensors header entry {shard.key!r} of tensor {name!r} is "
-                       f"{item!r} (data at {offsets}), but the metadata records {expected_item} at bytes "
-                       f"{list(shard.byte_range)}; the file does not belong to this checkpoint or is corrupt.")
-                raise CheckpointError(msg)
+            if shard.file == file:
+                check_header_entry(header, data_start, shard, entry.dtype, file=path, tensor=name)
 
 
 def _verify_cmd(path: str, options: Mapping[str, Any], *, quiet: bool, out: TextIO) -> int:

@@ -16,10 +16,11 @@ from typing import Any
 import crc32c
 import torch
 
-from ._schema import CHECKSUM_ALGORITHM, CheckpointError, safetensors_dtype
+from . import _strict_json as strict_json
+from ._schema import CHECKSUM_ALGORITHM, CheckpointError, SavedShard, safetensors_dtype
 
 __all__ = ["MAX_HEADER", "build_safetensors_header", "parse_safetensors_header", "header_length", "parse_header",
-           "tensor_bytes", "tensor_from_bytes", "Checksum", "checksum"]
+           "check_header_entry", "tensor_bytes", "tensor_from_bytes", "Checksum", "checksum"]
 
 MAX_HEADER = 100_000_000
 """safetensors' own limit on the JSON header, in bytes."""
@@ -69,10 +70,9 @@ def header_length(head: bytes | bytearray, file_size: int, *, file: str) -> int:
 def parse_header(text: bytes | bytearray, *, file: str) -> dict[str, Any]:
     """The JSON object of a safetensors header; anything else raises ``CheckpointError``."""
     try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:
-        msg = f"safetensors file {file!r} has a header that is not valid JSON: {exc}."
-        raise CheckpointError(msg) from exc
+        header = strict_json.loads(bytes(text), source=file, what="malformed safetensors header in")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if not isinstance(header, dict):
         msg = f"safetensors file {file!r} has a header that is not a JSON object (it is {type(header).__name__})."
         raise CheckpointError(msg)
@@ -90,6 +90,37 @@ def parse_safetensors_header(data: bytes, *, file: str = "?") -> tuple[dict[str,
         raise CheckpointError(msg)
     length = header_length(data, len(data), file=file)
     return parse_header(data[8:8 + length], file=file), 8 + length
+
+
+def check_header_entry(header: Mapping[str, Any], data_start: int, shard: SavedShard, dtype: torch.dtype, *,
+                       file: str, tensor: str) -> None:
+    """Raise ``CheckpointError`` unless the safetensors header of ``file`` describes ``shard`` as the metadata does.
+
+    The header's entry under ``shard.key`` must have the dtype, the shape (``shard.dims``) and
+    the byte range the metadata records; otherwise one of the two was altered and the bytes
+    would be reinterpreted silently (e.g. float32 read as int32).
+    """
+    entry = header.get(shard.key)
+    where = f"safetensors file {file!r}, key {shard.key!r} of tensor {tensor!r}"
+    if not isinstance(entry, dict):
+        msg = (f"{where}: the header has no such entry (it has {type(entry).__name__}), but shardkit.json "
+               f"places the region there; the file or the metadata is corrupt.")
+        raise CheckpointError(msg)
+    expected = safetensors_dtype(dtype)
+    if entry.get("dtype") != expected:
+        msg = (f"{where}: the header says dtype {entry.get('dtype')!r} but shardkit.json says {expected!r} "
+               f"({dtype}); refusing to reinterpret the bytes (the file or the metadata is corrupt).")
+        raise CheckpointError(msg)
+    if entry.get("shape") != list(shard.dims):
+        msg = (f"{where}: the header says shape {entry.get('shape')!r} but shardkit.json says "
+               f"{list(shard.dims)}; refusing to reinterpret the bytes (the file or the metadata is corrupt).")
+        raise CheckpointError(msg)
+    offsets = entry.get("data_offsets")
+    expected_offsets = [shard.byte_range[0] - data_start, shard.byte_range[1] - data_start]
+    if offsets != expected_offsets:
+        msg = (f"{where}: the header places the data at {offsets!r} (relative to byte {data_start}) but "
+               f"shardkit.json at bytes {list(shard.byte_range)}; the file or the metadata is corrupt.")
+        raise CheckpointError(msg)
 
 
 # -- tensors as bytes --------------------------------------------------------------------------

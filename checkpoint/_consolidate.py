@@ -166,6 +166,7 @@ def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[st
     done: list[str] = []
     with progress(total, "consolidate", quiet=quiet) as bar, DataReader(in_fs) as reader:
         source = _Source(root, reader)
+        _check_files(metadata, source)
         try:
             if limit is not None:
                 out_fs.makedirs(out_path, exist_ok=True)
@@ -187,6 +188,18 @@ def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[st
                 remove_quietly(out_fs, p)
             raise
     return done
+
+
+def _check_files(metadata: CheckpointMetadata, source: _Source) -> None:
+    """Before anything is allocated or written: every data file has its recorded size, and its header
+    describes each region as the metadata does (dtype, shape, byte range)."""
+    by_file: dict[str, list[tuple[str, SavedShard, torch.dtype]]] = {}
+    for name, entry in metadata.tensors.items():
+        for shard in entry.shards:
+            if shard.numel > 0:
+                by_file.setdefault(shard.file, []).append((name, shard, entry.dtype))
+    for file, regions in sorted(by_file.items()):
+        source.reader.check_data_file(source.path(regions[0][1]), metadata.files[file], regions)
 
 
 # -- selecting ---------------------------------------------------------------------------------

@@ -25,14 +25,22 @@ from sharded_tensor import from_dtensor
 __all__ = ["dtensor_views"]
 
 
-def _has_dtensor(value: Any) -> bool:
+def _has_dtensor(value: Any, active: set[int] | None = None) -> bool:
     if is_dtensor(value):
         return True
-    if isinstance(value, Mapping):
-        return any(_has_dtensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_dtensor(v) for v in value)
-    return False
+    if not isinstance(value, (Mapping, list, tuple)):
+        return False
+    # A container that holds itself is not descended into again: save and load report the
+    # cycle with its name when they walk the state_dict.
+    active = set() if active is None else active
+    if id(value) in active:
+        return False
+    active.add(id(value))
+    try:
+        items = value.values() if isinstance(value, Mapping) else value
+        return any(_has_dtensor(v, active) for v in items)
+    finally:
+        active.discard(id(value))
 
 
 def dtensor_views(state_dict: Any, process_group: _comm.ProcessGroup = None

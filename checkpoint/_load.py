@@ -2,28 +2,26 @@
 
 For every local target block (a ``ShardedTensor``'s local shard, or a whole plain tensor),
 the saved regions that overlap it come from ``sharding.layout.RegionIndex`` (the same
-overlap search the reshard planner uses). Each overlap is then read in one of three ways,
-chosen from where its bytes sit inside the saved region (row-major):
+overlap search the reshard planner uses). Every read goes through ``_reader.DataReader`` and
+is widened to whole checksummed spans (``_reader.covering``): in format version 2 the
+chunks a read touches (at most one chunk of extra bytes at each end), so partial reads are
+verified too; in version 1 whole regions only. Bytes are verified before they are copied,
+so a failed load never leaves corrupt bytes in the target:
 
-- one range: the overlap is contiguous in the file (e.g. whole saved regions, or row blocks)
-  and in the target: it is read straight into the target's memory (``os.preadv`` for local
-  files, no intermediate buffer);
-- local files, anything else: the file is memory mapped and one strided ``copy_`` moves the
-  overlap into the target; the kernel reads only the pages the copy touches;
-- other file systems: one range per contiguous run (e.g. per row of a column block, fetched
-  concurrently with ``cat_ranges``) when runs are at least ``_MIN_RUN`` bytes, else the
-  covering rows of the saved region in batches of at most ``_SLAB_BYTES``, then a copy.
+- local files, contiguous overlap and target (e.g. whole regions, row blocks): whole chunks
+  stream through a small buffer, each verified and then copied into the target;
+- local files, anything else: the covering range is memory mapped, verified, then moved into
+  the target by one strided ``copy_``;
+- other file systems: batches of rows of the overlap, each one range read widened to whole
+  chunks (at most ``_SLAB_BYTES`` of rows), verified, then copied.
 
-Every read goes through ``_reader.DataReader``, and every checksummed span of a saved region
-that a read covers whole is verified (``_reader.RegionCheck``). A span is the whole region
-today, so checksums are verified whenever a region is read whole (always the case when loading
-into the layout that saved it, or a coarser one); partial reads are checked for length
-(truncation) only. ``python -m checkpoint verify`` checks every byte.
+Before reading, each data file's size is compared with the metadata and its safetensors
+header with the regions read from it (dtype, shape, byte range), and targets on the meta
+device or with overlapping memory (``expand``) are refused.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import posixpath
@@ -44,7 +42,7 @@ from ._dcp import is_dcp_checkpoint, load_dcp
 from ._dtensor import dtensor_views
 from ._hf import KeyMap, apply_key_map, find_hf, read_hf_metadata
 from ._progress import progress
-from ._reader import DataReader, RegionCheck
+from ._reader import DataReader, RegionCheck, covering
 from ._schema import (
     METADATA_FILE,
     CheckpointError,
@@ -57,8 +55,8 @@ from ._walk import flatten_state_dict
 
 __all__ = ["load"]
 
-_MIN_RUN = 64 << 10       # runs shorter than this are read as covering slabs instead
 _SLAB_BYTES = 64 << 20    # largest single covering read
+_SCRATCH_BYTES = 4 << 20  # streaming buffer of contiguous reads: a few chunks, small enough for the CPU cache
 
 
 @dataclass(slots=True)
@@ -89,22 +87,6 @@ def _raw(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
     return tensor_bytes(tensor)
 
 
-def _copy_mapped(task: _Task, inner: tuple[slice, ...], reader: DataReader) -> None:
-    """Local only: copy block ``inner`` of the task's saved region into ``task.dest`` via a memory map.
-
-    Only the region's pages are mapped, and only while copying, so the pages the copy touches
-    are read from the page cache and resident memory grows by at most one region. Checksums
-    are verified only when the overlap is the whole region: checking a span reads all of it.
-    """
-    start, end = task.shard.byte_range
-    with reader.mapped(task.path, start, end, tensors=task.name) as region:
-        if task.whole:
-            RegionCheck(task.shard, task.path, task.name).update(region)
-        source = tensor_from_bytes(region, task.entry.dtype).reshape(task.shard.dims)
-        _copy(task.dest, source[inner])
-        del source  # drop every export of the mapping before it is unmapped
-
-
 def _run_structure(task: _Task) -> int:
     """``k``: the overlap spans whole dims after ``k`` of its saved region, so it is ``prod(dims[:k])`` runs."""
     dims, full = task.common[1], task.shard.dims
@@ -112,6 +94,31 @@ def _run_structure(task: _Task) -> int:
         if dims[d] != full[d]:
             return d
     return 0
+
+
+def _span(task: _Task, first_row: int = 0, rows: int | None = None) -> tuple[int, int]:
+    """Absolute ``[start, end)`` from the first to the last byte of rows ``first_row ..`` (dim 0) of the overlap."""
+    shard, item = task.shard, task.entry.dtype.itemsize
+    dims = task.common[1]
+    rows = dims[0] - first_row if rows is None else rows
+    rel = [c - o for c, o in zip(task.common[0], shard.offsets)]
+    strides = [math.prod(shard.dims[d + 1:]) for d in range(len(shard.dims))]
+    lo = list(rel)
+    lo[0] += first_row
+    hi = [r + n - 1 for r, n in zip(rel, dims)]
+    hi[0] = rel[0] + first_row + rows - 1
+    base = shard.byte_range[0]
+    return (base + sum(i * s for i, s in zip(lo, strides)) * item,
+            base + (sum(i * s for i, s in zip(hi, strides)) + 1) * item)
+
+
+def _block(data: memoryview | bytes | bytearray, task: _Task, offset: int, rows: int) -> torch.Tensor:
+    """``rows`` rows of the overlap as a strided view of ``data``, whose byte ``offset`` is the first of them."""
+    shard, dtype = task.shard, task.entry.dtype
+    strides = tuple(math.prod(shard.dims[d + 1:]) for d in range(len(shard.dims)))
+    flat = tensor_from_bytes(data, dtype)
+    return flat.as_strided((rows, *task.common[1][1:]) if task.common[1] else (), strides,
+                           offset // dtype.itemsize)
 
 
 def _map_into(task: _Task, reader: DataReader) -> bool:
@@ -139,61 +146,77 @@ def _map_into(task: _Task, reader: DataReader) -> bool:
     storage = reader.file_storage(task.path, tensors=task.name)
     if storage.nbytes() < start + task.nbytes:
         return False  # a short file: the ordinary read reports it as truncated
-    if shard.checksum:
-        with reader.mapped(task.path, start, start + task.nbytes, tensors=task.name) as data:
-            RegionCheck(shard, task.path, task.name, start).update(data)
+    # Verify the whole chunks (version 2) or the whole region (version 1) the block covers.
+    lo, hi = covering(shard, start, start + task.nbytes)
+    with reader.mapped(task.path, lo, hi, tensors=task.name, populate=True) as data:
+        RegionCheck(shard, task.path, task.name, lo, reader.verified).update(data)
     with torch.no_grad():
         target.set_(storage, start // dtype.itemsize, target.shape, target.stride())
     return True
 
 
-def _execute(task: _Task, reader: DataReader, mmap: bool = False) -> None:
-    """Copy the overlap ``task.common`` of a saved region into ``task.dest`` (or map it, with ``mmap``)."""
+def _copy_mapped(task: _Task, where: tuple[int, int, int], reader: DataReader) -> None:
+    """Local: map bytes ``[lo, hi)`` of the file, verify them, then copy the overlap (from byte ``first``)
+    into ``task.dest`` with one strided ``copy_``; the kernel reads only the pages that are touched."""
+    lo, hi, first = where
+    verifying = bool(task.shard.chunks) or (lo, hi) == task.shard.byte_range  # every byte is read then
+    with reader.mapped(task.path, lo, hi, tensors=task.name, populate=verifying) as view:
+        RegionCheck(task.shard, task.path, task.name, lo, reader.verified).update(view)
+        source = _block(view, task, first - lo, task.common[1][0])
+        try:
+            _copy(task.dest, source)
+        finally:
+            del source  # drop every export of the mapping before it is unmapped
+
+
+def _execute(task: _Task, reader: DataReader, scratch: memoryview, mmap: bool = False) -> None:
+    """Copy the overlap ``task.common`` of a saved region into ``task.dest``, verified before it is copied
+    (or, with ``mmap``, map the target onto the file's verified pages where ``_map_into`` can).
+
+    Every read is widened to whole checksummed spans (``covering``) and verified before any of
+    its bytes reach the target, so a failed load never leaves corrupt bytes in it. Version-1
+    regions have one span, so only whole regions are verified there, as version 1 specified.
+    """
     if mmap and _map_into(task, reader):
         return
-    shard, dtype, item = task.shard, task.entry.dtype, task.entry.dtype.itemsize
-    rel = tuple(c - o for c, o in zip(task.common[0], shard.offsets))
-    strides = [math.prod(shard.dims[d + 1:]) for d in range(len(shard.dims))]
-    base = shard.byte_range[0]
-    dims = task.common[1]
-    k = _run_structure(task)
-    runs = math.prod(dims[:k])
-    direct = _raw(task.dest, dtype) if runs == 1 else None
-    if direct is not None or (runs == 1 and not reader.local):
-        # One contiguous range, straight into the target when its memory is contiguous too.
-        start = base + sum(r * s for r, s in zip(rel, strides)) * item
-        buffer = direct if direct is not None else memoryview(bytearray(task.nbytes))
-        reader.readinto(task.path, start, buffer, tensors=task.name)
-        RegionCheck(shard, task.path, task.name, start).update(buffer)
-        if direct is None:
-            _copy(task.dest, tensor_from_bytes(buffer, dtype).reshape(dims))
+    shard, dtype = task.shard, task.entry.dtype
+    if not task.common[1]:  # 0-d tensor: one element
+        data = reader.read(task.path, *shard.byte_range, tensors=task.name)
+        RegionCheck(shard, task.path, task.name).update(data)
+        _copy(task.dest, tensor_from_bytes(data, dtype).reshape(()))
         return
-    inner = tuple(slice(r, r + n) for r, n in zip(rel, dims))
+    first, last = _span(task)
+    lo, hi = covering(shard, first, last)
+    direct = _raw(task.dest, dtype) if _run_structure(task) == 0 else None
+    # The largest checksummed span the read must see whole before copying (0: none to check).
+    span = shard.chunk_bytes if shard.chunks else (hi - lo if (lo, hi) == shard.byte_range else 0)
+    if direct is not None and reader.local and span <= len(scratch):
+        # Contiguous in file and target: stream whole spans through a small buffer (kept in
+        # the CPU cache), verifying each piece before copying its wanted bytes into the target.
+        check = RegionCheck(shard, task.path, task.name, lo, reader.verified)
+        step = len(scratch) - (len(scratch) % span if span else 0)
+        for start in range(lo, hi, step):
+            piece = scratch[:min(step, hi - start)]
+            reader.readinto(task.path, start, piece, tensors=task.name)
+            check.update(piece)
+            a, b = max(start, first), min(start + len(piece), last)
+            direct[a - first:b - first] = piece[a - start:b - start]
+        return
     if reader.local:
-        # Strided: one copy out of the memory-mapped region touches only the pages it needs.
-        _copy_mapped(task, inner, reader)
+        _copy_mapped(task, (lo, hi, first), reader)
         return
-    run = math.prod(dims[k:]) * item
-    if run >= _MIN_RUN:
-        # Long runs (e.g. rows of a column block): one range each, fetched concurrently.
-        indices = list(itertools.product(*(range(n) for n in dims[:k])))
-        starts = [base + (sum((r + i) * s for r, i, s in zip(rel, index, strides)) + rel[k] * strides[k]) * item
-                  for index in indices]
-        pieces = reader.read_many(task.path, [(s, s + run) for s in starts], tensors=task.name)
-        for index, first, data in zip(indices, starts, pieces):
-            RegionCheck(shard, task.path, task.name, first).update(data)
-            _copy(task.dest[index], tensor_from_bytes(data, dtype).reshape(dims[k:]))
-        return
-    # Tiny runs: the covering rows of the saved region (along dim 0), in bounded batches.
-    slab = strides[0] * item
-    per_batch = max(1, _SLAB_BYTES // max(slab, 1))
-    for first in range(0, dims[0], per_batch):
-        count = min(per_batch, dims[0] - first)
-        start = base + (rel[0] + first) * slab
-        data = reader.read(task.path, start, start + count * slab, tensors=task.name)
-        RegionCheck(shard, task.path, task.name, start).update(data)
-        rows = tensor_from_bytes(data, dtype).reshape(count, *shard.dims[1:])
-        _copy(task.dest[first:first + count], rows[(slice(None), *inner[1:])])
+    # Other file systems: batches of rows (dim 0), each read as one range widened to whole spans.
+    row_bytes = max(1, math.prod(shard.dims[1:]) * dtype.itemsize)
+    per_batch = task.common[1][0] if not shard.chunks else max(1, _SLAB_BYTES // row_bytes)
+    for row in range(0, task.common[1][0], per_batch):
+        count = min(per_batch, task.common[1][0] - row)
+        a, b = _span(task, row, count)
+        ca, cb = covering(shard, a, b) if shard.chunks else (lo, hi)
+        data = reader.read(task.path, ca, cb, tensors=task.name)
+        RegionCheck(shard, task.path, task.name, ca, reader.verified).update(data)
+        _copy(task.dest[row:row + count], _block(data, task, a - ca, count))
+        if not shard.chunks:
+            return
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
@@ -314,6 +337,14 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
                    f"state_dict, not in the checkpoint), unexpected={unexpected} (in the checkpoint, not in "
                    f"the state_dict); pass strict=False to load only what matches.")
             raise CheckpointError(msg, missing=missing, unexpected=unexpected)
+    with DataReader(fs) as reader:
+        checks = _FileChecks(reader, metadata, root, enabled=source.endswith(METADATA_FILE))
+        _fill(leaves, metadata, source, root, cast, reader, checks, rank, quiet, mmap)
+
+
+def _fill(leaves: list[tuple[str, Any, Any, Any]], metadata: CheckpointMetadata, source: str, root: str,
+          cast: bool, reader: DataReader, checks: _FileChecks, rank: int, quiet: bool | None,
+          mmap: bool) -> None:
     tasks: list[_Task] = []
     scalars: list[tuple[Any, Any, type, torch.Tensor]] = []
     for name, parent, key, value in leaves:
@@ -326,7 +357,7 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
                 msg = (f"checkpoint {source!r} holds a non-tensor value for {name!r}, but the state_dict has a "
                        f"{type(value).__name__} there.")
                 raise CheckpointError(msg)
-            parent[key] = metadata.values[name]  # type: ignore[index]
+            parent[key] = metadata.values[name]
             continue
         entry = metadata.tensors.get(name)
         if entry is None:
@@ -336,8 +367,10 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
             scalars.append((parent, key, type(value), tensor))
             value = tensor
         if value is None:
+            # Every file of the tensor must hold what the metadata claims before its memory is allocated.
+            checks.check(name, entry, entry.shards)
             value = torch.empty(entry.size, dtype=entry.dtype)
-            parent[key] = value  # type: ignore[index]
+            parent[key] = value
         if not isinstance(value, (torch.Tensor, ShardedTensor)):
             msg = (f"checkpoint {source!r} holds a tensor for {name!r}, but the state_dict has "
                    f"{type(value).__name__} {value!r} there; put a tensor (or None) under that name.")
@@ -355,14 +388,52 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
             msg = (f"tensor {name!r} in {source!r} has dtype {entry.dtype}, but the state_dict's has "
                    f"{value.dtype}; pass cast=True to convert on load.")
             raise CheckpointError(msg)
-        tasks.extend(_plan_tensor(name, entry, value, root))
+        _check_target(name, value, source)
+        planned = _plan_tensor(name, entry, value, root)
+        checks.check(name, entry, [t.shard for t in planned])
+        tasks.extend(planned)
     tasks.sort(key=lambda t: (t.path, t.shard.byte_range[0]))
-    with DataReader(fs) as reader, progress(sum(t.nbytes for t in tasks), "load", rank=rank, quiet=quiet) as bar:
+    with progress(sum(t.nbytes for t in tasks), "load", rank=rank, quiet=quiet) as bar:
+        scratch = memoryview(bytearray(_SCRATCH_BYTES))
         for task in tasks:
-            _execute(task, reader, mmap)
+            _execute(task, reader, scratch, mmap)
             bar.update(task.nbytes)
     for parent, key, kind, tensor in scalars:
         parent[key] = kind(tensor.item())
+
+
+class _FileChecks:
+    """Each data file a load reads is checked once (size, header entries of the regions read), before use."""
+
+    def __init__(self, reader: DataReader, metadata: CheckpointMetadata, root: str, *, enabled: bool) -> None:
+        self._reader, self._metadata, self._root, self._enabled = reader, metadata, root, enabled
+        self._done: set[tuple[str, str]] = set()
+
+    def check(self, name: str, entry: TensorEntry, shards: Any) -> None:
+        if not self._enabled:  # Hugging Face files: their metadata comes from these very headers
+            return
+        by_file: dict[str, list[tuple[str, SavedShard, torch.dtype]]] = {}
+        for shard in shards:
+            if (shard.file, shard.key) not in self._done:
+                by_file.setdefault(shard.file, []).append((name, shard, entry.dtype))
+        for file, regions in by_file.items():
+            self._reader.check_data_file(member(self._root, file), self._metadata.files[file], regions)
+            self._done.update((file, shard.key) for _, shard, _ in regions)
+
+
+def _check_target(name: str, value: Any, source: str) -> None:
+    """Refuse targets a load cannot fill: on the meta device (no memory) or with overlapping memory."""
+    blocks = [s.tensor for s in value.local_shards()] if isinstance(value, ShardedTensor) else [value]
+    for block in blocks:
+        if block.device.type == "meta":
+            msg = (f"cannot load {name!r} from {source!r} into a tensor on the meta device: it has no memory to "
+                   f"fill. Materialize it first (e.g. model.to_empty(device='cpu'), or shard_model(..., init=False)).")
+            raise CheckpointError(msg)
+        if torch._debug_has_internal_overlap(block) == 1:  # 1: definitely overlaps (stride 0, expand)
+            msg = (f"cannot load {name!r} from {source!r} into a tensor whose elements overlap in memory (stride "
+                   f"{tuple(block.stride())} for size {tuple(block.shape)}, e.g. from expand()); load into a tensor "
+                   f"with its own memory (.clone() or .contiguous()).")
+            raise CheckpointError(msg)
 
 
 def _is_number(value: Any) -> bool:

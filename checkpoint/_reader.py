@@ -10,10 +10,15 @@ is **missing**, it is **truncated** (shorter than a range needs), or a **checksu
 (the bytes differ from what the metadata records).
 
 Checksums are checked per *checksummed span*: a byte range inside a saved region that carries
-its own checksum (``checksum_spans``). Today each region has one span, the whole region.
-``RegionCheck`` verifies every span that a read covers whole, whether the bytes arrive in one
-piece or streamed in order; a read that covers only part of a span leaves it unchecked. So
-finer spans (per chunk) need a change in ``checksum_spans`` only, and every reader gains them.
+its own checksum (``checksum_spans``): each chunk of the region in format version 2, the
+whole region in version 1. ``RegionCheck`` verifies every span that a read covers whole,
+whether the bytes arrive in one piece or streamed in order; ``covering`` widens a wanted
+byte range to whole spans, so that a partial read can be verified (version 2: at most one
+chunk of extra bytes at each end; version 1: only a whole region can be).
+
+Files are opened through ``_safe_open``: a data file that is a symlink, FIFO, directory or
+device is refused without blocking, and ``check_size`` compares a file's real size with the
+size the metadata records before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from collections.abc import Iterator, Sequence
 import fsspec
 import torch
 
-from ._codec import Checksum, header_length, parse_header
-from ._schema import CheckpointError, SavedShard
+from ._chunks import plan_read
+from ._codec import Checksum, check_header_entry, header_length, parse_header
+from ._safe_open import check_regular, open_regular
+from ._schema import CHECKSUM_ALGORITHM, CheckpointError, SavedShard
 from ._storage import is_local
 
-__all__ = ["DataReader", "RegionCheck", "checksum_spans", "missing_error", "truncated_error"]
+__all__ = ["DataReader", "RegionCheck", "checksum_spans", "covering", "missing_error", "truncated_error"]
 
 Tensors = str | Sequence[str] | None
 """Which tensors a file or range belongs to, for messages: one name, several, or unknown (``None``)."""
@@ -67,9 +74,27 @@ def checksum_spans(shard: SavedShard) -> list[tuple[int, int, str]]:
 
     One span, the whole region; none for files that carry no checksums (Hugging Face files).
     """
+    if shard.chunks:
+        start, end = shard.byte_range
+        step = shard.chunk_bytes
+        return [(a, min(a + step, end), f"{CHECKSUM_ALGORITHM}:{value:08x}")
+                for a, value in zip(range(start, end, step), shard.chunks)]
     if not shard.checksum:
         return []
     return [(shard.byte_range[0], shard.byte_range[1], shard.checksum)]
+
+
+def covering(shard: SavedShard, start: int, end: int) -> tuple[int, int]:
+    """The smallest range of whole checksummed spans around bytes ``[start, end)`` of ``shard``'s region.
+
+    Version 2: chunk-aligned (``_chunks.plan_read``). Version 1 (one span): the whole region if
+    the wanted range is the whole region, else the wanted range itself, which cannot be verified.
+    """
+    first, last = shard.byte_range
+    if shard.chunks:
+        plan = plan_read(start - first, end - first, last - first, shard.chunk_bytes)
+        return first + plan.read_start, first + plan.read_end
+    return start, end
 
 
 class RegionCheck:
@@ -78,15 +103,19 @@ class RegionCheck:
     Every span that begins at or after ``start`` is checked once its last byte has been fed to
     ``update``; a mismatch raises ``CheckpointError`` naming the file, the tensor, the region
     and the span. Spans that begin before ``start`` or end after the last byte fed are not
-    checked (a partial read cannot check them).
+    checked (a partial read cannot check them). With ``verified`` (a set shared by the reads of
+    one operation), spans already verified are skipped and the ones verified here are added:
+    two target blocks reading one chunk check it once.
     """
 
-    __slots__ = ("_digest", "_path", "_position", "_shard", "_spans", "_tensor")
+    __slots__ = ("_digest", "_path", "_position", "_shard", "_spans", "_tensor", "_verified")
 
-    def __init__(self, shard: SavedShard, path: str, tensor: str, start: int | None = None) -> None:
-        self._shard, self._path, self._tensor = shard, path, tensor
+    def __init__(self, shard: SavedShard, path: str, tensor: str, start: int | None = None,
+                 verified: set[tuple[str, int]] | None = None) -> None:
+        self._shard, self._path, self._tensor, self._verified = shard, path, tensor, verified
         self._position = shard.byte_range[0] if start is None else start
-        self._spans = [span for span in checksum_spans(shard) if span[0] >= self._position]
+        self._spans = [span for span in checksum_spans(shard) if span[0] >= self._position
+                       and (verified is None or (path, span[0]) not in verified)]
         self._digest: Checksum | None = None
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
@@ -105,11 +134,14 @@ class RegionCheck:
             self._spans.pop(0)
             if actual != expected:
                 shard = self._shard
+                what = "" if not shard.chunks else f"chunk {(first - shard.byte_range[0]) // shard.chunk_bytes}, "
                 msg = (f"checksum mismatch in {self._path!r} for tensor {self._tensor!r} (region "
-                       f"offsets={list(shard.offsets)}, dims={list(shard.dims)}, bytes [{first}, {last})): the "
+                       f"offsets={list(shard.offsets)}, dims={list(shard.dims)}, {what}bytes [{first}, {last})): the "
                        f"metadata records {expected} but the data has {actual}; the file is corrupt (restore it "
                        f"or save the checkpoint again).")
                 raise CheckpointError(msg)
+            if self._verified is not None:
+                self._verified.add((self._path, first))
 
 
 class DataReader:
@@ -123,6 +155,8 @@ class DataReader:
         self._fs = fs
         self.local = is_local(fs)
         self._files: dict[str, tuple[int, int]] = {}  # local path -> (fd, size)
+        self._sizes: dict[str, int] = {}  # other file systems: path -> size
+        self.verified: set[tuple[str, int]] = set()  # (path, span start) checked by this reader's user
         self._storages: dict[str, torch.UntypedStorage] = {}
 
     def __enter__(self) -> DataReader:
@@ -141,10 +175,9 @@ class DataReader:
         entry = self._files.get(path)
         if entry is None:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                entry = self._files[path] = open_regular(path)
             except FileNotFoundError as exc:
                 raise missing_error(path, tensors, exc) from exc
-            entry = self._files[path] = (fd, os.fstat(fd).st_size)
         return entry
 
     def _descriptor(self, path: str, start: int, end: int, tensors: Tensors) -> int:
@@ -158,10 +191,26 @@ class DataReader:
         """The file's size in bytes."""
         if self.local:
             return self._open(path, tensors)[1]
-        try:
-            return int(self._fs.size(path))
-        except FileNotFoundError as exc:
-            raise missing_error(path, tensors, exc) from exc
+        size = self._sizes.get(path)
+        if size is None:
+            try:
+                size = self._sizes[path] = check_regular(self._fs, path)
+            except FileNotFoundError as exc:
+                raise missing_error(path, tensors, exc) from exc
+        return size
+
+    def check_size(self, path: str, expected: int, *, tensors: Tensors = None) -> None:
+        """Raise ``CheckpointError`` unless the file has exactly the ``expected`` size the metadata records.
+
+        Called before anything is allocated or read for the file: a metadata file claiming
+        sizes its data files do not have is refused here, not by the allocator.
+        """
+        actual = self.size(path, tensors=tensors)
+        if actual != expected:
+            what = "is truncated" if actual < expected else "is longer than recorded"
+            msg = (f"data file {path!r}{_of(tensors)} {what}: it has {actual} bytes, but the checkpoint metadata "
+                   f"records {expected} bytes; the file was cut short or replaced, or the metadata is corrupt.")
+            raise CheckpointError(msg)
 
     def readinto(self, path: str, start: int, buffer: memoryview, *, tensors: Tensors = None) -> None:
         """Fill ``buffer`` with the file's bytes from ``start``."""
@@ -181,6 +230,9 @@ class DataReader:
         """The file's bytes ``[start, end)``."""
         if end <= start:
             return b""
+        size = self.size(path, tensors=tensors)  # before allocating: a range past the end is refused first
+        if size < end:
+            raise truncated_error(path, tensors, start, end, size - start)
         if self.local:
             buffer = bytearray(end - start)
             self.readinto(path, start, memoryview(buffer), tensors=tensors)
@@ -211,15 +263,19 @@ class DataReader:
         return out  # type: ignore[no-any-return]
 
     @contextlib.contextmanager
-    def mapped(self, path: str, start: int, end: int, *, tensors: Tensors = None) -> Iterator[memoryview]:
+    def mapped(self, path: str, start: int, end: int, *, tensors: Tensors = None,
+               populate: bool = False) -> Iterator[memoryview]:
         """Local only: a read-only view of bytes ``[start, end)`` through a memory map, while in the block.
 
         Only those pages are mapped, and the kernel reads only the ones the caller touches.
-        Every tensor made over the view must be dropped before the block ends.
+        ``populate=True`` (for a caller that reads every byte, e.g. to verify checksums) maps
+        all pages at once instead of one page fault at a time. Every tensor made over the
+        view must be dropped before the block ends.
         """
         fd = self._descriptor(path, start, end, tensors)
         first = start - start % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(fd, end - first, access=mmap.ACCESS_READ, offset=first)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        mapping = mmap.mmap(fd, end - first, flags=flags, prot=mmap.PROT_READ, offset=first)
         try:
             view = memoryview(mapping)[start - first:]
             try:
@@ -251,6 +307,21 @@ class DataReader:
             raise truncated_error(path, tensors, 0, 8, size)
         length = header_length(self.read(path, 0, 8, tensors=tensors), size, file=path)
         return parse_header(self.read(path, 8, 8 + length, tensors=tensors), file=path), 8 + length, size
+
+    def check_data_file(self, path: str, expected: int, regions: Sequence[tuple[str, SavedShard, torch.dtype]]
+                        ) -> None:
+        """Check a shardkit data file before reading from it: its size is the ``expected`` one, and its
+        safetensors header describes each of ``regions`` (``(tensor, shard, dtype)``) as the metadata does.
+
+        So a relabelled dtype or shape, or sizes the file does not have, are refused before any
+        allocation or copy (``CheckpointError`` naming the file and the tensor).
+        """
+        names = sorted({name for name, _, _ in regions})
+        tensors: Tensors = names[0] if len(names) == 1 else names
+        self.check_size(path, expected, tensors=tensors)
+        header, data_start, _ = self.read_header(path, tensors=tensors)
+        for name, shard, dtype in regions:
+            check_header_entry(header, data_start, shard, dtype, file=path, tensor=name)
 
     def read_region(self, path: str, shard: SavedShard, out: memoryview, *, tensor: str) -> None:
         """A whole saved region into ``out`` (exactly ``shard.nbytes`` long), checksums verified."""

@@ -4,13 +4,15 @@ Phases (every rank, in order)::
 
     plan      pure: flatten the state_dict, list each tensor's distinct regions and pick one
               writer per region among its holders (greedy by bytes, identical on every rank)
-    prepare   rank 0 creates the folder and draws a fresh generation id; every rank checks
-              that all save the same structure and learns the id
+    prepare   rank 0 creates the folder, draws a fresh generation id and takes the save lease
+              (another save to the path in progress: fail now); every rank checks that all
+              save the same structure (and the same plain tensors, by checksum) and learns the id
     write     each rank writes data-<generation>-r<rank>.safetensors (new names: the previous
-              checkpoint at the path is untouched), checksumming while writing; every rank
+              checkpoint at the path is untouched), checksumming each chunk while writing; every rank
               learns what each wrote (and waits for the others, with a timeout)
-    commit    rank 0 writes shardkit.json atomically (temp file + rename): the commit point;
-              then removes the files of older generations
+    commit    rank 0 checks it still holds the lease, writes shardkit.json atomically (temp
+              file + rename): the commit point; then removes the files the previous
+              shardkit.json listed (and those of saves that died holding the lease), no others
     cleanup   after a write or commit that failed on some rank: rank 0 removes the files of
               this generation, unless its metadata was committed
 
@@ -44,10 +46,20 @@ from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
 from sharding.layout import Box
 
-from ._codec import Checksum, build_safetensors_header, tensor_bytes
+from ._chunks import (
+    CHUNK_BYTES,
+    ChunkedChecksum,
+    chunk_count,
+    decode_chunks,
+    encode_chunks,
+)
+from ._codec import build_safetensors_header, checksum, tensor_bytes
 from ._dtensor import dtensor_views
+from ._lease import SaveLease
 from ._progress import progress
 from ._schema import (
+    CHECKSUM_ALGORITHM,
+    FORMAT_VERSION,
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
@@ -64,6 +76,8 @@ from ._storage import (
     discard,
     is_local,
     list_names,
+    member,
+    read_metadata_at,
     remove_quietly,
     resolve,
     run_bounded,
@@ -162,7 +176,10 @@ def _plan(state_dict: Mapping[str, Any], rank: int, world: int,
             box = ((0,) * value.dim(), tuple(value.shape))
             boxes = [(box, list(range(world)))] if value.numel() > 0 else []
             local = {box: value}
-            plan.signature.append([name, "tensor", list(size), str(dtype)])
+            # A plain tensor is written once, from one rank: a CRC-32C of its bytes in the
+            # signature makes ranks that hold different values fail the agreement step.
+            values = checksum(tensor_bytes(value)) if world > 1 else ""
+            plan.signature.append([name, "tensor", list(size), str(dtype), values])
         else:
             check_json_value(name, value)
             plan.values[name] = value
@@ -245,15 +262,24 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
                      watchdog: Watchdog | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Write this rank's regions to one safetensors file; return its size and one record per region."""
     entries, keys = [], []
+    used = {"__metadata__"}  # safetensors' reserved key
     for region in regions:
         size, dtype = plan.tensors[region.name]
-        keys.append(_region_key(region.name, region.box, size))
-        entries.append((keys[-1], dtype, region.box[1]))
-    about = {"version": 1, "generation": generation, "rank": rank,
+        key = _region_key(region.name, region.box, size)
+        # A tensor may be named like another tensor's region key ("w@3,0" beside a split "w"):
+        # keys only need to be unique in the file, since readers take them from shardkit.json.
+        suffix = 0
+        while key in used:
+            suffix += 1
+            key = f"{_region_key(region.name, region.box, size)}#{suffix}"
+        used.add(key)
+        keys.append(key)
+        entries.append((key, dtype, region.box[1]))
+    about = {"version": FORMAT_VERSION, "generation": generation, "rank": rank,
              "regions": {k: {"name": r.name, "offsets": list(r.box[0]), "size": list(plan.tensors[r.name][0])}
                          for k, r in zip(keys, regions)}}
     prefix, ranges = build_safetensors_header(entries, {"format": "pt", "shardkit": json.dumps(about)})
-    digests = [Checksum() for _ in regions]
+    digests = [ChunkedChecksum(CHUNK_BYTES) for _ in regions]
     handle = _LocalFile(path) if is_local(fs) else fs.open(path, "wb")
     with _closing(handle):
         _write_all(handle, memoryview(prefix), watchdog)
@@ -261,8 +287,9 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
             tensor = region.tensor if feed is None else feed.get(index)
             assert tensor is not None and tuple(tensor.shape) == region.box[1], region
             data = tensor_bytes(tensor)
-            # Checksum each piece right before writing it: the write then reads it from the
-            # CPU cache, so checksumming adds no second pass over memory.
+            # Checksum each piece (chunk by chunk) right before writing it: the write then reads
+            # it from the CPU cache, so checksumming adds no second pass over memory. The
+            # whole-region checksum is derived from the chunks' (no third pass either).
             for first in range(0, len(data), piece_bytes):
                 piece = data[first:first + piece_bytes]
                 digest.update(piece)
@@ -275,7 +302,8 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
         if watchdog is not None:
             watchdog.tick("closing it")
     records = [{"name": r.name, "offsets": list(r.box[0]), "dims": list(r.box[1]), "key": key,
-                "byte_range": list(byte_range), "checksum": digest.hexdigest()}
+                "byte_range": list(byte_range), "checksum": f"{CHECKSUM_ALGORITHM}:{digest.whole():08x}",
+                "chunk_bytes": digest.chunk_bytes, "chunks": encode_chunks(digest.values())}
                for r, key, byte_range, digest in zip(regions, keys, ranges, digests)]
     return len(prefix) + sum(b - a for a, b in ranges), records
 
@@ -301,6 +329,11 @@ def _describe_mismatch(signatures: list[list[list[Any]]]) -> str:
         missing = sorted(set(reference) - set(mine))
         extra = sorted(set(mine) - set(reference))
         differ = sorted(n for n in set(mine) & set(reference) if mine[n] != reference[n])
+        values = [n for n in differ if mine[n][:-1] == reference[n][:-1] and mine[n][1] == "tensor"]
+        if values and len(values) == len(differ) and not (missing or extra):
+            return (f"the plain tensor{'s' if len(values) > 1 else ''} {values[:10]} differ{'' if len(values) > 1 else 's'} "
+                    f"between rank 0 and rank {r}: a plain torch.Tensor is saved once, from one rank, so it must "
+                    f"be equal on every rank; make it equal (e.g. broadcast it) or save it as a ShardedTensor")
         if missing or extra or differ or list(mine) != list(reference):
             details = [f"missing {missing[:10]}" if missing else "", f"extra {extra[:10]}" if extra else "",
                        f"different kind, size, dtype or layout for {differ[:10]}" if differ else "",
@@ -329,15 +362,31 @@ def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetada
                  temporary=f"{METADATA_FILE}.tmp-{metadata.generation}", watchdog=watchdog)
 
 
-def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> None:
-    """After a commit: delete data and temp files of every other generation (best effort)."""
-    stale = []
-    for name in list_names(fs, root):
-        if name.startswith(f"{METADATA_FILE}.tmp-") or data_file_generation(name) is not None:
-            if data_file_generation(name) != generation and name != f"{METADATA_FILE}.tmp-{generation}":
-                stale.append(posixpath.join(root, name))
-    for path in stale:
-        remove_quietly(fs, path)
+def _previous_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """The data files the committed checkpoint at ``root`` lists (empty if there is none or it is unreadable)."""
+    try:
+        return list(read_metadata_at(fs, root).files)
+    except (CheckpointError, OSError, ValueError):
+        return []
+
+
+def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, generation: str, previous: list[str],
+                  lease: SaveLease) -> None:
+    """After a commit: delete the files shardkit knows to be its own and no longer used (best effort).
+
+    That is the data files the previous ``shardkit.json`` listed, and the data and temporary
+    files of saves that died holding the lease (``lease.orphans``). Any other file in the
+    folder, even one named like a data file, is left alone.
+    """
+    stale = {name for name in previous if data_file_generation(name) != generation}
+    if lease.orphans:
+        dead = set(lease.orphans) - {generation}
+        stale.update(name for name in list_names(fs, root)
+                     if data_file_generation(name) in dead
+                     or name in {f"{METADATA_FILE}.tmp-{g}" for g in dead})
+    for name in sorted(stale):
+        remove_quietly(fs, member(root, name))
+    lease.orphans = []
 
 
 @_comm.collective("checkpoint.save")
@@ -356,9 +405,11 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
 
     Complete or absent: data files get fresh names, and the checkpoint exists only once
     rank 0 has written ``shardkit.json`` last, atomically. A save that dies midway leaves
-    the checkpoint previously at ``path`` (if any) loadable and unchanged; files of older
-    saves are removed only after the new metadata is committed. Saving twice to the same
-    path at the same time is not supported.
+    the checkpoint previously at ``path`` (if any) loadable and unchanged; the files that
+    checkpoint's metadata lists are removed only after the new metadata is committed, and no
+    other file in the folder is ever removed. Two saves to one path at once cannot both
+    commit: the one that finds the other's save lease (``shardkit.lock``) raises
+    ``CheckpointError`` at once, and the other completes.
 
     Args:
         state_dict: a (possibly nested) mapping of ``ShardedTensor``, tensors and JSON values.
@@ -379,9 +430,11 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
 
     Raises:
         TypeError: an entry is neither a tensor, a ``ShardedTensor`` nor JSON data (names the key).
-        ValueError: the ranks' state_dicts differ in structure, a layout names ranks outside
+        ValueError: the ranks' state_dicts differ in structure or in the values of a plain tensor,
+            a JSON value contains itself, a layout names ranks outside
             the process group, or an entry holds partial values and ``reduce_partial`` is not set.
-        CheckpointError: another rank failed or did not finish; nothing was committed.
+        CheckpointError: another rank failed or did not finish, or another save to ``path`` is in
+            progress; nothing was committed.
         OSError: the storage failed (from fsspec), on the rank where it happened.
 
     Example:
@@ -419,14 +472,20 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
     # The entry point's name (checkpoint.async_save's thread runs this too) goes into every error.
     job = _Job(plan, fs, root, process_group, _comm.resolve_timeout(timeout), rank, world,
                op=_comm.operation_name("checkpoint.save"))
-    _prepare_phase(job, problem)
     try:
-        reports = _write_phase(job, quiet=quiet, piece_bytes=piece_bytes, feed=feed)
-        _commit_phase(job, reports)
-    except Exception as exc:
-        if _all_reported(exc):
-            _cleanup_phase(job)
-        raise
+        _prepare_phase(job, problem)
+        try:
+            reports = _write_phase(job, quiet=quiet, piece_bytes=piece_bytes, feed=feed)
+            _commit_phase(job, reports)
+        except Exception as exc:
+            if _all_reported(exc):
+                _cleanup_phase(job)
+            raise
+    finally:
+        if job.lease is not None:
+            # Not clean: data files of this save may remain (a rank died); the lease says so,
+            # and the next save to commit here removes them.
+            job.lease.release(finished=job.clean)
 
 
 class _PeerLost(CheckpointError):
@@ -461,6 +520,8 @@ class _Job:
     world: int
     generation: str = ""
     op: str = "checkpoint.save"
+    lease: SaveLease | None = None  # rank 0: the right to write and commit into the folder
+    clean: bool = True  # rank 0: no file of this save is left behind (nothing written, committed, or removed)
 
     def storage(self, doing: str, fn: Callable[[Watchdog], Any], *, limit: float | None = None) -> Any:
         """``fn`` bounded by ``timeout`` without progress; storage errors become ``CheckpointError`` naming ``doing``."""
@@ -496,7 +557,11 @@ def _prepare_phase(job: _Job, problem: Exception | None) -> None:
         _hook("planned")
         if job.rank != 0:
             return ""
-        return job.storage("creating the folder", lambda watchdog: _new_generation(job.fs, job.root))
+        generation = job.storage("creating the folder", lambda watchdog: _new_generation(job.fs, job.root))
+        # The save lease: another save to this folder in progress makes this one fail here.
+        job.lease = job.storage("taking the save lease", lambda watchdog: SaveLease.acquire(
+            job.fs, job.root, generation, ttl=max(job.timeout, DEFAULT_TIMEOUT) * 2))
+        return generation
 
     digest = hashlib.sha256(json.dumps(job.plan.signature).encode()).hexdigest()
     not_joined = (f"not every one of the {job.world} ranks joined; a rank crashed, is stuck, or is not "
@@ -513,6 +578,8 @@ def _prepare_phase(job: _Job, problem: Exception | None) -> None:
 
 def _write_phase(job: _Job, *, quiet: bool | None, piece_bytes: int, feed: Any) -> list[dict[str, Any]]:
     """write: this rank's regions to a data file of the new generation; returns what every rank wrote."""
+    job.clean = False  # from here on, this save's files may exist until committed or removed
+
     def write() -> dict[str, Any]:
         plan = job.plan
         mine = [r for r in plan.regions if r.writer == job.rank]
@@ -544,10 +611,17 @@ def _commit_phase(job: _Job, reports: list[dict[str, Any]]) -> None:
         _hook("before_commit")
         metadata = _assemble(job.plan, reports, job.generation, job.world, job.root)
         target = posixpath.join(job.root, METADATA_FILE)
+        lease = job.lease
+        assert lease is not None
+        previous = job.storage(f"reading {target!r}", lambda watchdog: _previous_files(job.fs, job.root))
+        # At most one save commits: one whose lease was taken over (or removed) fails here.
+        job.storage("checking the save lease", lambda watchdog: lease.check())
         job.storage(f"writing {target!r}", lambda watchdog: _commit(job.fs, job.root, metadata, watchdog))
-        # Older generations' files: best effort, and never longer than a short wait.
+        job.clean = True
+        # Files the previous checkpoint listed: best effort, and never longer than a short wait.
         with contextlib.suppress(Exception):
-            job.storage("removing older files", lambda watchdog: _remove_stale(job.fs, job.root, job.generation),
+            job.storage("removing older files",
+                        lambda watchdog: _remove_stale(job.fs, job.root, job.generation, previous, lease),
                         limit=min(job.timeout, _CLEANUP_LIMIT))
         _hook("committed")
 
@@ -564,6 +638,7 @@ def _cleanup_phase(job: _Job) -> None:
                     _remove_generation(job.fs, job.root, job.generation)
 
             job.storage("removing this save's files", remove, limit=min(job.timeout, _CLEANUP_LIMIT))
+            job.clean = True
 
     # Best effort: the error that led here is the one to raise.
     with contextlib.suppress(Exception):
@@ -573,7 +648,7 @@ def _cleanup_phase(job: _Job) -> None:
 def _is_committed(fs: fsspec.AbstractFileSystem, root: str, generation: str) -> bool:
     """Whether ``shardkit.json`` at ``root`` is the one of ``generation`` (after an ambiguous failure)."""
     try:
-        return bool(json.loads(fs.cat_file(posixpath.join(root, METADATA_FILE))).get("generation") == generation)
+        return read_metadata_at(fs, root).generation == generation  # never through a symlink or FIFO
     except Exception:  # unreadable or absent: not ours
         return False
 
@@ -595,8 +670,11 @@ def _assemble(plan: _Plan, reports: list[dict[str, Any]], generation: str, world
             continue
         files[rep["file"]] = rep["bytes"]
         for rec in rep["records"]:
+            nbytes = rec["byte_range"][1] - rec["byte_range"][0]
+            chunks = decode_chunks(rec["chunks"], chunk_count(nbytes, rec["chunk_bytes"]))
             shards[rec["name"]].append(SavedShard(tuple(rec["offsets"]), tuple(rec["dims"]), rep["file"],
-                                                  rec["key"], tuple(rec["byte_range"]), rec["checksum"]))
+                                                  rec["key"], tuple(rec["byte_range"]), rec["checksum"],
+                                                  rec["chunk_bytes"], tuple(chunks)))
     order = {(r.name, r.box): i for i, r in enumerate(plan.regions)}
     tensors = {name: TensorEntry(size, dtype, tuple(sorted(shards[name], key=lambda s: order[(name, s.region)])))
                for name, (size, dtype) in plan.tensors.items()}

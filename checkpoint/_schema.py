@@ -44,6 +44,9 @@ import torch
 from sharding import ShardMetadata
 from sharding.layout import check_tiling
 
+from . import _strict_json as strict_json
+from ._chunks import chunk_count, decode_chunks, encode_chunks
+
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
     "CheckpointError", "CheckpointMetadata", "TensorEntry", "SavedShard", "parse_metadata", "check_file_name",
@@ -51,10 +54,12 @@ __all__ = [
 ]
 
 FORMAT_NAME = "shardkit-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA_FILE = "shardkit.json"
 CHECKSUM_ALGORITHM = "crc32c"
 _GENERATION = re.compile(r"^[0-9a-f]{1,64}$")
+_MAX_INT = 1 << 63  # sizes, offsets and byte positions are int64 everywhere downstream (torch, files)
+_MAX_CHUNK = 1 << 30
 
 
 class CheckpointError(RuntimeError):
@@ -155,7 +160,11 @@ class SavedShard:
         file: the data file (a ``.safetensors`` file in the checkpoint folder) holding it.
         key: the block's name inside that file's safetensors header.
         byte_range: ``(start, end)`` of its bytes in the file.
-        checksum: the checksum of those bytes, ``"<algorithm>:<hex>"``, verified on load.
+        checksum: the checksum of those bytes, ``"<algorithm>:<hex>"``.
+        chunk_bytes: the chunk size of ``chunks`` (format version 2), 0 when there are none.
+        chunks: the CRC-32C of each ``chunk_bytes`` piece of the bytes (the last may be
+            shorter), so a read of part of the region verifies just the chunks it touches;
+            empty in version-1 checkpoints, which have the whole-region ``checksum`` only.
 
     Example:
         >>> shard = checkpoint.read_metadata("ckpt").tensors["0.weight"].shards[1]  # doctest: +SKIP
@@ -169,6 +178,8 @@ class SavedShard:
     key: str
     byte_range: tuple[int, int]
     checksum: str
+    chunk_bytes: int = 0
+    chunks: tuple[int, ...] = ()
 
     @property
     def region(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -184,8 +195,11 @@ class SavedShard:
         return self.byte_range[1] - self.byte_range[0]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"offsets": list(self.offsets), "dims": list(self.dims), "file": self.file, "key": self.key,
-                "byte_range": list(self.byte_range), "checksum": self.checksum}
+        out: dict[str, Any] = {"offsets": list(self.offsets), "dims": list(self.dims), "file": self.file,
+                               "key": self.key, "byte_range": list(self.byte_range), "checksum": self.checksum}
+        if self.chunk_bytes:
+            out["chunks"] = {"bytes": self.chunk_bytes, CHECKSUM_ALGORITHM: encode_chunks(self.chunks)}
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,9 +282,10 @@ def _fail(source: str, where: str, problem: str) -> CheckpointError:
 
 
 def _int_list(value: object, source: str, where: str, length: int | None = None) -> tuple[int, ...]:
-    if (not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)
+    if (not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _MAX_INT
+                                           for v in value)
             or (length is not None and len(value) != length)):
-        expected = "a list of non-negative ints" + (f" of length {length}" if length is not None else "")
+        expected = ("a list of ints in [0, 2**63)" + (f" of length {length}" if length is not None else ""))
         raise _fail(source, where, f"expected {expected}, got {value!r}")
     return tuple(value)
 
@@ -283,10 +298,9 @@ def parse_metadata(text: str | bytes, *, source: str = "?") -> CheckpointMetadat
     name a known algorithm, and that each tensor's regions tile it exactly once.
     """
     try:
-        data = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:
-        msg = f"malformed checkpoint metadata {source!r}: not valid JSON ({exc})."
-        raise CheckpointError(msg) from exc
+        data = strict_json.loads(text, source=source, what="malformed checkpoint metadata")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         msg = (f"{source!r} is not shardkit checkpoint metadata: expected \"format\": {FORMAT_NAME!r}, "
@@ -312,7 +326,7 @@ def parse_metadata(text: str | bytes, *, source: str = "?") -> CheckpointMetadat
     for name, info in raw_files.items():
         check_file_name(name, source=source)
         nbytes = info.get("bytes") if isinstance(info, dict) else None
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < _MAX_INT:
             raise _fail(source, f"files[{name!r}]", f"expected {{\"bytes\": <non-negative int>}}, got {info!r}")
         files[name] = nbytes
     raw_tensors, values = data.get("tensors"), data.get("values")
@@ -323,12 +337,12 @@ def parse_metadata(text: str | bytes, *, source: str = "?") -> CheckpointMetadat
     both = sorted(set(raw_tensors) & set(values))
     if both:
         raise _fail(source, "tensors and values", f"names {both} appear in both")
-    tensors = {name: _parse_tensor(name, entry, files, source) for name, entry in raw_tensors.items()}
+    tensors = {name: _parse_tensor(name, entry, files, source, version) for name, entry in raw_tensors.items()}
     return CheckpointMetadata(MappingProxyType(tensors), MappingProxyType(values), MappingProxyType(files),
                               generation, world_size, version)
 
 
-def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: str) -> TensorEntry:
+def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: str, version: int) -> TensorEntry:
     where = f"tensor {name!r}"
     if not isinstance(entry, dict):
         raise _fail(source, where, f"expected an object, got {type(entry).__name__}")
@@ -360,7 +374,9 @@ def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: st
         if (not isinstance(digest, str) or not digest.startswith(f"{CHECKSUM_ALGORITHM}:")
                 or not re.fullmatch(r"[0-9a-f]{8}", digest.removeprefix(f"{CHECKSUM_ALGORITHM}:"))):
             raise _fail(source, f"{at} checksum", f"expected \"{CHECKSUM_ALGORITHM}:<8 hex digits>\", got {digest!r}")
-        shards.append(SavedShard(offsets, dims, file, key, (byte_range[0], byte_range[1]), digest))
+        chunk_bytes, chunks = _parse_chunks(raw.get("chunks"), nbytes, version, source, f"{at} chunks")
+        shards.append(SavedShard(offsets, dims, file, key, (byte_range[0], byte_range[1]), digest, chunk_bytes,
+                                 chunks))
     regions = [s.region for s in shards if s.numel > 0]
     if len(set(regions)) != len(regions):
         raise _fail(source, f"{where} shards", "a region is listed twice")
@@ -371,3 +387,20 @@ def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: st
     return TensorEntry(torch.Size(size), dtype, tuple(shards))
 
 
+
+
+def _parse_chunks(raw: object, nbytes: int, version: int, source: str, where: str) -> tuple[int, tuple[int, ...]]:
+    """``(chunk_bytes, chunk checksums)`` of a region: required from version 2, absent before."""
+    if version < 2:
+        return 0, ()
+    if not isinstance(raw, dict):
+        raise _fail(source, where, f"expected {{\"bytes\": <chunk size>, \"{CHECKSUM_ALGORITHM}\": <hex>}}, got "
+                                   f"{type(raw).__name__}")
+    chunk_bytes = raw.get("bytes")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= _MAX_CHUNK:
+        raise _fail(source, f"{where} bytes", f"expected a chunk size in [1, {_MAX_CHUNK}], got {chunk_bytes!r}")
+    try:
+        chunks = decode_chunks(raw.get(CHECKSUM_ALGORITHM), chunk_count(nbytes, chunk_bytes))
+    except ValueError as exc:
+        raise _fail(source, f"{where} {CHECKSUM_ALGORITHM}", str(exc).rstrip(".")) from None
+    return chunk_bytes, tuple(chunks)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ._safe_open import read_regular
 from ._schema import (
     METADATA_FILE,
     CheckpointError,
@@ -113,7 +114,8 @@ def read_metadata_at(fs: fsspec.AbstractFileSystem, root: str) -> CheckpointMeta
     """``read_metadata`` of the folder ``root`` on ``fs``."""
     source = posixpath.join(root, METADATA_FILE)
     try:
-        text = fs.cat_file(source)
+        # Local: never through a symlink, never blocking on a FIFO (CheckpointError naming it).
+        text = read_regular(source) if is_local(fs) else fs.cat_file(source)
     except FileNotFoundError:
         text = None
     except (IsADirectoryError, NotADirectoryError) as exc:

@@ -1,0 +1,219 @@
+"""The save lease: at most one save writes into a checkpoint folder at a time, and at most one commits.
+
+Without it, two saves to one path (two jobs, or two threads with separate groups) each
+commit and then delete "older" data files, which are the other save's: both report success
+and the folder is left with a ``shardkit.json`` whose data files are gone.
+
+``shardkit.lock`` in the folder holds the lease. Its content names the save that holds it::
+
+    {"generation": "3f9a2c1b", "token": "<random>", "pid": 1234, "host": "node7",
+     "state": "writing" | "done", "expires": 1732350000.0, "orphans": ["9c0d1e2f"]}
+
+Local folders: the lease is an exclusive ``flock`` on the open lock file, taken without
+waiting; the kernel releases it when the holder exits or crashes, so a dead save never
+blocks the next one. A save that finishes cleanly removes the file (so a folder holds only
+the checkpoint between saves); a save that locked a file just as it was removed notices
+that the path no longer names its file and tries again. Other file systems (object stores,
+``memory://``) have no locks: the lease is the file's content, valid until ``expires``, and
+the holder checks at commit time that the file still names it (``check``), so a save whose
+lease was taken over fails instead of committing. On object stores this narrows the window
+to the time between that check and the commit; it does not close it.
+
+A lease left in state ``writing`` names a save that died before finishing: its data files
+(``data-<generation>-r*``) were written by shardkit and may be removed by the next save
+after it commits (``orphans``, kept in the lease until a save has removed them). Nothing
+else in the folder is ever inferred to be shardkit's.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import posixpath
+import secrets
+import socket
+import time
+from typing import Any
+
+import fsspec
+
+from ._schema import CheckpointError
+from ._storage import is_local
+
+__all__ = ["LOCK_FILE", "SaveLease"]
+
+LOCK_FILE = "shardkit.lock"
+
+
+class SaveLease:
+    """The right to write and commit into one checkpoint folder; see the module docstring.
+
+    Attributes:
+        generation: the generation of the save holding it.
+        orphans: generations of earlier saves that died holding the lease: their data files
+            are shardkit's to remove once a save has committed (then clear this list).
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, generation: str, token: str,
+                 fd: int | None, orphans: list[str], ttl: float) -> None:
+        self._fs, self._root, self._token, self._fd, self._ttl = fs, root, token, fd, ttl
+        self.generation = generation
+        self.orphans = orphans
+
+    @property
+    def path(self) -> str:
+        return posixpath.join(self._root, LOCK_FILE)
+
+    # -- taking it --------------------------------------------------------------------------
+
+    @classmethod
+    def acquire(cls, fs: fsspec.AbstractFileSystem, root: str, generation: str, *, ttl: float) -> SaveLease:
+        """Take the lease on folder ``root`` (which exists) for the save ``generation``, or raise.
+
+        Raises ``CheckpointError`` naming the folder when another save holds it. ``ttl`` is
+        how long the lease lasts on file systems without locks (renewed by ``check``).
+        """
+        token = secrets.token_hex(8)
+        path = posixpath.join(root, LOCK_FILE)
+        if is_local(fs):
+            return cls._acquire_local(fs, root, path, generation, token, ttl)
+        previous = _parse(_read_remote(fs, path))
+        now = time.time()
+        if previous is not None and previous.get("state") == "writing" and float(previous.get("expires", 0)) > now:
+            raise _busy(root, previous)
+        lease = cls(fs, root, generation, token, None, _orphans(previous), ttl)
+        lease._write("writing")
+        return lease
+
+    @classmethod
+    def _acquire_local(cls, fs: fsspec.AbstractFileSystem, root: str, path: str, generation: str, token: str,
+                       ttl: float) -> SaveLease:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            msg = (f"cannot take the save lease {path!r} of checkpoint {root!r}: {exc}; the folder must be "
+                   f"writable and {LOCK_FILE!r} a regular file.")
+            raise CheckpointError(msg) from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _busy(root, _parse(_read_fd(fd))) from None
+            if not _same_file(fd, path):  # the holder removed it as it finished: take a fresh one
+                os.close(fd)
+                return cls._acquire_local(fs, root, path, generation, token, ttl)
+            previous = _parse(_read_fd(fd))
+        except BaseException:
+            os.close(fd)
+            raise
+        lease = cls(fs, root, generation, token, fd, _orphans(previous), ttl)
+        lease._write("writing")
+        return lease
+
+    # -- holding it -------------------------------------------------------------------------
+
+    def _content(self, state: str) -> bytes:
+        return json.dumps({"generation": self.generation, "token": self._token, "pid": os.getpid(),
+                           "host": socket.gethostname(), "state": state,
+                           "expires": time.time() + self._ttl, "orphans": self.orphans}).encode()
+
+    def _write(self, state: str) -> None:
+        data = self._content(state)
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, data, 0)
+        else:
+            self._fs.pipe_file(self.path, data)
+
+    def check(self) -> None:
+        """Raise ``CheckpointError`` unless this save still holds the lease (call right before committing)."""
+        if self._fd is not None:
+            current = _parse(_read_fd(self._fd)) if _same_file(self._fd, self.path) else None
+        else:
+            current = _parse(_read_remote(self._fs, self.path))
+        if current is None or current.get("token") != self._token:
+            msg = (f"checkpoint.save to {self._root!r} lost its save lease {self.path!r} before committing "
+                   f"(another save took it over: {_who(current)}); nothing was committed by this save.")
+            raise CheckpointError(msg)
+        if self._fd is None:
+            self._write("writing")  # renew
+
+    def release(self, *, finished: bool) -> None:
+        """Give the lease up. ``finished=False`` leaves it marked ``writing`` (this save's data files
+        may remain, for the next save to remove); a finished save with no orphans left removes the file."""
+        try:
+            if finished and not self.orphans:
+                # Removed while still locked: a save waiting on this file sees it is gone and retries.
+                if self._fd is not None:
+                    os.unlink(self.path)
+                else:
+                    self._fs.rm_file(self.path)
+            elif finished:
+                self._write("done")
+        except OSError:
+            pass  # the lease is released below either way; a stale "writing" only marks an orphan
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)  # also drops the flock
+                self._fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed or replaced since)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+    except OSError:
+        return False
+
+
+def _read_fd(fd: int) -> bytes:
+    return os.pread(fd, 1 << 16, 0)
+
+
+def _read_remote(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
+    try:
+        fs.invalidate_cache(posixpath.dirname(path))
+        return fs.cat_file(path)  # type: ignore[no-any-return]
+    except FileNotFoundError:
+        return None
+
+
+def _parse(data: bytes | None) -> dict[str, Any] | None:
+    if not data:
+        return None
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _is_generation(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _orphans(previous: dict[str, Any] | None) -> list[str]:
+    """Generations whose data files an earlier save left behind, from the lease file's last content."""
+    if previous is None:
+        return []
+    listed = previous.get("orphans")
+    out = [g for g in listed if _is_generation(g)] if isinstance(listed, list) else []
+    if previous.get("state") == "writing" and _is_generation(previous.get("generation")):
+        out.append(previous["generation"])
+    return sorted(set(out))[:1000]
+
+
+def _who(content: dict[str, Any] | None) -> str:
+    if content is None:
+        return "the lease file is gone or unreadable"
+    return (f"generation {content.get('generation')!r}, process {content.get('pid')!r} on host "
+            f"{content.get('host')!r}")
+
+
+def _busy(root: str, content: dict[str, Any] | None) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint.save to {root!r}: another save to this path is in progress ({_who(content)}); two saves "
+        f"to one path at once are refused so that neither destroys the other. Wait for it to finish, or save "
+        f"to another path. The checkpoint previously at this path, if any, is unchanged.")

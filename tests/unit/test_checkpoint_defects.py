@@ -1,0 +1,493 @@
+"""Checkpoints are never silently wrong: each test pins one way a checkpoint could be destroyed,
+misread or turned into a hang, and checks that it is refused with a clear error instead.
+
+Multi-rank cases (plain tensors that differ across ranks, a flipped byte seen through a
+partial read) are in ``tests/distributed/test_checkpoint_defects.py``; random corruption
+of the metadata and headers is in ``tests/unit/test_checkpoint_fuzz.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+import checkpoint
+import sharded_tensor as st
+from checkpoint import CheckpointError
+from checkpoint.__main__ import main
+from sharding import single_split
+
+R0 = "rank:0/cpu"
+
+
+def _ramp(*shape: int, dtype: torch.dtype = torch.float32, shift: float = 0.0) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n, dtype=torch.float64) * 0.5 + shift).to(dtype).reshape(shape)
+
+
+def _sharded(full: torch.Tensor, dim: int, parts: int) -> st.ShardedTensor:
+    t = st.zeros(*full.shape, sharding_spec=single_split(dim, [R0] * parts), dtype=full.dtype)
+    for shard in t.local_shards():
+        box = tuple(slice(o, o + n) for o, n in zip(shard.metadata.offsets, shard.metadata.dims))
+        shard.tensor.copy_(full[box])
+    return t
+
+
+def _data_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("data-*.safetensors"))
+
+
+def _metadata(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "shardkit.json").read_text())
+
+
+def _write_metadata(folder: Path, md: dict[str, Any]) -> None:
+    (folder / "shardkit.json").write_text(json.dumps(md))
+
+
+def _mapped_in(folder: Path) -> list[str]:
+    """Lines of /proc/self/maps that map a file of ``folder`` (memory maps left open)."""
+    text = Path("/proc/self/maps").read_text()
+    return [line for line in text.splitlines() if str(folder) in line]
+
+
+def _run_with_timeout(fn: Any, seconds: float = 30.0) -> BaseException | None:
+    """Run ``fn`` on a thread; fail the test if it has not returned within ``seconds``. Returns its exception."""
+    box: dict[str, BaseException | None] = {"exc": None}
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001  # handed to the test
+            box["exc"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} did not return within {seconds} s (it blocks)"
+    return box["exc"]
+
+
+# -- 1. concurrent saves to one path ----------------------------------------------------------
+
+def test_concurrent_saves_never_destroy_the_checkpoint(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(64, 1024, shift=-1.0)}, folder, quiet=True)
+    shifts = [-1.0]
+    for round_ in range(6):
+        results: dict[float, BaseException | None] = {}
+        barrier = threading.Barrier(2)
+
+        def job(shift: float, barrier: threading.Barrier, results: dict[float, BaseException | None]) -> None:
+            sd = {"w": _ramp(64, 1024, shift=shift)}
+            barrier.wait()
+            try:
+                checkpoint.save(sd, folder, quiet=True)
+                results[shift] = None
+            except BaseException as exc:  # noqa: BLE001  # examined below
+                results[shift] = exc
+
+        threads = [threading.Thread(target=job, args=(float(2 * round_ + k), barrier, results)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for exc in results.values():
+            if exc is not None:  # the loser fails clearly, naming the folder
+                assert isinstance(exc, CheckpointError), repr(exc)
+                assert str(folder) in str(exc)
+        ok = [s for s, e in results.items() if e is None]
+        out = {"w": torch.zeros(64, 1024)}
+        checkpoint.load(out, folder)  # always loadable
+        candidates = ok or [shifts[-1]]  # both failed: the previous checkpoint survives
+        matches = [s for s in candidates if torch.equal(out["w"], _ramp(64, 1024, shift=s))]
+        assert matches, f"round {round_}: the checkpoint holds none of the successful saves {ok}"
+        shifts.append(matches[0])
+
+
+_JOB = """
+import sys, time, os, torch, checkpoint
+folder, go, shift = sys.argv[1], sys.argv[2], float(sys.argv[3])
+sd = {"w": (torch.arange(64 * 4096, dtype=torch.float64) * 0.5 + shift).float().reshape(64, 4096)}
+while not os.path.exists(go):
+    time.sleep(0.001)
+try:
+    checkpoint.save(sd, folder, quiet=True)
+    print("saved")
+except checkpoint.CheckpointError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_two_jobs_saving_to_one_path_at_once(tmp_path: Path) -> None:
+    """Two independent 1-rank processes, released together: at most one commits, the other fails clearly."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(64, 4096, shift=-1.0)}, folder, quiet=True)
+    last = -1.0
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for round_ in range(2):
+        go = tmp_path / f"go{round_}"
+        shifts = [float(2 * round_ + k) for k in range(2)]
+        jobs = [subprocess.Popen([sys.executable, "-c", _JOB, str(folder), str(go), str(shift)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for shift in shifts]
+        time.sleep(2.0)  # both interpreters are up and waiting
+        go.touch()
+        outs = [job.communicate(timeout=120) for job in jobs]
+        for job, (out, err) in zip(jobs, outs):
+            assert job.returncode == 0, err
+            assert out.startswith(("saved", "refused:")), (out, err)
+            if out.startswith("refused:"):
+                assert "another save" in out and str(folder) in out, out
+        saved = [shift for shift, (out, _) in zip(shifts, outs) if out.startswith("saved")]
+        target = {"w": torch.zeros(64, 4096)}
+        checkpoint.load(target, folder)  # always loadable
+        matches = [shift for shift in (saved or [last]) if torch.equal(target["w"], _ramp(64, 4096, shift=shift))]
+        assert matches, f"round {round_}: the checkpoint holds none of the successful saves {saved}"
+        last = matches[0]
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("data-")) == ["shardkit.json"]
+        assert len(_data_files(folder)) == 1
+
+
+def test_a_save_in_progress_makes_a_second_save_fail_and_keeps_the_previous(tmp_path: Path) -> None:
+    """Deterministic: the second save starts while the first is blocked between writing and committing."""
+    from checkpoint import _save
+
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(4, 4)}, folder, quiet=True)
+    entered, release = threading.Event(), threading.Event()
+    first: dict[str, BaseException | None] = {}
+
+    def hook(phase: str) -> None:
+        if phase == "data_written" and threading.current_thread().name == "first":
+            entered.set()
+            release.wait(30)
+
+    def run_first() -> None:
+        try:
+            checkpoint.save({"w": _ramp(4, 4, shift=1.0)}, folder, quiet=True)
+            first["exc"] = None
+        except BaseException as exc:  # noqa: BLE001
+            first["exc"] = exc
+
+    _save._test_hook = hook
+    try:
+        thread = threading.Thread(target=run_first, name="first")
+        thread.start()
+        assert entered.wait(30)
+        with pytest.raises(CheckpointError, match="another save"):
+            checkpoint.save({"w": _ramp(4, 4, shift=2.0)}, folder, quiet=True)
+        release.set()
+        thread.join(30)
+    finally:
+        _save._test_hook = None
+        release.set()
+    assert first["exc"] is None
+    out = {"w": torch.zeros(4, 4)}
+    checkpoint.load(out, folder)
+    assert torch.equal(out["w"], _ramp(4, 4, shift=1.0))
+
+
+# -- 2. files save does not own ----------------------------------------------------------------
+
+def test_save_never_deletes_files_it_did_not_write(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    mine = folder / "data-0000000a-r00000.safetensors"
+    mine.write_bytes(b"user data")
+    other = folder / "shardkit.json.tmp-0000000b"
+    other.write_bytes(b"also the user's")
+    checkpoint.save({"w": _ramp(3)}, folder, quiet=True)
+    first = _data_files(folder)
+    checkpoint.save({"w": _ramp(3, shift=1.0)}, folder, quiet=True)
+    assert mine.read_bytes() == b"user data"
+    assert other.read_bytes() == b"also the user's"
+    # the previous save's own file is gone, as its metadata listed it
+    assert [p for p in first if p != mine and p.exists()] == []
+
+
+# -- 3. corrupt regions never reach the target ------------------------------------------------
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_corrupt_region_raises_and_leaves_the_target_untouched(tmp_path: Path, dim: int) -> None:
+    folder = tmp_path / "ck"
+    full = _ramp(64, 256)
+    checkpoint.save({"w": _sharded(full, dim, 2)}, folder, quiet=True)
+    md = _metadata(folder)
+    shard = md["tensors"]["w"]["shards"][1]
+    path = folder / shard["file"]
+    data = bytearray(path.read_bytes())
+    data[(shard["byte_range"][0] + shard["byte_range"][1]) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    target = torch.full((64, 256), 7.0)
+    with pytest.raises(CheckpointError, match="checksum mismatch") as info:
+        checkpoint.load({"w": target}, folder)
+    assert shard["file"] in str(info.value)
+    # nothing corrupt was copied: each element is either the old value or the right one
+    assert bool(((target == 7.0) | (target == full)).all())
+    assert _mapped_in(folder) == []
+
+
+# -- 4. non-regular files -----------------------------------------------------------------------
+
+def _checkpoint_with(tmp_path: Path) -> tuple[Path, Path]:
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(8, 4)}, folder, quiet=True)
+    return folder, _data_files(folder)[0]
+
+
+def _every_reader(folder: Path, tmp_path: Path) -> dict[str, Any]:
+    out = tmp_path / "out.safetensors"
+    return {
+        "load": lambda: checkpoint.load({"w": torch.zeros(8, 4)}, folder),
+        "consolidate": lambda: checkpoint.consolidate(folder, out, quiet=True),
+        "verify": lambda: main(["verify", "-q", str(folder)]),
+        "inspect": lambda: main(["inspect", str(folder)]),
+    }
+
+
+def _refuses(fn: Any, name: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """Run a reader that must refuse the checkpoint promptly, naming file ``name``; return the message."""
+    capsys.readouterr()
+    exc = _run_with_timeout(fn)
+    if exc is None:  # the CLI reports instead of raising: exit status and one line
+        err = capsys.readouterr().err
+        assert name in err and "Traceback" not in err, err
+        return err
+    assert isinstance(exc, CheckpointError), repr(exc)
+    assert name in str(exc)
+    return str(exc)
+
+
+def test_symlinked_data_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder, data = _checkpoint_with(tmp_path)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(data.read_bytes())  # the same bytes: only the link itself is wrong
+    data.unlink()
+    data.symlink_to(outside)
+    for what, fn in _every_reader(folder, tmp_path).items():
+        if what == "inspect":
+            continue  # inspect reads no data file
+        assert "symlink" in _refuses(fn, data.name, capsys), what
+
+
+def test_symlinked_metadata_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder, _ = _checkpoint_with(tmp_path)
+    outside = tmp_path / "outside.json"
+    shutil.copy(folder / "shardkit.json", outside)
+    (folder / "shardkit.json").unlink()
+    (folder / "shardkit.json").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="symlink"):
+        checkpoint.read_metadata(folder)
+    for fn in _every_reader(folder, tmp_path).values():
+        _refuses(fn, "shardkit.json", capsys)
+
+
+@pytest.mark.parametrize("which", ["data", "metadata"])
+def test_fifo_never_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str], which: str) -> None:
+    folder, data = _checkpoint_with(tmp_path)
+    victim = data if which == "data" else folder / "shardkit.json"
+    victim.unlink()
+    os.mkfifo(victim)
+    try:
+        for what, fn in _every_reader(folder, tmp_path).items():
+            if what == "inspect" and which == "data":
+                continue
+            _refuses(fn, victim.name, capsys)
+    finally:
+        # unblock a reader that did open the FIFO, so no thread stays stuck
+        try:
+            fd = os.open(victim, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("which", ["data", "metadata"])
+def test_directory_in_place_of_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 which: str) -> None:
+    folder, data = _checkpoint_with(tmp_path)
+    victim = data if which == "data" else folder / "shardkit.json"
+    victim.unlink()
+    victim.mkdir()
+    for what, fn in _every_reader(folder, tmp_path).items():
+        if what == "inspect" and which == "data":
+            continue
+        _refuses(fn, victim.name, capsys)
+
+
+# -- 5. state_dicts and metadata that used to be mishandled ------------------------------------
+
+def test_plain_tensor_named_like_a_region_key(tmp_path: Path) -> None:
+    full = _ramp(6, 2)
+    other = _ramp(3, 2, shift=100.0)
+    checkpoint.save({"w": _sharded(full, 0, 2), "w@3,0": other}, tmp_path / "ck", quiet=True)
+    out = {"w": torch.zeros(6, 2), "w@3,0": torch.zeros(3, 2)}
+    checkpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["w"], full) and torch.equal(out["w@3,0"], other)
+
+
+def test_self_referencing_value_is_refused(tmp_path: Path) -> None:
+    loop: list[Any] = [1]
+    loop.append(loop)
+    exc = _run_with_timeout(lambda: checkpoint.save({"w": _ramp(2), "cfg": {"loop": loop}}, tmp_path / "ck",
+                                                    quiet=True))
+    assert isinstance(exc, (TypeError, ValueError)), repr(exc)
+    assert "cfg.loop" in str(exc) and "itself" in str(exc)
+    cyclic: dict[str, Any] = {"a": _ramp(2)}
+    cyclic["self"] = cyclic
+    exc = _run_with_timeout(lambda: checkpoint.save(cyclic, tmp_path / "ck2", quiet=True))
+    assert isinstance(exc, (TypeError, ValueError)), repr(exc)
+    assert "self" in str(exc) and "itself" in str(exc)
+
+
+def _saved(tmp_path: Path) -> Path:
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(8, 4), "b": _ramp(4, dtype=torch.float64), "epoch": 1}, folder, quiet=True)
+    return folder
+
+
+def _cli_refuses(folder: Path, capsys: pytest.CaptureFixture[str], *commands: str) -> None:
+    for command in commands:
+        argv = [command, str(folder)] if command != "consolidate" else [command, str(folder),
+                                                                         str(folder.parent / "o.safetensors")]
+        status = main(argv)
+        err = capsys.readouterr().err
+        assert status != 0, command
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert "Traceback" not in err and "error" in lines[0] and "shardkit.json" in lines[0], err
+
+
+def test_duplicate_keys_in_metadata_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _saved(tmp_path)
+    text = (folder / "shardkit.json").read_text()
+    assert text.startswith('{"format"')
+    (folder / "shardkit.json").write_text('{"values":{},' + text[1:])  # "values" twice
+    with pytest.raises(CheckpointError, match="duplicate") as info:
+        checkpoint.read_metadata(folder)
+    assert "values" in str(info.value) and "shardkit.json" in str(info.value)
+    _cli_refuses(folder, capsys, "inspect", "verify")
+
+
+def test_dtype_relabelled_in_metadata_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _saved(tmp_path)
+    md = _metadata(folder)
+    md["tensors"]["w"]["dtype"] = "int32"
+    _write_metadata(folder, md)
+    for target in (None, torch.zeros(8, 4, dtype=torch.int32)):
+        with pytest.raises(CheckpointError, match="dtype") as info:
+            checkpoint.load({"w": target, "b": None, "epoch": None}, folder)
+        assert "F32" in str(info.value) or "float32" in str(info.value)
+    with pytest.raises(CheckpointError, match="dtype"):
+        checkpoint.consolidate(folder, tmp_path / "o.safetensors", quiet=True)
+    status = main(["verify", "-q", str(folder)])
+    assert status != 0 and "dtype" in capsys.readouterr().err
+
+
+def test_shape_relabelled_in_metadata_is_refused(tmp_path: Path) -> None:
+    folder = _saved(tmp_path)
+    md = _metadata(folder)
+    md["tensors"]["w"]["size"] = [4, 8]
+    md["tensors"]["w"]["shards"][0]["dims"] = [4, 8]
+    _write_metadata(folder, md)
+    with pytest.raises(CheckpointError, match="shape"):
+        checkpoint.load({"w": None, "b": None, "epoch": None}, folder)
+
+
+def test_sizes_beyond_the_files_are_refused_before_allocating(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _saved(tmp_path)
+    md = _metadata(folder)
+    huge = 1 << 40  # elements: 4 TiB of float32, claimed by a file of a few hundred bytes
+    w = md["tensors"]["w"]
+    start = w["shards"][0]["byte_range"][0]
+    w["size"], w["shards"][0]["dims"], w["shards"][0]["offsets"] = [huge], [huge], [0]
+    w["shards"][0]["byte_range"] = [start, start + 4 * huge]
+    w["shards"][0]["chunks"] = {"bytes": 1 << 30, "crc32c": "0" * 8 * ((4 * huge) >> 30)}
+    md["files"][w["shards"][0]["file"]]["bytes"] = start + 4 * huge + 64
+    _write_metadata(folder, md)
+    with pytest.raises(CheckpointError, match="bytes") as info:
+        checkpoint.load({"w": None, "b": None, "epoch": None}, folder)
+    assert w["shards"][0]["file"] in str(info.value)
+    with pytest.raises(CheckpointError, match="bytes"):
+        checkpoint.consolidate(folder, tmp_path / "o.safetensors", quiet=True)
+
+
+def test_deep_json_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _saved(tmp_path)
+    text = (folder / "shardkit.json").read_text()
+    deep = "[" * 200_000 + "]" * 200_000
+    (folder / "shardkit.json").write_text(text.replace('"epoch":1', f'"epoch":{deep}'))
+    with pytest.raises(CheckpointError, match="shardkit.json"):
+        checkpoint.read_metadata(folder)
+    _cli_refuses(folder, capsys, "inspect", "verify", "consolidate")
+
+
+def test_deep_safetensors_header_is_refused(tmp_path: Path) -> None:
+    folder = _saved(tmp_path)
+    path = _data_files(folder)[0]
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    text = json.dumps(header)[:-1] + ',"x":' + "[" * 100_000 + "]" * 100_000 + "}"
+    text += " " * (-(8 + len(text)) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text.encode() + raw[8 + n:])
+    _fix_sizes(folder, path, len(text) - n)
+    exc = _run_with_timeout(lambda: checkpoint.load({"w": None, "b": None, "epoch": None}, folder))
+    assert isinstance(exc, CheckpointError) and path.name in str(exc), repr(exc)
+
+
+def _fix_sizes(folder: Path, path: Path, shift: int) -> None:
+    """Move the metadata's byte ranges of ``path`` by ``shift`` (after its header grew)."""
+    md = _metadata(folder)
+    md["files"][path.name]["bytes"] += shift
+    for entry in md["tensors"].values():
+        for shard in entry["shards"]:
+            if shard["file"] == path.name:
+                shard["byte_range"] = [b + shift for b in shard["byte_range"]]
+    _write_metadata(folder, md)
+
+
+def test_meta_device_target_is_refused(tmp_path: Path) -> None:
+    folder = _saved(tmp_path)
+    with pytest.raises((CheckpointError, ValueError), match="meta"):
+        checkpoint.load({"w": torch.empty(8, 4, device="meta"), "b": None, "epoch": None}, folder)
+    meta_sharded = st.empty(8, 4, sharding_spec=single_split(0, ["rank:0/meta"] * 2))
+    with pytest.raises((CheckpointError, ValueError), match="meta"):
+        checkpoint.load({"w": meta_sharded, "b": None, "epoch": None}, folder)
+
+
+def test_stride_zero_target_is_refused_clearly(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(4, 4)}, folder, quiet=True)
+    target = torch.zeros(4).expand(4, 4)
+    with pytest.raises((CheckpointError, ValueError), match="overlap") as info:
+        checkpoint.load({"w": target}, folder)
+    assert "'w'" in str(info.value)
+    assert torch.equal(target, torch.zeros(4, 4))
+
+
+def test_a_valid_checkpoint_still_round_trips_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The refusals above leave good checkpoints alone: load, consolidate, verify, inspect."""
+    folder = _saved(tmp_path)
+    out: dict[str, Any] = {"w": None, "b": None, "epoch": None}
+    checkpoint.load(out, folder)
+    assert torch.equal(out["w"], _ramp(8, 4)) and out["epoch"] == 1
+    checkpoint.consolidate(folder, tmp_path / "o.safetensors", quiet=True)
+    assert torch.equal(safetensors.torch.load_file(tmp_path / "o.safetensors")["w"], _ramp(8, 4))
+    assert main(["verify", "-q", str(folder)]) == 0
+    assert main(["inspect", str(folder)]) == 0
+    capsys.readouterr()
