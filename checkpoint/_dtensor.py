@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from _shardkit import comm as _comm
-from sharded_tensor._dtensor import from_dtensor, is_dtensor
+from _shardkit.dtensor import is_dtensor
+from sharded_tensor import from_dtensor
 
 __all__ = ["dtensor_views"]
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from _shardkit import comm as _comm
+from _shardkit.dtensor import is_dtensor
 from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
 from ._tensor import ShardedTensor
@@ -36,17 +37,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["dtensor_layout", "from_dtensor", "is_dtensor", "to_dtensor"]
-
-
-def is_dtensor(value: object) -> bool:
-    """Whether ``value`` is a ``DTensor`` (without importing DTensor when nothing could be one)."""
-    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
-        return False
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - builds without distributed support
-        return False
-    return isinstance(value, DTensor)
 
 
 def _describe(placements: Sequence[Any]) -> str:

@@ -96,6 +96,18 @@ def test_layering(package):
     assert not violations, f"{package} may not import {banned}:\n" + "\n".join(violations)
 
 
+def test_checkpoint_uses_only_the_public_names_of_sharded_tensor():
+    # checkpoint builds on what sharded_tensor offers everyone (its __all__); the private
+    # runtime both share lives in _shardkit.
+    violations = []
+    for path in sorted((ROOT / "checkpoint").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        imported = _imported_modules(tree, _module_name(path), path.name == "__init__.py")
+        violations += [f"{path.relative_to(ROOT)} imports {m}" for m in sorted(imported)
+                       if m.startswith("sharded_tensor.") and m.split(".")[1].startswith("_")]
+    assert not violations, "checkpoint may import only sharded_tensor's public names:\n" + "\n".join(violations)
+
+
 def _public_names(pkg: types.ModuleType) -> list[str]:
     """Names a user sees in ``vars(pkg)``: no ``_`` prefix, no submodules, no ``__future__`` flags."""
     return sorted(name for name, value in vars(pkg).items()
