@@ -36,7 +36,7 @@ import os
 import posixpath
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -45,8 +45,8 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from sharding import ShardMetadata
-from sharding.layout import check_tiling
+from _shardkit.memory import cyclic_gc_paused
+from sharding.layout import Box, RegionIndex, check_tiling
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
@@ -63,6 +63,7 @@ METADATA_FILE = "shardkit.json"
 CHECKSUM_ALGORITHM = "crc32c"
 _DATA_FILE = re.compile(r"^data-(?P<generation>[0-9a-f]+)-r(?P<rank>\d{5,})(?:-p(?P<part>\d+))?\.safetensors$")
 _GENERATION = re.compile(r"^[0-9a-f]{1,64}$")
+_CHECKSUM = re.compile(r"crc32c:[0-9a-f]{8}")  # CHECKSUM_ALGORITHM, then 8 lowercase hex digits
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 
@@ -360,10 +361,21 @@ class TensorEntry:
     size: torch.Size
     dtype: torch.dtype
     shards: tuple[SavedShard, ...]
+    # Built while the tiling is checked, so that finding the regions a block needs never
+    # looks at the others (a million-region checkpoint is read by every rank).
+    _index: RegionIndex | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.size) * self.dtype.itemsize
+
+    def overlapping(self, box: Box) -> list[tuple[SavedShard, Box]]:
+        """``(saved region, common block)`` for every saved region sharing an element with ``box``."""
+        index = self._index
+        if index is None:
+            index = RegionIndex([s.region for s in self.shards], self.size)
+            object.__setattr__(self, "_index", index)  # a cache: equality and the data are unchanged
+        return [(self.shards[i], common) for i, common in index.overlapping(box)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": dtype_name(self.dtype), "size": list(self.size),
@@ -436,6 +448,11 @@ def parse_metadata(text: str | bytes, *, source: str = "?") -> CheckpointMetadat
     ``files``, that byte ranges match dims and dtype and lie inside their file, that checksums
     name a known algorithm, and that each tensor's regions tile it exactly once.
     """
+    with cyclic_gc_paused():  # a million regions are millions of small objects, none in a cycle
+        return _parse_metadata(text, source)
+
+
+def _parse_metadata(text: str | bytes, source: str) -> CheckpointMetadata:
     try:
         data = json.loads(text)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -482,6 +499,33 @@ def parse_metadata(text: str | bytes, *, source: str = "?") -> CheckpointMetadat
                               generation, world_size, version)
 
 
+def _well_formed_shard(raw: object, ndim: int, files: Mapping[str, int], itemsize: int) -> SavedShard | None:
+    """The shard ``raw`` describes if it passes every check of ``_parse_tensor``, else ``None``.
+
+    The common case, checked without building any message: a checkpoint of a million regions
+    spends most of its parsing here. ``None`` sends the shard through the checks one by one,
+    which say what is wrong.
+    """
+    if type(raw) is not dict:
+        return None
+    offsets, dims, byte_range = raw.get("offsets"), raw.get("dims"), raw.get("byte_range")
+    if (type(offsets) is not list or type(dims) is not list or type(byte_range) is not list
+            or len(offsets) != ndim or len(dims) != ndim or len(byte_range) != 2):
+        return None
+    numbers = offsets + dims + byte_range
+    if set(map(type, numbers)) != {int} or min(numbers) < 0:  # bool is not int here
+        return None
+    file, key, digest = raw.get("file"), raw.get("key"), raw.get("checksum")
+    if type(file) is not str or file not in files or type(key) is not str or not key:
+        return None
+    if type(digest) is not str or not _CHECKSUM.fullmatch(digest):
+        return None
+    start, end = byte_range
+    if end - start != math.prod(dims) * itemsize or end > files[file] or start < 8:
+        return None
+    return SavedShard(tuple(offsets), tuple(dims), file, key, (start, end), digest)
+
+
 def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: str) -> TensorEntry:
     where = f"tensor {name!r}"
     if not isinstance(entry, dict):
@@ -493,13 +537,19 @@ def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: st
         raise _fail(source, f"{where} shards", f"expected a list, got {type(raw_shards).__name__}")
     shards = []
     for i, raw in enumerate(raw_shards):
+        quick = _well_formed_shard(raw, len(size), files, dtype.itemsize)
+        if quick is not None:
+            shards.append(quick)
+            continue
         at = f"{where} shards[{i}]"
         if not isinstance(raw, dict):
             raise _fail(source, at, f"expected an object, got {type(raw).__name__}")
         offsets = _int_list(raw.get("offsets"), source, f"{at} offsets", len(size))
         dims = _int_list(raw.get("dims"), source, f"{at} dims", len(size))
-        file = check_file_name(raw.get("file"), source=source, tensor=name)
-        if file not in files:
+        file = raw.get("file")
+        # Names listed in "files" were checked above; only others need a look (and an error).
+        if not isinstance(file, str) or file not in files:
+            file = check_file_name(file, source=source, tensor=name)
             raise _fail(source, at, f"file {file!r} is not listed in \"files\"")
         key = raw.get("key")
         if not isinstance(key, str) or not key:
@@ -511,18 +561,19 @@ def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: st
                         f"{list(byte_range)} does not hold {nbytes} bytes (dims {list(dims)} of {dtype}) inside "
                         f"file {file!r} of {files[file]} bytes")
         digest = raw.get("checksum")
-        if (not isinstance(digest, str) or not digest.startswith(f"{CHECKSUM_ALGORITHM}:")
-                or not re.fullmatch(r"[0-9a-f]{8}", digest.removeprefix(f"{CHECKSUM_ALGORITHM}:"))):
+        if not isinstance(digest, str) or not _CHECKSUM.fullmatch(digest):
             raise _fail(source, f"{at} checksum", f"expected \"{CHECKSUM_ALGORITHM}:<8 hex digits>\", got {digest!r}")
         shards.append(SavedShard(offsets, dims, file, key, (byte_range[0], byte_range[1]), digest))
-    regions = [s.region for s in shards if s.numel > 0]
-    if len(set(regions)) != len(regions):
+    regions = [s for s in shards if 0 not in s.dims]
+    if len({s.region for s in regions}) != len(regions):
         raise _fail(source, f"{where} shards", "a region is listed twice")
-    try:
-        check_tiling([ShardMetadata(o, d, "cpu") for o, d in regions], size, what="saved regions")
-    except ValueError as exc:
-        raise _fail(source, where, str(exc).rstrip(".")) from None
-    return TensorEntry(torch.Size(size), dtype, tuple(shards))
+    index = RegionIndex([s.region for s in shards], size)
+    if not index.tiles(size):
+        try:
+            check_tiling(regions, size, what="saved regions")
+        except ValueError as exc:
+            raise _fail(source, where, str(exc).rstrip(".")) from None
+    return TensorEntry(torch.Size(size), dtype, tuple(shards), index)
 
 
 def read_metadata(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None

@@ -34,6 +34,7 @@ import fsspec
 import torch
 
 from _shardkit import comm as _comm
+from _shardkit.memory import cyclic_gc_paused
 from sharded_tensor import ShardedTensor
 from sharding.layout import Box
 
@@ -303,11 +304,10 @@ def _prepare(fs: fsspec.AbstractFileSystem, root: str) -> str:
     return generation
 
 
-def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetadata) -> None:
-    """Write ``shardkit.json`` atomically: temp file, then rename over the old one."""
-    text = metadata.to_json().encode()
+def _commit(fs: fsspec.AbstractFileSystem, root: str, generation: str, text: bytes) -> None:
+    """Write ``text`` as ``shardkit.json`` atomically: temp file, then rename over the old one."""
     final = posixpath.join(root, METADATA_FILE)
-    temp = posixpath.join(root, f"{METADATA_FILE}.tmp-{metadata.generation}")
+    temp = posixpath.join(root, f"{METADATA_FILE}.tmp-{generation}")
     if is_local(fs):
         with open(temp, "wb") as handle:
             handle.write(text)
@@ -491,8 +491,8 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
             committed = False
             try:
                 _hook("before_commit")
-                metadata = _assemble(plan, reports, generation, world, root)
-                _commit(fs, root, metadata)
+                _, text = _assemble(plan, reports, generation, world, root)
+                _commit(fs, root, generation, text)
                 committed = True
                 _remove_stale(fs, root, generation)
                 _hook("committed")
@@ -535,8 +535,15 @@ def _remove_generation(fs: fsspec.AbstractFileSystem, root: str, generation: str
 
 
 def _assemble(plan: _Plan, reports: list[dict[str, Any]], generation: str, world: int,
-              root: str) -> CheckpointMetadata:
-    """Rank 0: the metadata of the new checkpoint from every rank's records, validated."""
+              root: str) -> tuple[CheckpointMetadata, bytes]:
+    """Rank 0: the metadata of the new checkpoint from every rank's records, validated, and its text."""
+    # A million regions are millions of small objects, none in a cycle.
+    with cyclic_gc_paused():
+        return _assemble_metadata(plan, reports, generation, world, root)
+
+
+def _assemble_metadata(plan: _Plan, reports: list[dict[str, Any]], generation: str, world: int,
+                       root: str) -> tuple[CheckpointMetadata, bytes]:
     shards: dict[str, list[SavedShard]] = {name: [] for name in plan.tensors}
     files: dict[str, int] = {}
     for rep in reports:
@@ -549,6 +556,6 @@ def _assemble(plan: _Plan, reports: list[dict[str, Any]], generation: str, world
     order = {(r.name, r.box): i for i, r in enumerate(plan.regions)}
     tensors = {name: TensorEntry(size, dtype, tuple(sorted(shards[name], key=lambda s: order[(name, s.region)])))
                for name, (size, dtype) in plan.tensors.items()}
-    metadata = CheckpointMetadata(tensors, plan.values, files, generation, world)
+    text = CheckpointMetadata(tensors, plan.values, files, generation, world).to_json().encode()
     # Validate exactly what a reader will see before it becomes the checkpoint.
-    return parse_metadata(metadata.to_json(), source=posixpath.join(root, METADATA_FILE))
+    return parse_metadata(text, source=posixpath.join(root, METADATA_FILE)), text

@@ -17,8 +17,8 @@ plus smaller ones for the metadata size. For each it measures:
 
 - ``assemble``: what ``checkpoint.save`` does on rank 0 once every rank's report has
   arrived: ``_save._assemble`` (build the metadata from the reports and validate it as a
-  reader will, tiling included) then ``_save._commit`` (write ``shardkit.json``, fsync and
-  rename). The reports are synthesized as ``gather_json`` hands them over (decoded JSON),
+  reader will, tiling included, and serialize it) then ``_save._commit`` (write
+  ``shardkit.json``, fsync and rename). The reports are synthesized as ``gather_json`` hands them over (decoded JSON),
   one data file per rank holding one region of every tensor. Goal: < 2 s.
 - ``metadata_bytes``: the size of ``shardkit.json`` and its bytes per region, at several
   scales. Goal: linear in regions (constant bytes per region).
@@ -135,14 +135,12 @@ def _save_inputs(ranks: int, tensors: int) -> tuple[Any, list[dict[str, Any]]]:
 def _assemble_case(ranks: int, tensors: int, reps: int, folder: str) -> dict[str, Any]:
     plan, reports = _save_inputs(ranks, tensors)
     regions = len(plan.regions)
-    assemble_s, metadata = _clock(lambda: _assemble(plan, reports, GENERATION, ranks, folder), reps)
-    commit_s, _ = _clock(lambda: _commit(_local_fs(), folder, metadata), reps)
-    text = metadata.to_json()
+    assemble_s, (metadata, text) = _clock(lambda: _assemble(plan, reports, GENERATION, ranks, folder), reps)
+    commit_s, _ = _clock(lambda: _commit(_local_fs(), folder, GENERATION, text), reps)
     to_json_s, _ = _clock(metadata.to_json, reps)
     parse_s, _ = _clock(lambda: parse_metadata(text, source="bench"), reps)
     entry = next(iter(metadata.tensors.values()))
-    tiling_one_s, _ = _clock(lambda: check_tiling([ShardMetadata(s.offsets, s.dims, "cpu") for s in entry.shards],
-                                                  entry.size), reps)
+    tiling_one_s, _ = _clock(lambda: check_tiling(entry.shards, entry.size), reps)
     written = (Path(folder) / METADATA_FILE).stat().st_size
     return {"ranks": ranks, "tensors": tensors, "regions": regions,
             "assemble_plus_commit_s": round(assemble_s + commit_s, 3),
@@ -156,8 +154,8 @@ def _assemble_case(ranks: int, tensors: int, reps: int, folder: str) -> dict[str
 
 def _size_case(ranks: int, tensors: int, folder: str) -> dict[str, Any]:
     plan, reports = _save_inputs(ranks, tensors)
-    metadata = _assemble(plan, reports, GENERATION, ranks, folder)
-    _commit(_local_fs(), folder, metadata)
+    _, text = _assemble(plan, reports, GENERATION, ranks, folder)
+    _commit(_local_fs(), folder, GENERATION, text)
     written = (Path(folder) / METADATA_FILE).stat().st_size
     regions = len(plan.regions)
     return {"ranks": ranks, "tensors": tensors, "regions": regions, "metadata_bytes": written,
