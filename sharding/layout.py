@@ -8,22 +8,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ._metadata import ShardMetadata  # noqa: F401 - named in docstrings
-
-
-class _Block(Protocol):
-    """Anything with a block's ``offsets`` and ``dims``: ``ShardMetadata``, a checkpoint's saved region."""
-
-    @property
-    def offsets(self) -> tuple[int, ...]: ...
-
-    @property
-    def dims(self) -> tuple[int, ...]: ...
 
 __all__ = ["Box", "box_slices", "intersect", "RegionIndex", "check_tiling", "chunk_bounds", "REDUCE_OPS",
            "check_reduce_op"]
@@ -53,6 +41,16 @@ def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offsets, dims)`` of a block of the global tensor."""
+
+
+class _Block(Protocol):
+    """Anything with a block's ``offsets`` and ``dims``: ``ShardMetadata``, a checkpoint's saved region."""
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    @property
+    def dims(self) -> tuple[int, ...]: ...
 
 
 def box_slices(box: Box, origin: Sequence[int]) -> tuple[slice, ...]:
