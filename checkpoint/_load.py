@@ -35,7 +35,7 @@ import torch
 from _shardkit import comm as _comm
 from _shardkit.memory import storage_alone
 from sharded_tensor import ShardedTensor
-from sharding.layout import RegionIndex, box_slices
+from sharding.layout import box_slices
 
 from ._codec import tensor_bytes, tensor_from_bytes
 from ._dcp import is_dcp_checkpoint, load_dcp
@@ -459,14 +459,10 @@ def _read_source(fs: fsspec.AbstractFileSystem, root: str, key_map: KeyMap | Non
 
 def _plan_tensor(name: str, entry: TensorEntry, value: Any, root: str) -> list[_Task]:
     """The overlaps between the saved regions of ``name`` and this rank's blocks of ``value``."""
-    shards = [s for s in entry.shards if s.numel > 0]
-    if not shards:
-        return []
-    index = RegionIndex([s.region for s in shards], entry.size)
     tasks = []
     for offsets, tensor in _targets(value):
-        for box_id, common in index.overlapping((tuple(offsets), tuple(tensor.shape))):
-            shard = shards[box_id]
+        # The entry's index: no look at the saved regions this block does not need.
+        for shard, common in entry.overlapping((tuple(offsets), tuple(tensor.shape))):
             if common == (tuple(offsets), tuple(tensor.shape)):
                 # The whole block from one region: the block itself (a view would share its memory).
                 tasks.append(_Task(name, member(root, shard.file), entry, shard, common, tensor, tensor))

@@ -35,14 +35,15 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from _shardkit.memory import cyclic_gc_paused
 from sharding import ShardMetadata
-from sharding.layout import check_tiling
+from sharding.layout import Box, RegionIndex, check_tiling
 
 from . import _strict_json as strict_json
 from ._chunks import chunk_count, decode_chunks, encode_chunks
@@ -220,10 +221,21 @@ class TensorEntry:
     size: torch.Size
     dtype: torch.dtype
     shards: tuple[SavedShard, ...]
+    # Built while the tiling is checked, so that finding the regions a block needs never
+    # looks at the others (a million-region checkpoint is read by every rank).
+    _index: RegionIndex | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.size) * self.dtype.itemsize
+
+    def overlapping(self, box: Box) -> list[tuple[SavedShard, Box]]:
+        """``(saved region, common block)`` for every saved region sharing an element with ``box``."""
+        index = self._index
+        if index is None:
+            index = RegionIndex([s.region for s in self.shards], self.size)
+            object.__setattr__(self, "_index", index)  # a cache: equality and the data are unchanged
+        return [(self.shards[i], common) for i, common in index.overlapping(box)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": dtype_name(self.dtype), "size": list(self.size),
@@ -297,6 +309,11 @@ def parse_metadata(text: str | bytes, *, source: str = "?") -> CheckpointMetadat
     ``files``, that byte ranges match dims and dtype and lie inside their file, that checksums
     name a known algorithm, and that each tensor's regions tile it exactly once.
     """
+    with cyclic_gc_paused():  # a million regions are millions of small objects, none in a cycle
+        return _parse_metadata(text, source)
+
+
+def _parse_metadata(text: str | bytes, source: str) -> CheckpointMetadata:
     try:
         data = strict_json.loads(text, source=source, what="malformed checkpoint metadata")
     except ValueError as exc:
@@ -380,11 +397,13 @@ def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: st
     regions = [s.region for s in shards if s.numel > 0]
     if len(set(regions)) != len(regions):
         raise _fail(source, f"{where} shards", "a region is listed twice")
-    try:
-        check_tiling([ShardMetadata(o, d, "cpu") for o, d in regions], size, what="saved regions")
-    except ValueError as exc:
-        raise _fail(source, where, str(exc).rstrip(".")) from None
-    return TensorEntry(torch.Size(size), dtype, tuple(shards))
+    index = RegionIndex([s.region for s in shards], size)
+    if not index.tiles(size):
+        try:
+            check_tiling([ShardMetadata(o, d, "cpu") for o, d in regions], size, what="saved regions")
+        except ValueError as exc:
+            raise _fail(source, where, str(exc).rstrip(".")) from None
+    return TensorEntry(torch.Size(size), dtype, tuple(shards), index)
 
 
 

@@ -119,7 +119,7 @@ def reduce_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, d
         out = {i: empty_for_fill(target.shards[i].dims, src.dtype, target.shards[i].device.device)
                for i in plan.reduces}
         sends, packs = _direct_or_staged({peer: [own_part(i) for i in blocks] for peer, blocks in plan.sends.items()})
-        staging = _Staging()
+        staging = _Staging(views for _, views in packs)
         for peer, views in packs:
             sends[peer] = staging.pack(views)
         device = target.shards[plan.reduces[0]].device.device if plan.reduces else torch.device("cpu")

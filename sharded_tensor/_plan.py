@@ -6,14 +6,12 @@ same two layouts, so the sides of every transfer agree on sizes and order withou
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from _shardkit.memory import cyclic_gc_paused
 from sharding import ShardedTensorMetadata, ShardMetadata
 from sharding.layout import Box, RegionIndex, box_slices
 
@@ -177,22 +175,9 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: i
         msg = ("plan_reshard moves values between plain layouts; a layout with partial values is reduced "
                "with plan_reduce (see reduce_layout) or made with keeper_layout.")
         raise ValueError(msg)
-    with _cyclic_gc_paused():
+    # A plan for thousands of ranks allocates tens of thousands of small objects and no cycles.
+    with cyclic_gc_paused():
         return _plan(src, dst, rank)
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    # A plan for thousands of ranks allocates tens of thousands of small objects and no cycles;
-    # left on, the cyclic collector would run full passes over the whole heap meanwhile
-    # (what that costs: docs/benchmarks.md, "Figures behind implementation choices").
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: int) -> ReshardPlan:

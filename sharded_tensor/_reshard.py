@@ -7,8 +7,8 @@ every block moves with as few of them as the layouts allow:
   or consecutive rows of one shard) travel straight from the shard, without packing;
 - the blocks one peer sends that land back to back in a destination shard are received
   straight into it, without unpacking;
-- only the rest goes through one staging buffer per device, packed and unpacked with one
-  ``copy_`` per block (never a Python loop over elements).
+- only the rest goes through one staging buffer per device (for the whole call), packed and
+  unpacked with one ``copy_`` per block (never a Python loop over elements).
 
 All sends and receives are posted at once (``batch_isend_irecv``, so NCCL gets them as one
 group); the local copies then run while the data is on the wire.
@@ -21,7 +21,7 @@ the same bytes in w-1 dependent steps; both were slower than direct point-to-poi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -74,11 +74,11 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
         return out[p.dst_shard][box_slices(p.box, dst.shards[p.dst_shard].offsets)]
 
     with torch.no_grad():
-        staging = _Staging()
         sends, packs = _direct_or_staged({peer: [src_view(p) for p in pieces]
                                           for peer, pieces in plan.sends.items()})
         recvs, unpacks = _direct_or_staged({peer: [dst_view(p) for p in pieces]
                                             for peer, pieces in plan.recvs.items()})
+        staging = _Staging(views for _, views in (*packs, *unpacks))
         for peer, views in unpacks:
             recvs[peer] = staging.take(views)
         # On CPU, the pieces of a packed message go out as they are packed; NCCL needs every
@@ -178,18 +178,43 @@ def _span(views: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 class _Staging:
-    """Flat buffers for the blocks that are not contiguous on their side; one per message."""
+    """The messages of the blocks that are not contiguous on their side, carved out of one buffer per device.
+
+    One allocation per call rather than one per message: a gather of many tensors in a row
+    (``collect_state_dict``) then asks for buffers of one size again and again, which
+    ``empty_for_fill`` hands back from its cache once they are large, and the allocator
+    reuses whole when they are small.
+    """
+
+    def __init__(self, messages: Iterable[list[torch.Tensor]]) -> None:
+        need: dict[torch.device, int] = {}
+        for views in messages:
+            device = views[0].device
+            need[device] = need.get(device, 0) + _aligned(_nbytes(views))
+        self._buffers = {device: empty_for_fill((n,), torch.uint8, device) for device, n in need.items()}
+        self._used = dict.fromkeys(need, 0)
 
     def take(self, views: list[torch.Tensor]) -> torch.Tensor:
-        # Large buffers come from empty_for_fill: committed at once, and reused by the next call.
+        """A flat uninitialized tensor with room for ``views``, of their dtype, on their device."""
         first = views[0]
-        return empty_for_fill((sum(v.numel() for v in views),), first.dtype, first.device)
+        start, nbytes = self._used[first.device], _nbytes(views)
+        self._used[first.device] = start + _aligned(nbytes)
+        return self._buffers[first.device][start:start + nbytes].view(first.dtype)
 
     def pack(self, views: list[torch.Tensor]) -> torch.Tensor:
         buffer = self.take(views)
         for _ in _pack(buffer, views):
             pass
         return buffer
+
+
+def _nbytes(views: list[torch.Tensor]) -> int:
+    return sum(v.numel() for v in views) * views[0].element_size()
+
+
+def _aligned(nbytes: int) -> int:
+    # Every message starts on a 64-byte boundary: any dtype can view it, and copies stay aligned.
+    return -(-nbytes // 64) * 64
 
 
 # Packing goes in slabs of about this many bytes, each followed by a chance to send.

@@ -8,12 +8,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ._metadata import ShardMetadata
 
 __all__ = ["Box", "box_slices", "intersect", "RegionIndex", "check_tiling", "chunk_bounds", "REDUCE_OPS",
            "check_reduce_op"]
@@ -43,6 +41,16 @@ def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offsets, dims)`` of a block of the global tensor."""
+
+
+class _Block(Protocol):
+    """Anything with a block's ``offsets`` and ``dims``: ``ShardMetadata``, a checkpoint's saved region."""
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    @property
+    def dims(self) -> tuple[int, ...]: ...
 
 
 def box_slices(box: Box, origin: Sequence[int]) -> tuple[slice, ...]:
@@ -79,6 +87,7 @@ class RegionIndex:
         live = [i for i, (_, dims) in enumerate(self.boxes) if 0 not in dims]
         self._lo: torch.Tensor | None = None
         self._hi: torch.Tensor | None = None
+        self._cells: tuple[torch.Tensor, torch.Tensor] | None = None  # grid cells each live box spans
         if not live or ndim == 0:
             self._cuts: list[list[int]] = [[0, int(n)] for n in size]
             self._grid = torch.full((1,) * ndim, live[-1] if live else -1, dtype=torch.int64)
@@ -96,6 +105,7 @@ class RegionIndex:
         self._cuts = [c.tolist() for c in cuts]
         cell_lo = torch.stack([torch.searchsorted(cuts[d], lo[d]) for d in range(ndim)], dim=1)
         cell_hi = torch.stack([torch.searchsorted(cuts[d], hi[d]) for d in range(ndim)], dim=1)
+        self._cells = (cell_lo, cell_hi)
         self._grid = torch.full(tuple(len(c) - 1 for c in self._cuts), -1, dtype=torch.int64)
         single = ((cell_hi - cell_lo) == 1).all(dim=1)
         # Regular layouts (splits, meshes) give one cell per box: a single scatter fills the grid.
@@ -106,6 +116,29 @@ class RegionIndex:
         for k in (~single).nonzero().flatten().tolist():
             cells = tuple(slice(a, b) for a, b in zip(cell_lo[k].tolist(), cell_hi[k].tolist()))
             self._grid[cells].clamp_(min=int(ids[k]))
+
+    def tiles(self, size: Sequence[int]) -> bool:
+        """Whether the boxes lie inside ``size`` and cover each of its elements exactly once.
+
+        Identical boxes count twice here (``check_tiling`` takes them as replicas). ``False``
+        also means "not checked" (a few boxes): ``check_tiling`` then decides, and says what is
+        wrong. Vectorized, from the grid built for the index: one count per box of a regular
+        layout.
+        """
+        if self._cells is None or self._lo is None or self._hi is None:
+            return False
+        limit = torch.tensor(tuple(size), dtype=torch.int64)
+        if bool((self._hi > limit).any()) or bool((self._lo > limit).any()):
+            return False
+        cell_lo, cell_hi = self._cells
+        shape = tuple(self._grid.shape)
+        strides = torch.tensor(self._grid.stride(), dtype=torch.int64)
+        single = ((cell_hi - cell_lo) == 1).all(dim=1)
+        cover = torch.bincount((cell_lo[single] * strides).sum(dim=1), minlength=math.prod(shape))
+        grid = cover.view(shape)
+        for k in (~single).nonzero().flatten().tolist():
+            grid[tuple(slice(a, b) for a, b in zip(cell_lo[k].tolist(), cell_hi[k].tolist()))] += 1
+        return bool((cover == 1).all())
 
     def _build_small(self, live: list[int], size: Sequence[int]) -> None:
         # A few boxes: plain Python beats the fixed cost of a dozen tensor operations.
@@ -156,12 +189,45 @@ class RegionIndex:
 _SMALL = 64
 
 
-def check_tiling(shards: Sequence[ShardMetadata], size: Sequence[int], *, what: str = "shards") -> None:
+def check_tiling(shards: Sequence[_Block], size: Sequence[int], *, what: str = "shards") -> None:
     """Raise ``ValueError`` unless the distinct regions of ``shards`` tile ``size`` exactly.
 
-    Shards with identical regions are replicas and allowed; partial overlaps and gaps are not.
+    ``shards`` are blocks with ``offsets`` and ``dims`` (``ShardMetadata``, or a checkpoint's
+    saved regions). Shards with identical regions are replicas and allowed; partial overlaps
+    and gaps are not. Linear in the number of shards for regular layouts (splits, meshes):
+    beyond a few dozen shards the check runs as a handful of tensor operations.
     """
     size = tuple(size)
+    if len(shards) > _SMALL and len(size) > 0 and _tiles_exactly(shards, size):
+        return
+    _check_tiling_one_by_one(shards, size, what)
+
+
+def _tiles_exactly(shards: Sequence[_Block], size: tuple[int, ...]) -> bool:
+    """Vectorized: whether the distinct regions of ``shards`` lie inside ``size`` and tile it once.
+
+    ``False`` means "not proven": the caller then checks shard by shard and says what is wrong.
+    """
+    ndim = len(size)
+    offsets = [s.offsets for s in shards]
+    dims = [s.dims for s in shards]
+    if any(len(o) != ndim or len(n) != ndim for o, n in zip(offsets, dims)):
+        return False
+    # Empty shards must lie inside too; the index only looks at the others.
+    limit = torch.tensor(size, dtype=torch.int64)
+    lo = torch.tensor(offsets, dtype=torch.int64).reshape(-1, ndim)
+    hi = lo + torch.tensor(dims, dtype=torch.int64).reshape(-1, ndim)
+    if bool((lo > limit).any()) or bool((hi > limit).any()):
+        return False
+    if math.prod(size) == 0:
+        return True
+    # Replicas count once.
+    distinct = list(dict.fromkeys((tuple(o), tuple(n)) for o, n in zip(offsets, dims) if 0 not in n))
+    return RegionIndex(distinct, size).tiles(size)
+
+
+def _check_tiling_one_by_one(shards: Sequence[_Block], size: tuple[int, ...], what: str) -> None:
+    """``check_tiling`` in plain Python: for a few shards, and to say what is wrong."""
     ndim = len(size)
     for i, s in enumerate(shards):
         if len(s.offsets) != ndim:
@@ -175,8 +241,8 @@ def check_tiling(shards: Sequence[ShardMetadata], size: Sequence[int], *, what: 
                 raise ValueError(msg)
     regions: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     for i, s in enumerate(shards):
-        if s.numel > 0:
-            regions.setdefault(s.region, i)
+        if 0 not in s.dims:
+            regions.setdefault((tuple(s.offsets), tuple(s.dims)), i)
     numel = math.prod(size)
     if numel == 0:
         return

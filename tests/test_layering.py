@@ -43,9 +43,7 @@ SHARED_INTERNAL = {
 PRIVATE_RULE = ("sharding", "_shardkit", "sharded_tensor", "checkpoint")
 # Known violations, (file, imported module) -> why it is tolerated for now. Each entry must
 # still be needed (test_known_violations_are_still_needed), so it goes away with the fix.
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("checkpoint/_collect.py", "sharded_tensor._plan"): "the reshard plan is not yet in a shared home",
-}
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:

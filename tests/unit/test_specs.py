@@ -587,6 +587,34 @@ def test_check_tiling_errors(shards, size, match):
         check_tiling(shards, size)
 
 
+def _rows(n: int, *extra: tuple[tuple[int, ...], tuple[int, ...]], drop: int | None = None) -> list[ShardMetadata]:
+    """``n`` one-row shards of an (n, 3) tensor (enough to take the vectorized path), changed as asked."""
+    regions = [((r, 0), (1, 3)) for r in range(n) if r != drop]
+    return _md(*regions, *extra)
+
+
+@pytest.mark.parametrize(("shards", "match"), [
+    pytest.param(_rows(100, drop=37), r"shards leave a gap at element \(37, 0\) .*no shard covers it", id="gap"),
+    pytest.param(_rows(100, ((10, 1), (2, 1))), r"shards overlap at element \(10, 1\)", id="overlap"),
+    pytest.param(_rows(100, ((99, 0), (2, 3))), r"shards\[100\] .* reaches past the tensor's size \(100, 3\)",
+                 id="past-the-end"),
+    pytest.param(_rows(100, ((0, 0), (0, 4))), r"shards\[100\] .* reaches past .* along dimension 1",
+                 id="empty-but-too-wide"),
+    pytest.param(_rows(100, ((0,), (1,))), r"shards\[100\] has 1 dimensions but the tensor has 2", id="wrong-ndim"),
+])
+def test_check_tiling_of_many_shards_finds_what_few_would(shards, match):
+    # Past a few dozen shards the check is vectorized; a problem is then reported as before.
+    with pytest.raises(ValueError, match=match):
+        check_tiling(shards, (100, 3))
+
+
+def test_check_tiling_of_many_shards_accepts_replicas_empty_shards_and_uneven_blocks():
+    check_tiling(_rows(100, ((5, 0), (1, 3)), ((100, 0), (0, 3))), (100, 3))
+    mesh_like = _md(*[((r, c), (1, 1)) for r in range(10) for c in range(3)],
+                    *[((r, 0), (1, 3)) for r in range(10, 100)])
+    check_tiling(mesh_like, (100, 3))
+
+
 def test_check_tiling_accepts_replicas_and_empty_shards():
     check_tiling(_md(((0,), (4,)), ((0,), (4,)), ((4,), (0,))), (4,))
     check_tiling([], (0, 3))
