@@ -97,7 +97,7 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
         gathered[id(value)] = full
     if rank != dst:
         return None
-    return _rebuild(views, gathered)  # type: ignore[return-value]
+    return _rebuild(views, gathered)  # type: ignore[no-any-return]
 
 
 def _sharded_entries(value: Any, prefix: str = "") -> Iterator[tuple[str, ShardedTensor]]:

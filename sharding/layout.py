@@ -12,7 +12,6 @@ from typing import Protocol
 
 import torch
 
-
 __all__ = ["Box", "box_slices", "intersect", "RegionIndex", "check_tiling", "chunk_bounds", "REDUCE_OPS",
            "check_reduce_op"]
 

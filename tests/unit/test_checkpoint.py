@@ -19,7 +19,7 @@ import torch
 
 import checkpoint
 import sharded_tensor as st
-from checkpoint import CheckpointError, _codec, _load, _save, _schema
+from checkpoint import CheckpointError, _codec, _load, _save, _schema, _storage
 from sharding import single_split
 
 R0 = "rank:0/cpu"
@@ -407,36 +407,37 @@ def test_metadata_file_is_compact_and_validated_before_commit():
 def test_parsed_entry_finds_the_regions_a_block_needs():
     # 300 saved regions of a (600, 4) tensor, 2 rows each; the parsed entry answers from its
     # index, which must agree with intersecting every region.
-    files = {_format.data_file_name("ab", 0): 8 + 600 * 4 * 4}
-    shards = [_format.SavedShard((2 * r, 0), (2, 4), _format.data_file_name("ab", 0), f"w@{2 * r},0",
-                                 (8 + 32 * r, 8 + 32 * (r + 1)), "crc32c:00000000") for r in range(300)]
-    text = _format.CheckpointMetadata({"w": _format.TensorEntry(torch.Size((600, 4)), torch.float32, tuple(shards))},
+    files = {_storage.data_file_name("ab", 0): 8 + 600 * 4 * 4}
+    shards = [_schema.SavedShard((2 * r, 0), (2, 4), _storage.data_file_name("ab", 0), f"w@{2 * r},0",
+                                 (8 + 32 * r, 8 + 32 * (r + 1)), "crc32c:00000000", 1 << 20, (0,))
+              for r in range(300)]
+    text = _schema.CheckpointMetadata({"w": _schema.TensorEntry(torch.Size((600, 4)), torch.float32, tuple(shards))},
                                       {}, files, "ab", 1).to_json()
-    entry = _format.parse_metadata(text).tensors["w"]
+    entry = _schema.parse_metadata(text).tensors["w"]
     box = ((101, 1), (6, 2))  # rows 101..106: regions 50..53
     found = entry.overlapping(box)
     assert [s.offsets for s, _ in found] == [(100, 0), (102, 0), (104, 0), (106, 0)]
     assert [c for _, c in found] == [((101, 1), (1, 2)), ((102, 1), (2, 2)), ((104, 1), (2, 2)), ((106, 1), (1, 2))]
     # An entry built by hand (no index yet) gives the same answer.
-    fresh = _format.TensorEntry(entry.size, entry.dtype, entry.shards)
+    fresh = _schema.TensorEntry(entry.size, entry.dtype, entry.shards)
     assert fresh.overlapping(box) == found and fresh == entry
 
 
 def test_parse_reports_a_bad_region_among_many():
-    files = {_format.data_file_name("ab", 0): 8 + 600 * 4 * 4}
-    shards = [{"offsets": [2 * r, 0], "dims": [2, 4], "file": _format.data_file_name("ab", 0), "key": f"w{r}",
+    files = {_storage.data_file_name("ab", 0): 8 + 600 * 4 * 4}
+    shards = [{"offsets": [2 * r, 0], "dims": [2, 4], "file": _storage.data_file_name("ab", 0), "key": f"w{r}",
                "byte_range": [8 + 32 * r, 8 + 32 * (r + 1)], "checksum": "crc32c:00000000"} for r in range(300)]
     shards[120]["checksum"] = "crc32c:XYZ"
     data = {"format": "shardkit-checkpoint", "version": 1, "generation": "ab", "world_size": 1,
             "files": {name: {"bytes": n} for name, n in files.items()},
             "tensors": {"w": {"dtype": "float32", "size": [600, 4], "shards": shards}}, "values": {}}
     with pytest.raises(CheckpointError, match=r"tensor 'w' shards\[120\] checksum: expected"):
-        _format.parse_metadata(json.dumps(data))
+        _schema.parse_metadata(json.dumps(data))
     shards[120]["checksum"] = "crc32c:00000000"
     shards[121]["dims"] = [True, 4]
-    with pytest.raises(CheckpointError, match=r"shards\[121\] dims: expected a list of non-negative ints"):
-        _format.parse_metadata(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"shards\[121\] dims: expected a list of ints in \[0, 2\*\*63\)"):
+        _schema.parse_metadata(json.dumps(data))
     shards[121]["dims"] = [2, 4]
     del shards[7]
     with pytest.raises(CheckpointError, match=r"saved regions leave a gap at element \(14, 0\)"):
-        _format.parse_metadata(json.dumps(data))
+        _schema.parse_metadata(json.dumps(data))
