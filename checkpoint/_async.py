@@ -40,13 +40,14 @@ from typing import Any, Literal
 import torch
 
 from _shardkit import comm as _comm
+from _shardkit import teardown as _teardown
 
 from ._dtensor import dtensor_views
 from ._save import DEFAULT_TIMEOUT, _Plan, _plan, _reduce_partials, run_plan
 from ._schema import CheckpointError
 from ._storage import resolve
 
-__all__ = ["async_save", "AsyncSaveHandle"]
+__all__ = ["AsyncSaveHandle", "async_save"]
 
 
 class AsyncSaveHandle:
@@ -211,6 +212,9 @@ _lock = threading.Lock()
 _inflight: AsyncSaveHandle | None = None
 _staging = _Staging()
 _groups: dict[tuple[int, ...], Any] = {}
+# A cached group keeps its Gloo threads running; released at exit so they are joined before
+# the interpreter finalizes (see _shardkit/teardown.py).
+_teardown.on_exit(_groups.clear)
 
 
 def _staging_bytes() -> int:
@@ -226,6 +230,8 @@ def _checkpoint_group(process_group: _comm.ProcessGroup, timeout: float) -> Any:
         return None
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     group = _groups.get(ranks)
+    if group is not None and group not in dist.distributed_c10d._world.pg_map:
+        group = None  # destroyed with its process group; the ranks may belong to a new one
     if group is None:
         group = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
         _groups[ranks] = group
