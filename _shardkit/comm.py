@@ -19,25 +19,9 @@ import torch.distributed as dist
 
 from . import teardown  # noqa: F401 - binds torch's default-group arguments before any group exists; exit hook
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "CollectiveError",
-    "CommCounter",
-    "ProcessGroup",
-    "agree",
-    "all_gather_json",
-    "all_gather_tensor",
-    "all_reduce",
-    "all_reduce_values",
-    "barrier",
-    "broadcast_int",
-    "broadcast_json",
-    "default_device",
-    "exchange",
-    "gather_json",
-    "rank_and_world",
-    "start_exchange",
-]
+__all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
+           "gather_json", "broadcast_json", "all_gather_tensor", "CollectiveError",
+           "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
 """A ``torch.distributed.ProcessGroup``; ``None`` means the default group."""
@@ -137,7 +121,7 @@ def _pieces(wire: torch.Tensor) -> list[torch.Tensor]:
 class PendingExchange:
     """Transfers posted by ``start_exchange`` or ``send_ready``; ``wait()`` returns once all are complete."""
 
-    __slots__ = ("_group", "_posted", "_recv_works", "_works")
+    __slots__ = ("_works", "_group", "_posted", "_recv_works")
 
     def __init__(self, group: ProcessGroup) -> None:
         self._works: list[Any] = []

@@ -47,7 +47,7 @@ from ._save import DEFAULT_TIMEOUT, _Plan, _plan, _reduce_partials, run_plan
 from ._schema import CheckpointError
 from ._storage import resolve
 
-__all__ = ["AsyncSaveHandle", "async_save"]
+__all__ = ["async_save", "AsyncSaveHandle"]
 
 
 class AsyncSaveHandle:
