@@ -143,12 +143,14 @@ if [ "$KILL" = 1 ]; then
         fi
     done
     for pid in $(ip netns pids "${NS[1]}"); do kill -9 "$pid" 2>/dev/null || true; done
+    wait "${AGENT[1]}" 2>/dev/null || true
     killed_at=$(date +%s.%N)
     echo "multihost: host 1's agent and workers killed (SIGKILL) during training"
     rc0=0
-    ( sleep "$FAIL_TIMEOUT"; kill -9 "${AGENT[0]}" 2>/dev/null ) & watchdog=$!
-    wait "${AGENT[0]}" || rc0=$?
-    kill "$watchdog" 2>/dev/null || true
+    deadline=$((SECONDS + FAIL_TIMEOUT))
+    while kill -0 "${AGENT[0]}" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
+    kill -9 "${AGENT[0]}" 2>/dev/null || true  # still running at the deadline: it did not notice
+    wait "${AGENT[0]}" 2>/dev/null || rc0=$?
     seconds=$(awk -v a="$killed_at" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
     echo "multihost: host 0's errors:"
     grep -E "Error|error|FAILED|exitcode" "$OUT/logs/train-host0.log" | grep -v '^W[0-9]\{4\} ' | head -20 || true
