@@ -2,11 +2,10 @@
 
     python scripts/stress_exit.py [--runs 200] [--nproc 2] [--keep-logs DIR]
 
-Each run is ``torchrun --standalone --nproc-per-node 2`` on a script in the documented
-launch pattern (README, "A sharded model and its checkpoint"): import shardkit,
-``init_process_group``, shard a model from the meta device, train 3 steps, save a sharded
-checkpoint with ``checkpoint.save`` and another in the background with
-``CheckpointManager``, ``destroy_process_group``. A run fails if torchrun exits non-zero;
+Each run is ``torchrun --standalone --nproc-per-node 2`` on the README's training script
+("A sharded model and its checkpoint"): import shardkit, ``init_process_group``, shard a
+model from the meta device, train 3 steps, ``checkpoint.save``, ``destroy_process_group``.
+``--async-save`` adds a background save with ``CheckpointManager``. A run fails if torchrun exits non-zero;
 an abort is a failed run whose output shows a rank killed by SIGABRT or the C++ runtime's
 ``terminate called``. The driver lowers its own priority (``nice``): the job is short and
 the machine may be shared. Prints one JSON line and exits 1 if any run failed.
@@ -26,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def rank_main(out: Path) -> None:
+def rank_main(out: Path, *, async_save: bool) -> None:
     """One rank of the job: the documented pattern, train and save."""
     import torch
     import torch.distributed as dist
@@ -38,27 +37,25 @@ def rank_main(out: Path) -> None:
     from sharding import composite, single_split
 
     dist.init_process_group("gloo")
-    try:
-        ranks = [f"rank:{r}/cpu" for r in range(dist.get_world_size())]
-        with torch.device("meta"):
-            model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1000))
-        spec = composite(**{"0": single_split(0, ranks), "1": single_split(0, ranks),
-                            "3.weight": single_split(1, ranks)})
-        st.shard_model(model, spec, seed=0)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = torch.arange(129) % 1000
-        for _ in range(3):
-            loss = F.cross_entropy(model(tokens[:-1]), tokens[1:])
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-        state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 3}
-        checkpoint.save(state, str(out / "ckpt"), quiet=True)
+    ranks = [f"rank:{r}/cpu" for r in range(dist.get_world_size())]
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1000))
+    spec = composite(**{"0": single_split(0, ranks), "1": single_split(0, ranks), "3.weight": single_split(1, ranks)})
+    st.shard_model(model, spec, seed=0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.arange(129) % 1000
+    for _ in range(3):
+        loss = F.cross_entropy(model(tokens[:-1]), tokens[1:])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 3}
+    checkpoint.save(state, str(out / "ckpt"), quiet=True)
+    if async_save:
         manager = checkpoint.CheckpointManager(str(out / "managed"), keep_last=1)
         manager.save(3, state, async_=True)
         manager.wait()
-    finally:
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def drive(args: argparse.Namespace) -> int:
@@ -73,6 +70,8 @@ def drive(args: argparse.Namespace) -> int:
             out = Path(tmp) / f"run-{run}"
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                        str(args.nproc), str(Path(__file__).resolve()), "--rank-of", str(out)]
+            if args.async_save:
+                command.append("--async-save")
             result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 failed.append(run)
@@ -82,10 +81,11 @@ def drive(args: argparse.Namespace) -> int:
                 if args.keep_logs is not None:
                     args.keep_logs.mkdir(parents=True, exist_ok=True)
                     (args.keep_logs / f"run-{run}.log").write_text(text)
-                print(f"run {run}: exit code {result.returncode}{' (abort)' if run in aborted else ''}",
-                      file=sys.stderr, flush=True)
+            outcome = "ok" if result.returncode == 0 else f"exit code {result.returncode}"
+            print(f"run {run}/{args.runs}: {outcome}{' (abort)' if run in aborted else ''}; "
+                  f"{len(failed)} failed so far", file=sys.stderr, flush=True)
             subprocess.run(["rm", "-rf", str(out)], check=False)
-    summary = {"runs": args.runs, "nproc": args.nproc, "failed": len(failed), "aborted": len(aborted),
+    summary = {"runs": args.runs, "nproc": args.nproc, "async_save": args.async_save, "failed": len(failed), "aborted": len(aborted),
                "failed_runs": failed, "seconds": round(time.perf_counter() - start, 1)}
     print(json.dumps(summary), flush=True)
     return 1 if failed else 0
@@ -95,11 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=200, help="torchrun jobs to start, one after another (default: 200)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per job (default: 2)")
+    parser.add_argument("--async-save", action="store_true",
+                        help="also save in the background with CheckpointManager")
     parser.add_argument("--keep-logs", type=Path, help="folder to write the output of each failed run to")
     parser.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_of is not None:
-        rank_main(args.rank_of)
+        rank_main(args.rank_of, async_save=args.async_save)
         return 0
     if args.runs < 1 or args.nproc < 1:
         parser.error(f"--runs and --nproc must be at least 1, got --runs {args.runs} --nproc {args.nproc}")
