@@ -25,54 +25,62 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def rank_main(out: Path, *, async_save: bool) -> None:
-    """One rank of the job: the documented pattern, train and save."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch import nn
+# The README's training script, run as a user's script is: module-level code, its objects
+# alive until the interpreter exits. The checkpoint folder comes from the environment.
+JOB = """\
+import os
 
-    import checkpoint
-    import sharded_tensor as st
-    from sharding import composite, single_split
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-    dist.init_process_group("gloo")
-    ranks = [f"rank:{r}/cpu" for r in range(dist.get_world_size())]
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1000))
-    spec = composite(**{"0": single_split(0, ranks), "1": single_split(0, ranks), "3.weight": single_split(1, ranks)})
-    st.shard_model(model, spec, seed=0)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.arange(129) % 1000
-    for _ in range(3):
-        loss = F.cross_entropy(model(tokens[:-1]), tokens[1:])
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-    state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 3}
-    checkpoint.save(state, str(out / "ckpt"), quiet=True)
-    if async_save:
-        manager = checkpoint.CheckpointManager(str(out / "managed"), keep_last=1)
-        manager.save(3, state, async_=True)
-        manager.wait()
-    dist.destroy_process_group()
+import checkpoint
+import sharded_tensor as st
+from sharding import composite, single_split
+
+dist.init_process_group("gloo")
+ranks = [f"rank:{r}/cpu" for r in range(dist.get_world_size())]
+
+with torch.device("meta"):
+    model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1000))
+spec = composite(**{"0": single_split(0, ranks), "1": single_split(0, ranks), "3.weight": single_split(1, ranks)})
+st.shard_model(model, spec, seed=0)
+optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+tokens = torch.arange(129) % 1000
+for step in range(3):
+    loss = F.cross_entropy(model(tokens[:-1]), tokens[1:])
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+
+state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 3}
+checkpoint.save(state, os.path.join(os.environ["STRESS_OUT"], "ckpt"), quiet=True)
+if os.environ.get("STRESS_ASYNC") == "1":
+    manager = checkpoint.CheckpointManager(os.path.join(os.environ["STRESS_OUT"], "managed"), keep_last=1)
+    manager.save(3, state, async_=True)
+    manager.wait()
+dist.destroy_process_group()
+"""
 
 
 def drive(args: argparse.Namespace) -> int:
     os.nice(10)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    env = {**os.environ, "STRESS_ASYNC": "1" if args.async_save else "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     failed: list[int] = []
     aborted: list[int] = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="stress-exit-") as tmp:
+        script = Path(tmp) / "train.py"
+        script.write_text(JOB)
         for run in range(1, args.runs + 1):
             out = Path(tmp) / f"run-{run}"
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                       str(args.nproc), str(Path(__file__).resolve()), "--rank-of", str(out)]
-            if args.async_save:
-                command.append("--async-save")
-            result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+                       str(args.nproc), str(script)]
+            result = subprocess.run(command, env={**env, "STRESS_OUT": str(out)}, cwd=ROOT, capture_output=True,
+                                    text=True, check=False)
             if result.returncode != 0:
                 failed.append(run)
                 text = result.stdout + result.stderr
@@ -98,11 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-save", action="store_true",
                         help="also save in the background with CheckpointManager")
     parser.add_argument("--keep-logs", type=Path, help="folder to write the output of each failed run to")
-    parser.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rank_of is not None:
-        rank_main(args.rank_of, async_save=args.async_save)
-        return 0
     if args.runs < 1 or args.nproc < 1:
         parser.error(f"--runs and --nproc must be at least 1, got --runs {args.runs} --nproc {args.nproc}")
     return drive(args)
