@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -54,8 +55,6 @@ def _unbind_stale_defaults() -> None:
     # The module was imported after init_process_group (shardkit imported late): its
     # defaults still hold the destroyed default group. None is what they bind when the
     # module is imported before any group exists.
-    import sys
-
     module = sys.modules.get("torch.distributed.nn.functional")
     if module is None:
         return
