@@ -29,6 +29,8 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import teardown  # noqa: F401 - binds torch's default-group arguments before any group exists; exit hook
+
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "gather_json", "broadcast_json", "all_gather_tensor", "CollectiveError",
            "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT",

@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 
 from _shardkit import comm as _comm
+from _shardkit import teardown as _teardown
 
 from ._dtensor import dtensor_views
 from ._save import _Plan, _plan, _reduce_partials, run_plan
@@ -211,6 +212,9 @@ _lock = threading.Lock()
 _inflight: AsyncSaveHandle | None = None
 _staging = _Staging()
 _groups: dict[tuple[int, ...], Any] = {}
+# A cached group keeps its Gloo threads running; released at exit so they are joined before
+# the interpreter finalizes (see _shardkit/teardown.py).
+_teardown.on_exit(_groups.clear)
 
 
 def _staging_bytes() -> int:
@@ -226,6 +230,8 @@ def _checkpoint_group(process_group: _comm.ProcessGroup, timeout: float | None) 
         return None
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     group = _groups.get(ranks)
+    if group is not None and group not in dist.distributed_c10d._world.pg_map:
+        group = None  # destroyed with its process group; the ranks may belong to a new one
     if group is None:
         seconds = max(_comm.resolve_timeout(timeout), 1.0)
         group = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=seconds))

@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="cpu: Gloo on CPU processes; cuda: NCCL, one GPU per rank (default: cpu)")
     parser.add_argument("--steps", type=int, default=5, help="training steps in each run (default: 5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
-    parser.add_argument("--phase", choices=("train", "resume"), help=argparse.SUPPRESS)
+    # One stage at a time, for launchers of its own (scripts/multihost.sh): "reference" and
+    # "export" in one process, "train" and "resume" on every rank under torchrun.
+    parser.add_argument("--phase", choices=("reference", "train", "resume", "export"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.nproc < 1 or args.steps < 1:
         parser.error("--nproc and --steps must be at least 1")
@@ -452,6 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out.resolve()
     if args.phase is None:
         return drive(args)
+    if args.phase == "reference":
+        args.out.mkdir(parents=True, exist_ok=True)
+        run_reference(args)
+        return 0
+    if args.phase == "export":
+        report = Report()
+        export(args, report)
+        return 1 if report.failed else 0
     return run_rank(args)
 
 

@@ -1,0 +1,85 @@
+"""Processes that used shardkit exit with every process group freed (``_shardkit/teardown.py``).
+
+A Gloo group's worker threads still running when the interpreter finalizes can abort the
+process (SIGABRT, ``terminate called without an active exception``) after its work is done.
+The abort itself is a race; what these tests check is the condition that rules it out: at
+interpreter exit no Gloo worker thread is left, whether the script destroyed its process
+group or not, and whether it imported shardkit before or after ``init_process_group``.
+Each case is a real ``torchrun`` job of 2 ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.distributed
+
+# Registered before shardkit is imported, so atexit runs it after shardkit's own exit hook,
+# as late as a Python handler can look.
+_OBSERVER = """
+import atexit, os
+
+def _gloo_threads_at_exit():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    print(f"rank {os.environ['RANK']}: gloo threads at exit: {sum(n.startswith(('pt_gloo', 'gloo')) for n in names)}",
+          flush=True)
+
+atexit.register(_gloo_threads_at_exit)
+import torch
+import torch.distributed as dist
+"""
+
+_IMPORT = "import checkpoint\nimport sharded_tensor as st\nfrom sharding import single_split\n"
+
+# Random initialization on the meta device makes torch import torch._dynamo, which imports
+# torch.distributed.nn.functional: the import that keeps a group alive when it happens
+# after init_process_group. An async save caches the checkpoint's own Gloo group.
+_WORK = """
+ranks = [f"rank:{r}/cpu" for r in range(dist.get_world_size())]
+with torch.device("meta"):
+    torch.nn.Embedding(16, 4)
+t = st.randn(8, 4, sharding_spec=single_split(0, ranks))
+checkpoint.async_save({"t": t}, os.environ["CKPT"]).result()
+"""
+
+
+def _script(*, import_first: bool, destroy: bool) -> str:
+    parts = [_OBSERVER]
+    if import_first:
+        parts.append(_IMPORT)
+    parts.append('dist.init_process_group("gloo")\n')
+    if not import_first:
+        parts.append(_IMPORT)
+    parts.append(_WORK)
+    if destroy:
+        parts.append("dist.destroy_process_group()\n")
+    return "".join(parts)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc/self/task (Linux)")
+@pytest.mark.parametrize(("import_first", "destroy"), [
+    pytest.param(True, True, id="documented-pattern"),
+    pytest.param(True, False, id="no-destroy"),
+    pytest.param(False, True, id="imported-after-init"),
+])
+def test_no_gloo_thread_left_at_exit(tmp_path: Path, import_first: bool, destroy: bool) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(_script(import_first=import_first, destroy=destroy)))
+    env = {**os.environ, "CKPT": str(tmp_path / "ckpt"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                            check=False)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    counts = dict(re.findall(r"rank (\d): gloo threads at exit: (\d+)", result.stdout))
+    assert counts == {"0": "0", "1": "0"}, log

@@ -1,0 +1,123 @@
+"""Two hosts, simulated with network namespaces: ``scripts/multihost.sh``.
+
+Each "host" is a network namespace with its own address on a veth pair and its own
+``torchrun`` agent; the ranks reach each other only over that link (c10d rendezvous, Gloo
+on the veth). Needs root and iproute2; skipped, with the reason, where namespaces or veth
+pairs cannot be created.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "multihost.sh"
+STEPS = 2  # the script's default
+
+pytestmark = [pytest.mark.multihost, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _netns_unavailable() -> str | None:
+    """Why two namespaces joined by a veth pair cannot be made here, or None if they can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    if shutil.which("ip") is None:
+        return "the 'ip' command (iproute2) is not installed"
+    name, veth = f"shardkit-probe-{os.getpid()}", f"skp-{os.getpid()}"
+    try:
+        for command in (["ip", "netns", "add", name],
+                        ["ip", "link", "add", veth, "type", "veth", "peer", "name", veth + "b"],
+                        ["ip", "link", "set", veth + "b", "netns", name]):
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                return f"{' '.join(command)} failed: {result.stderr.strip()}"
+        return None
+    finally:
+        subprocess.run(["ip", "link", "del", veth], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def netns() -> None:
+    reason = _netns_unavailable()
+    if reason is not None:
+        pytest.skip(f"network namespaces are unavailable: {reason}")
+
+
+def _run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SHARDKIT_PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(SCRIPT), "--out", str(out), *args], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=800, check=False)
+    if result.returncode == 77:
+        pytest.skip(f"network namespaces are unavailable: {result.stderr.strip()}")
+    return result
+
+
+def _demo() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("shardkit_demo", ROOT / "scripts" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_save_resume_across_two_hosts(netns: None, tmp_path: Path) -> None:
+    result = _run(tmp_path)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    assert "multihost: ok" in result.stdout, log
+    assert "FAILED" not in result.stdout, log
+    assert "over 4 ranks" in result.stdout and "saved by 4 ranks" in result.stdout, log
+    assert "restart on 2 ranks" in result.stdout, log
+    assert len(re.findall(r"check: .*: ok", result.stdout)) >= 7, log
+
+    # The checkpoint the 4 ranks on two hosts saved holds the weights of plain PyTorch
+    # training for the same steps (a different summation order: a tolerance, not equality).
+    demo = _demo()
+    model = demo.TinyLM()
+    model.load_state_dict(demo.initial_weights(0))
+    optim = demo.make_optimizer(model)
+    for step in range(STEPS):
+        demo.train_step(model, optim, demo.batch(step, 0))
+    saved: dict[str, object] = {"model": dict.fromkeys(model.state_dict())}
+    checkpoint.load(saved, str(tmp_path / "checkpoints" / f"step-{STEPS:010d}"), strict=False)
+    for name, expected in model.state_dict().items():
+        loaded = saved["model"][name]  # type: ignore[index]
+        assert loaded.shape == expected.shape, name
+        assert (loaded - expected).abs().max().item() <= demo.WEIGHT_TOL, name
+
+    # What the 2 ranks saved after resuming is, bit for bit, what the export consolidated.
+    final: dict[str, object] = dict.fromkeys(model.state_dict())
+    checkpoint.load(final, str(tmp_path / "model"))
+    exported: dict[str, torch.Tensor] = {}
+    for path in sorted((tmp_path / "hf-model").glob("*.safetensors")):
+        exported.update(load_file(path))
+    assert sorted(exported) == sorted(final)
+    for name, tensor in exported.items():
+        assert torch.equal(final[name], tensor), name  # type: ignore[arg-type]
+
+
+def test_killed_host_makes_the_other_fail_with_an_error(netns: None, tmp_path: Path) -> None:
+    result = _run(tmp_path, "--kill-host1", "--fail-timeout", "120")
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    match = re.search(r"host 0 failed after ([0-9.]+) s with exit code (\d+)", result.stdout)
+    assert match is not None, log
+    # A safety bound (the script stops waiting at --fail-timeout), not a performance claim.
+    assert float(match[1]) < 120, log
+    assert int(match[2]) != 0
+    survivor = (tmp_path / "logs" / "train-host0.log").read_text()
+    assert re.search(r"Connection (reset|closed) by peer|CollectiveError", survivor), survivor
