@@ -5,10 +5,13 @@ the saved regions that overlap it come from ``sharding.layout.RegionIndex`` (the
 overlap search the reshard planner uses). Every read goes through ``_reader.DataReader`` and
 is widened to whole checksummed spans (``_reader.covering``): in format version 2 the
 chunks a read touches (at most one chunk of extra bytes at each end), so partial reads are
-verified too; in version 1 whole regions only. Bytes are verified before they are copied,
-so a failed load never leaves corrupt bytes in the target:
+verified too; in version 1 whole regions only. A failed load never leaves corrupt bytes in
+the target:
 
-- local files, contiguous overlap and target (e.g. whole regions, row blocks): whole chunks
+- an overlap that is exactly whole spans, contiguous in file and target (e.g. whole regions):
+  read straight into the target and verified there; a failed check clears the block to zeros
+  (one pass over memory less than staging);
+- local files, contiguous overlap and target otherwise (e.g. row blocks): whole chunks
   stream through a small buffer, each verified and then copied into the target;
 - local files, anything else: the covering range is memory mapped, verified, then moved into
   the target by one strided ``copy_``;
@@ -173,8 +176,8 @@ def _execute(task: _Task, reader: DataReader, scratch: memoryview, mmap: bool = 
     """Copy the overlap ``task.common`` of a saved region into ``task.dest``, verified before it is copied
     (or, with ``mmap``, map the target onto the file's verified pages where ``_map_into`` can).
 
-    Every read is widened to whole checksummed spans (``covering``) and verified before any of
-    its bytes reach the target, so a failed load never leaves corrupt bytes in it. Version-1
+    Every read is widened to whole checksummed spans (``covering``) and verified; a failed load
+    never leaves corrupt bytes in the target (verified before copying, or cleared on failure). Version-1
     regions have one span, so only whole regions are verified there, as version 1 specified.
     """
     if mmap and _map_into(task, reader):
@@ -194,6 +197,18 @@ def _execute(task: _Task, reader: DataReader, scratch: memoryview, mmap: bool = 
         return
     # The largest checksummed span the read must see whole before copying (0: none to check).
     span = shard.chunk_bytes if shard.chunks else (hi - lo if (lo, hi) == shard.byte_range else 0)
+    if direct is not None and (lo, hi) == (first, last):
+        # The target holds exactly whole checksummed spans (whole regions, aligned blocks): read
+        # straight into it and verify there, one pass less than staging; if a span is corrupt,
+        # the target's bytes are zeroed before the error propagates, so none of them stay.
+        reader.readinto(task.path, first, direct, tensors=task.name)
+        try:
+            RegionCheck(shard, task.path, task.name, first, reader.verified).update(direct)
+        except CheckpointError:
+            with torch.no_grad():
+                task.dest.zero_()
+            raise
+        return
     if direct is not None and reader.local and span <= len(scratch):
         # Contiguous in file and target: stream whole spans through a small buffer (kept in
         # the CPU cache), verifying each piece before copying its wanted bytes into the target.

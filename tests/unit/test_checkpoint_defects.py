@@ -236,8 +236,14 @@ def test_corrupt_region_raises_and_leaves_the_target_untouched(tmp_path: Path, d
     with pytest.raises(CheckpointError, match="checksum mismatch") as info:
         checkpoint.load({"w": target}, folder)
     assert shard["file"] in str(info.value)
-    # nothing corrupt was copied: each element is either the old value or the right one
-    assert bool(((target == 7.0) | (target == full)).all())
+    # nothing corrupt stays: each element is the old value, the right one, or zero (a block read
+    # straight into the target whose bytes fail verification is cleared), and the flipped
+    # element is not the corrupt value
+    assert bool(((target == 7.0) | (target == full) | (target == 0)).all())
+    flip = (shard["byte_range"][0] + shard["byte_range"][1]) // 2
+    word = flip - (flip - shard["byte_range"][0]) % 4
+    corrupt = torch.frombuffer(bytearray(data[word:word + 4]), dtype=torch.float32)[0]
+    assert not bool((target == corrupt).any()), corrupt
     assert _mapped_in(folder) == []
 
 
