@@ -1,31 +1,15 @@
-"""Layout-invariant initialization of parameters materialized shard by shard.
+"""Fast fills from the counter-based generator: any block of a tensor, as a slice of the global one.
 
-A model built on the meta device has shapes but no values. ``shard_model`` allocates each
-rank's block of every parameter and then runs the modules' own ``reset_parameters()``
-inside :class:`LayoutInvariantInit`, which makes the random fills of ``torch.nn.init`` (and
-``Tensor.uniform_`` / ``Tensor.normal_`` called directly) produce, for every element, the
-value that the *global* tensor would hold at that element's global index:
-
-* Values come from the counter-based generator of ``_random``: element ``i`` (row-major
-  global index) of a parameter named ``name`` is a hash of ``(derive_seed(seed, name), i)``.
-  A rank computes exactly its own block and nothing else, and the same model split over
-  1, 2 or 4 ranks along any dimension holds bit-identical values.
-* Distributions are the ones the init rule asks for, with fans from the **global** shape:
-  ``_calculate_fan_in_and_fan_out`` answers for the global tensor, so ``kaiming_uniform_``,
-  ``xavier_*``, ``kaiming_normal_`` and ``Linear``'s bias bound are the unsharded ones.
-* Init rules that need the whole tensor at once (``orthogonal_``, ``sparse_``, ``eye_``,
-  ``dirac_``) are refused for split parameters (a ``ValueError`` naming the parameter);
-  on whole (replicated) parameters they run normally.
-* Any other use of torch's RNG during a module's init (buffers, helper tensors) runs with
-  torch's generator seeded from ``(seed, module name)``, so replicas agree on every rank.
-
-The generator is the one in ``_random`` (SplitMix64 of ``index * golden + seed``); this
-module evaluates the same formula in fixed-size, vector-aligned chunks with numpy's uint64
-arithmetic, much faster than ``_random``'s int64 torch ops (which have no vector multiply
-on CPU) and as fast as ``torch.Tensor.uniform_`` (docs/benchmarks.md, "Figures behind
-implementation choices"). Without numpy it falls back to
-``_random`` itself. The chunks are always processed at full width, so no element ever
-takes a scalar code path that another layout would take vectorized.
+``fill_uniform_``, ``fill_normal_`` and ``fill_trunc_normal_`` give each element of a block the
+value the *global* tensor holds at that element's global index: the generator of ``_random``
+(SplitMix64 of ``index * golden + seed``) evaluated in fixed-size, vector-aligned chunks with
+numpy's uint64 arithmetic, much faster than ``_random``'s int64 torch ops (which have no
+vector multiply on CPU) and as fast as ``torch.Tensor.uniform_`` (docs/benchmarks.md,
+"Figures behind implementation choices"). Without numpy they fall back to ``_random``
+itself. The chunks are always processed at full width, so no element ever takes a scalar
+code path that another layout would take vectorized. ``draw_uniform_`` is the faster,
+layout-dependent fill (numpy's PCG64 per block). ``st.randn``/``st.rand`` and the
+layout-invariant init of ``shard_model`` (``_model.init``) use them.
 """
 
 from __future__ import annotations

@@ -19,13 +19,7 @@ value that the *global* tensor would hold at that element's global index:
 * Any other use of torch's RNG during a module's init (buffers, helper tensors) runs with
   torch's generator seeded from ``(seed, module name)``, so replicas agree on every rank.
 
-The generator is the one in ``_random`` (SplitMix64 of ``index * golden + seed``); this
-module evaluates the same formula in fixed-size, vector-aligned chunks with numpy's uint64
-arithmetic, much faster than ``_random``'s int64 torch ops (which have no vector multiply
-on CPU) and as fast as ``torch.Tensor.uniform_`` (docs/benchmarks.md, "Figures behind
-implementation choices"). Without numpy it falls back to
-``_random`` itself. The chunks are always processed at full width, so no element ever
-takes a scalar code path that another layout would take vectorized.
+The fills themselves are in ``sharded_tensor._fill``.
 """
 
 from __future__ import annotations
