@@ -30,7 +30,7 @@ device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,28 +97,18 @@ class _ReduceFromRanks(torch.autograd.Function):
         return grad, None
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, dim: int, intervals: Intervals,
-                group: _comm.ProcessGroup) -> torch.Tensor:
-        ctx.args = (dim, intervals, group)
-        return _gather(tensor, dim, intervals, group)
+class _Mirror(torch.autograd.Function):
+    """``there`` forward, ``back`` on the gradient: a gather's backward is a slice, and the reverse."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _slice(grad, *ctx.args), None, None, None
-
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, dim: int, intervals: Intervals,
-                group: _comm.ProcessGroup) -> torch.Tensor:
-        ctx.args = (dim, intervals, group)
-        return _slice(tensor, dim, intervals, group)
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup,
+                there: Callable[..., torch.Tensor], back: Callable[..., torch.Tensor]) -> torch.Tensor:
+        ctx.args, ctx.back = (dim, intervals, group), back
+        return there(tensor, dim, intervals, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _gather(grad, *ctx.args), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.back(grad, *ctx.args), None, None, None, None, None
 
 
 def copy_to_ranks(tensor: torch.Tensor, group: _comm.ProcessGroup = None) -> torch.Tensor:
@@ -157,7 +147,7 @@ def gather(tensor: torch.Tensor, dim: int, intervals: Sequence[tuple[int, int]],
     """
     if _comm.rank_and_world(group)[1] == 1:
         return tensor
-    return _Gather.apply(tensor, dim, tuple(intervals), group)  # type: ignore[no-any-return]
+    return _Mirror.apply(tensor, dim, tuple(intervals), group, _gather, _slice)  # type: ignore[no-any-return]
 
 
 def scatter(tensor: torch.Tensor, dim: int, intervals: Sequence[tuple[int, int]],
@@ -165,4 +155,4 @@ def scatter(tensor: torch.Tensor, dim: int, intervals: Sequence[tuple[int, int]]
     """This rank's slice of a replicated ``tensor``; backward gathers the gradient. Collective in backward."""
     if _comm.rank_and_world(group)[1] == 1:
         return tensor
-    return _Scatter.apply(tensor, dim, tuple(intervals), group)  # type: ignore[no-any-return]
+    return _Mirror.apply(tensor, dim, tuple(intervals), group, _slice, _gather)  # type: ignore[no-any-return]
