@@ -59,6 +59,7 @@ from ._walk import flatten_state_dict
 __all__ = ["load"]
 
 _SLAB_BYTES = 64 << 20    # largest single covering read
+_VERIFY_PIECE = 1 << 20   # read-then-checksum unit of a direct read: stays in the CPU cache
 _SCRATCH_BYTES = 4 << 20  # streaming buffer of contiguous reads: a few chunks, small enough for the CPU cache
 
 
@@ -201,9 +202,13 @@ def _execute(task: _Task, reader: DataReader, scratch: memoryview, mmap: bool = 
         # The target holds exactly whole checksummed spans (whole regions, aligned blocks): read
         # straight into it and verify there, one pass less than staging; if a span is corrupt,
         # the target's bytes are zeroed before the error propagates, so none of them stay.
-        reader.readinto(task.path, first, direct, tensors=task.name)
+        check = RegionCheck(shard, task.path, task.name, first, reader.verified)
         try:
-            RegionCheck(shard, task.path, task.name, first, reader.verified).update(direct)
+            # Piece by piece, each checked right after it arrives, while it is still in the CPU cache.
+            for start in range(0, len(direct), _VERIFY_PIECE):
+                piece = direct[start:start + _VERIFY_PIECE]
+                reader.readinto(task.path, first + start, piece, tensors=task.name)
+                check.update(piece)
         except CheckpointError:
             with torch.no_grad():
                 task.dest.zero_()
