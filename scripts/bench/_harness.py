@@ -133,6 +133,22 @@ def reset_peak() -> int:
     return proc_status("VmRSS")
 
 
+def measured(fn: Callable[[], Any]) -> tuple[Any, float, float, int]:
+    """``(fn(), wall s, CPU s, peak RSS growth in bytes)``, started together by every rank. Collective.
+
+    The ranks meet at a barrier before and after, so the slowest rank's wall time is the
+    step's; the peak is reset first, so the growth is this step's alone.
+    """
+    dist.barrier()
+    before = reset_peak()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    result = fn()
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = proc_status("VmHWM") - before
+    dist.barrier()
+    return result, elapsed, cpu, peak
+
+
 def local_param_bytes(model: Any) -> int:
     """Bytes of the parameters this rank holds (a DTensor's local tensor for DTensors)."""
     total = 0

@@ -49,8 +49,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # after the repository ro
 from _harness import (  # noqa: E402
     llama_tp_names,
     local_param_bytes,
-    proc_status,
-    reset_peak,
+    measured,
     run_fresh,
 )
 
@@ -134,14 +133,8 @@ def _rank(rank: int, world: int, method: str, dims: dict[str, int]) -> dict[str,
     warm(torch.zeros(1, 4, dtype=torch.long))
     del warm
     config = _config(**dims)
-    dist.barrier()
-    before = reset_peak()
     phases: dict[str, float] = {}
-    start, cpu_start = time.perf_counter(), time.process_time()
-    model = run(config, phases)
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    peak = proc_status("VmHWM")
-    dist.barrier()
+    model, elapsed, cpu, growth = measured(lambda: run(config, phases))
     with torch.no_grad():
         logits = model(torch.arange(8).reshape(1, 8) % config.vocab_size).logits
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
@@ -156,7 +149,7 @@ def _rank(rank: int, world: int, method: str, dims: dict[str, int]) -> dict[str,
         replicas_agree = all(torch.equal(heads[0], h) for h in heads)
         std = float(_local(model.model.layers[0].mlp.down_proj.weight).std())
         norm_ones = bool((_local(model.model.norm.weight) == 1).all())
-    return {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before,
+    return {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": growth,
             "shard_bytes": local_param_bytes(model), "phases": phases,
             "output_finite": bool(torch.isfinite(logits).all()), "distinct_blocks": distinct,
             "replicas_agree": replicas_agree,

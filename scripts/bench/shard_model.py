@@ -37,12 +37,11 @@ import platform
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
-from _harness import local_param_bytes, proc_status, reset_peak, run_fresh  # noqa: E402
+from _harness import local_param_bytes, measured, run_fresh  # noqa: E402
 
 MiB = 1 << 20
 METHODS = ("shardkit_meta", "shardkit_meta_seeded", "materialize_then_shard", "torch_parallelize_module")
@@ -122,13 +121,7 @@ def _rank(rank: int, world: int, method: str, dim: int, blocks: int) -> dict[str
     warm = run(64, 1)
     warm(torch.randn(2, 64))
     del warm
-    dist.barrier()
-    before = reset_peak()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    model = run(dim, blocks)
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    peak = proc_status("VmHWM")
-    dist.barrier()
+    model, elapsed, cpu, growth = measured(lambda: run(dim, blocks))
     with torch.no_grad():
         y = model(torch.randn(2, dim))
         # Does each rank hold different values in its block of fc1.weight (rows r*k..)?
@@ -138,7 +131,7 @@ def _rank(rank: int, world: int, method: str, dim: int, blocks: int) -> dict[str
         everyone = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
         distinct = len({tuple(t.tolist()) for t in everyone}) == world
-    return {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": peak - before, "shard_bytes": local_param_bytes(model),
+    return {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": growth, "shard_bytes": local_param_bytes(model),
             "output_finite": bool(torch.isfinite(y if not hasattr(y, "full_tensor") else y.full_tensor()).all()),
             "distinct_blocks": distinct}
 
