@@ -1,11 +1,13 @@
-"""How the version-1 checkpoints in ``tests/data/v1/`` were made; the values they must load to.
+"""How the checkpoints of older format versions in ``tests/data/v<N>/`` were made; the values they must load to.
 
-The committed folders are the point: they were written by the version-1 writer and every
-later reader must load them bit for bit (``tests/unit/test_format_v1.py``,
-``tests/distributed/test_format_v1.py``). Running this script again writes new folders
-(new generation ids) and is only needed to add a fixture, never to refresh one::
+The committed folders are the point: ``tests/data/v1`` was written by the version-1 writer,
+``tests/data/v2`` by the version-2 writer, from the same state_dicts, and every later reader
+must load them bit for bit (``tests/unit/test_format_versions.py``,
+``tests/distributed/test_format_versions.py``). Running this script writes new folders in the
+current version (new generation ids); it is only needed to freeze the current version before
+the format changes again, never to refresh a committed folder::
 
-    PYTHONPATH=$PWD python -m tests.data.make_v1 tests/data/v1
+    PYTHONPATH=$PWD python -m tests.data.make_fixtures tests/data/v3
 
 - ``one_rank``: saved by a world of one: several dtypes, a 0-d tensor, a ``ShardedTensor``
   split into three row blocks, a nested state_dict with JSON values.
@@ -118,4 +120,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/data/v1")
+    main(sys.argv[1])

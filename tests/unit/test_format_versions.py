@@ -1,4 +1,4 @@
-"""Version-1 checkpoints committed in ``tests/data/v1`` (see ``tests/data/make_v1.py``) keep loading bit for bit."""
+"""Committed checkpoints of older format versions (``tests/data/v<N>``, see ``make_fixtures.py``) load bit for bit."""
 
 from __future__ import annotations
 
@@ -13,19 +13,20 @@ import checkpoint
 import sharded_tensor as st
 from checkpoint._cli import verify
 from sharding import single_split
-from tests.data.make_v1 import (
+from tests.data.make_fixtures import (
     ONE_RANK_VALUES,
     TWO_RANK_VALUES,
     one_rank_tensors,
     two_rank_tensors,
 )
 
-V1 = Path(__file__).parent.parent / "data" / "v1"
+DATA = Path(__file__).parent.parent / "data"
+VERSIONS = ["v1", "v2"]
 
 
-def _copy(name: str, tmp_path: Path) -> Path:
+def _copy(name: str, tmp_path: Path, version: str) -> Path:
     """A private copy, so no test can ever change the committed files."""
-    return Path(shutil.copytree(V1 / name, tmp_path / name))
+    return Path(shutil.copytree(DATA / version / name, tmp_path / name))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -39,14 +40,16 @@ def _full(t: st.ShardedTensor) -> torch.Tensor:
     return out
 
 
-def test_fixtures_are_version_1() -> None:
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fixtures_have_their_version(version: str) -> None:
     for name in ("one_rank", "two_ranks"):
-        text = (V1 / name / "shardkit.json").read_text()
-        assert '"version":1' in text.replace(" ", ""), name
+        text = (DATA / version / name / "shardkit.json").read_text()
+        assert f'"version":{version[1:]},' in text.replace(" ", ""), name
 
 
-def test_one_rank_loads_into_plain_tensors(tmp_path: Path) -> None:
-    folder = _copy("one_rank", tmp_path)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_one_rank_loads_into_plain_tensors(tmp_path: Path, version: str) -> None:
+    folder = _copy("one_rank", tmp_path, version)
     expected = one_rank_tensors()
     state = {name: torch.full_like(t, 0) for name, t in expected.items()}
     state.update({name: None for name in ONE_RANK_VALUES})
@@ -58,8 +61,9 @@ def test_one_rank_loads_into_plain_tensors(tmp_path: Path) -> None:
         assert state[name] == v, name
 
 
-def test_one_rank_loads_into_another_layout(tmp_path: Path) -> None:
-    folder = _copy("one_rank", tmp_path)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_one_rank_loads_into_another_layout(tmp_path: Path, version: str) -> None:
+    folder = _copy("one_rank", tmp_path, version)
     expected = one_rank_tensors()
     target = st.zeros(9, 4, sharding_spec=single_split(1, ["rank:0/cpu"] * 2))
     state = {"model": {"sharded": target, "w": None}}
@@ -68,8 +72,9 @@ def test_one_rank_loads_into_another_layout(tmp_path: Path) -> None:
     assert torch.equal(_bits(state["model"]["w"]), _bits(expected["model.w"]))
 
 
-def test_two_ranks_load_into_one_process(tmp_path: Path) -> None:
-    folder = _copy("two_ranks", tmp_path)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_two_ranks_load_into_one_process(tmp_path: Path, version: str) -> None:
+    folder = _copy("two_ranks", tmp_path, version)
     expected = two_rank_tensors()
     state: dict = {name: None for name in expected} | {"step": None}
     checkpoint.load(state, folder)
@@ -84,9 +89,10 @@ def test_two_ranks_load_into_one_process(tmp_path: Path) -> None:
     assert torch.equal(_bits(_full(cols)), _bits(expected["cols"]))
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("name", ["one_rank", "two_ranks"])
-def test_consolidate_and_verify_v1(tmp_path: Path, name: str) -> None:
-    folder = _copy(name, tmp_path)
+def test_consolidate_and_verify(tmp_path: Path, name: str, version: str) -> None:
+    folder = _copy(name, tmp_path, version)
     expected = one_rank_tensors() if name == "one_rank" else two_rank_tensors()
     checkpoint.consolidate(folder, tmp_path / "out.safetensors", quiet=True)
     out = safetensors.torch.load_file(tmp_path / "out.safetensors")

@@ -1,4 +1,4 @@
-"""Version-1 checkpoints committed in ``tests/data/v1`` load bit for bit into a 2-rank layout other than the saved one."""
+"""Committed checkpoints of older format versions (``tests/data/v<N>``) load bit for bit into other 2-rank layouts."""
 
 from __future__ import annotations
 
@@ -12,14 +12,21 @@ from tests.distributed._launch import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-V1 = Path(__file__).parent.parent / "data" / "v1"
+DATA = Path(__file__).parent.parent / "data"
 
 
-def _load_both(rank: int, world_size: int, root: str) -> list[str]:
+def _load_all(rank: int, world_size: int, parent: str, versions: list[str]) -> list[str]:
+    done = []
+    for version in versions:
+        done += [f"{version}/{name}" for name in _load_both(f"{parent}/{version}")]
+    return done
+
+
+def _load_both(root: str) -> list[str]:
     import checkpoint
     import sharded_tensor as st
     from sharding import single_split
-    from tests.data.make_v1 import (
+    from tests.data.make_fixtures import (
         ONE_RANK_VALUES,
         TWO_RANK_VALUES,
         R,
@@ -60,7 +67,9 @@ def _load_both(rank: int, world_size: int, root: str) -> list[str]:
     return done
 
 
-def test_v1_fixtures_load_into_two_ranks(tmp_path: Path) -> None:
-    for name in ("one_rank", "two_ranks"):
-        shutil.copytree(V1 / name, tmp_path / name)
-    assert run_distributed(_load_both, 2, str(tmp_path)) == [["one_rank", "two_ranks"]] * 2
+def test_older_versions_load_into_two_ranks(tmp_path: Path) -> None:
+    for version in ("v1", "v2"):
+        for name in ("one_rank", "two_ranks"):
+            shutil.copytree(DATA / version / name, tmp_path / version / name)
+    results = run_distributed(_load_all, 2, str(tmp_path), ["v1", "v2"])
+    assert results == [[f"{v}/{n}" for v in ("v1", "v2") for n in ("one_rank", "two_ranks")]] * 2
