@@ -8,15 +8,18 @@ The writer computes the chunk checksums while it writes (``ChunkedChecksum``), a
 checksum of the whole region follows from them without another pass over the data
 (``crc32c_combine``), which keeps version 1's whole-region ``checksum`` available.
 
-Pure functions over bytes and integers: no file system, no torch.
+Pure functions over bytes, integers and numpy arrays: no file system, no torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import crc32c
+import numpy as np
 
 __all__ = [
     "CHUNK_BYTES",
@@ -27,7 +30,9 @@ __all__ = [
     "chunk_count",
     "combine_chunks",
     "crc32c_combine",
+    "decode_chunk_array",
     "decode_chunks",
+    "encode_chunk_array",
     "encode_chunks",
     "plan_read",
     "verify_chunks",
@@ -242,4 +247,23 @@ def decode_chunks(text: object, count: int) -> list[int]:
 
 
 def _is_hex(text: str) -> bool:
-    return all(c in "0123456789abcdef" for c in text)
+    return _HEX.fullmatch(text) is not None
+
+
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+def encode_chunk_array(checksums: np.ndarray) -> str:
+    """``encode_chunks`` of an array of checksums, without a Python loop over them."""
+    return checksums.astype(">u4").tobytes().hex()
+
+
+def decode_chunk_array(text: object, count: int) -> np.ndarray:
+    """Inverse of ``encode_chunk_array`` (a ``uint32`` array of ``count``); ``ValueError`` if malformed."""
+    data = None
+    if isinstance(text, str) and len(text) == 8 * count:
+        with contextlib.suppress(ValueError):
+            data = bytes.fromhex(text)
+    if data is None or data.hex() != text:  # only the canonical spelling: no capitals, no spaces
+        decode_chunks(text, count)  # raises, with the message
+    return np.frombuffer(data, dtype=">u4").astype(np.uint32)  # type: ignore[arg-type]

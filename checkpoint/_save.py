@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+import numpy as np
 import torch
 
 from _shardkit import comm as _comm
@@ -49,24 +50,25 @@ from sharding.layout import Box
 from ._chunks import (
     CHUNK_BYTES,
     ChunkedChecksum,
-    chunk_count,
-    decode_chunks,
+    decode_chunk_array,
     encode_chunks,
 )
 from ._codec import build_safetensors_header, checksum, tensor_bytes
 from ._dtensor import dtensor_views
 from ._lease import SaveLease
 from ._progress import progress
+from ._regions import grid_of, region_key
 from ._schema import (
     CHECKSUM_ALGORITHM,
     FORMAT_VERSION,
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
-    SavedShard,
+    RegionTable,
     TensorEntry,
     dtype_name,
-    parse_metadata,
+    metadata_from_data,
+    metadata_text,
 )
 from ._storage import (
     Watchdog,
@@ -110,17 +112,29 @@ class _Region:
 
 
 @dataclass(slots=True)
+class _Columns:
+    """A tensor's regions in the plan as flat columns, so that rank 0 assembles a million regions with arrays."""
+
+    offsets: list[int] = field(default_factory=list)  # every region's offsets, one after the other
+    dims: list[int] = field(default_factory=list)
+    writers: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _Plan:
     tensors: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
     regions: list[_Region] = field(default_factory=list)  # every region of every tensor, in save order
+    columns: dict[str, _Columns] = field(default_factory=dict)  # the same regions, by tensor
+
+    def add(self, name: str, box: Box, writer: int, tensor: torch.Tensor | None) -> None:
+        """Append a region of tensor ``name`` (whose regions are added one after the other)."""
+        self.regions.append(_Region(name, box, writer, tensor))
+        columns = self.columns.setdefault(name, _Columns())
+        columns.offsets.extend(box[0])
+        columns.dims.extend(box[1])
+        columns.writers.append(writer)
     values: dict[str, Any] = field(default_factory=dict)
     signature: list[list[Any]] = field(default_factory=list)
-
-
-def _region_key(name: str, box: Box, size: torch.Size) -> str:
-    if tuple(box[0]) == (0,) * len(size) and tuple(box[1]) == tuple(size):
-        return name
-    return f"{name}@{','.join(str(o) for o in box[0])}"
 
 
 def _reduce_partials(state_dict: Mapping[str, Any], reduce_partial: bool) -> dict[int, ShardedTensor]:
@@ -186,10 +200,11 @@ def _plan(state_dict: Mapping[str, Any], rank: int, world: int,
             plan.signature.append([name, "value"])
             continue
         plan.tensors[name] = (torch.Size(size), dtype)
+        plan.columns[name] = _Columns()
         for box, ranks in boxes:
             writer = min(ranks, key=lambda r: (load[r], r))
             load[writer] += math.prod(box[1]) * dtype.itemsize
-            plan.regions.append(_Region(name, box, writer, local.get(box) if writer == rank else None))
+            plan.add(name, box, writer, local.get(box) if writer == rank else None)
     return plan
 
 
@@ -259,19 +274,24 @@ class _LocalFile:
 def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Region],
                      plan: _Plan, generation: str, rank: int, bar: Any,
                      piece_bytes: int = _PIECE, feed: Any = None,
-                     watchdog: Watchdog | None = None) -> tuple[int, list[dict[str, Any]]]:
-    """Write this rank's regions to one safetensors file; return its size and one record per region."""
+                     watchdog: Watchdog | None = None) -> tuple[int, dict[str, Any]]:
+    """Write this rank's regions to one safetensors file; return its size and where each region went.
+
+    That is, in the order of ``regions``: ``"start"``, each region's first byte in the file;
+    ``"crc32c"``, the checksums of all their chunks, region after region; ``"keys"``, the
+    names in the file that are not ``region_key``'s (position -> name).
+    """
     entries, keys = [], []
     used = {"__metadata__"}  # safetensors' reserved key
     for region in regions:
         size, dtype = plan.tensors[region.name]
-        key = _region_key(region.name, region.box, size)
+        key = default = region_key(region.name, region.box[0], region.box[1], size)
         # A tensor may be named like another tensor's region key ("w@3,0" beside a split "w"):
         # keys only need to be unique in the file, since readers take them from shardkit.json.
         suffix = 0
         while key in used:
             suffix += 1
-            key = f"{_region_key(region.name, region.box, size)}#{suffix}"
+            key = f"{default}#{suffix}"
         used.add(key)
         keys.append(key)
         entries.append((key, dtype, region.box[1]))
@@ -301,11 +321,11 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
             handle.fsync()
         if watchdog is not None:
             watchdog.tick("closing it")
-    records = [{"name": r.name, "offsets": list(r.box[0]), "dims": list(r.box[1]), "key": key,
-                "byte_range": list(byte_range), "checksum": f"{CHECKSUM_ALGORITHM}:{digest.whole():08x}",
-                "chunk_bytes": digest.chunk_bytes, "chunks": encode_chunks(digest.values())}
-               for r, key, byte_range, digest in zip(regions, keys, ranges, digests)]
-    return len(prefix) + sum(b - a for a, b in ranges), records
+    defaults = (region_key(r.name, r.box[0], r.box[1], plan.tensors[r.name][0]) for r in regions)
+    report = {"start": [a for a, _ in ranges], "chunk_bytes": CHUNK_BYTES,
+              CHECKSUM_ALGORITHM: "".join(encode_chunks(digest.values()) for digest in digests),
+              "keys": {str(i): key for i, (key, default) in enumerate(zip(keys, defaults)) if key != default}}
+    return len(prefix) + sum(b - a for a, b in ranges), report
 
 
 @contextlib.contextmanager
@@ -355,10 +375,11 @@ def _new_generation(fs: fsspec.AbstractFileSystem, root: str) -> str:
     return generation
 
 
-def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetadata,
+def _commit(fs: fsspec.AbstractFileSystem, root: str, metadata: CheckpointMetadata, text: str,
             watchdog: Watchdog | None = None) -> None:
-    """Write ``shardkit.json`` atomically (a temporary name, then rename or copy over the old one)."""
-    atomic_write(fs, posixpath.join(root, METADATA_FILE), [metadata.to_json().encode()],
+    """Write ``text``, the ``shardkit.json`` of ``metadata``, atomically (a temporary name, then rename or
+    copy over the old one)."""
+    atomic_write(fs, posixpath.join(root, METADATA_FILE), [text.encode()],
                  temporary=f"{METADATA_FILE}.tmp-{metadata.generation}", watchdog=watchdog)
 
 
@@ -583,7 +604,7 @@ def _write_phase(job: _Job, *, quiet: bool | None, piece_bytes: int, feed: Any) 
     def write() -> dict[str, Any]:
         plan = job.plan
         mine = [r for r in plan.regions if r.writer == job.rank]
-        report: dict[str, Any] = {"file": None, "bytes": 0, "records": []}
+        report: dict[str, Any] = {"file": None, "bytes": 0}
         if mine:
             total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in mine)
             everyone_total = sum(math.prod(r.box[1]) * plan.tensors[r.name][1].itemsize for r in plan.regions)
@@ -591,9 +612,9 @@ def _write_phase(job: _Job, *, quiet: bool | None, piece_bytes: int, feed: Any) 
             path = posixpath.join(job.root, name)
             # The bar counts the whole save (every rank's bytes), advanced by rank 0's share.
             with progress(everyone_total, "save", rank=job.rank, quiet=quiet, share=total) as bar:
-                nbytes, records = job.storage(f"writing {path!r}", lambda watchdog: _write_data_file(
+                nbytes, columns = job.storage(f"writing {path!r}", lambda watchdog: _write_data_file(
                     job.fs, path, mine, plan, job.generation, job.rank, bar, piece_bytes, feed, watchdog))
-            report.update(file=name, bytes=nbytes, records=records)
+            report.update(file=name, bytes=nbytes, **columns)
         _hook("data_written")
         return report
 
@@ -609,14 +630,14 @@ def _commit_phase(job: _Job, reports: list[dict[str, Any]]) -> None:
         if job.rank != 0:
             return
         _hook("before_commit")
-        metadata = _assemble(job.plan, reports, job.generation, job.world, job.root)
+        metadata, text = _assemble(job.plan, reports, job.generation, job.world, job.root)
         target = posixpath.join(job.root, METADATA_FILE)
         lease = job.lease
         assert lease is not None
         previous = job.storage(f"reading {target!r}", lambda watchdog: _previous_files(job.fs, job.root))
         # At most one save commits: one whose lease was taken over (or removed) fails here.
         job.storage("checking the save lease", lambda watchdog: lease.check())
-        job.storage(f"writing {target!r}", lambda watchdog: _commit(job.fs, job.root, metadata, watchdog))
+        job.storage(f"writing {target!r}", lambda watchdog: _commit(job.fs, job.root, metadata, text, watchdog))
         job.clean = True
         # Files the previous checkpoint listed: best effort, and never longer than a short wait.
         with contextlib.suppress(Exception):
@@ -661,23 +682,55 @@ def _remove_generation(fs: fsspec.AbstractFileSystem, root: str, generation: str
 
 
 def _assemble(plan: _Plan, reports: list[dict[str, Any]], generation: str, world: int,
-              root: str) -> CheckpointMetadata:
-    """Rank 0: the metadata of the new checkpoint from every rank's records, validated."""
-    shards: dict[str, list[SavedShard]] = {name: [] for name in plan.tensors}
-    files: dict[str, int] = {}
-    for rep in reports:
-        if rep["file"] is None:
-            continue
-        files[rep["file"]] = rep["bytes"]
-        for rec in rep["records"]:
-            nbytes = rec["byte_range"][1] - rec["byte_range"][0]
-            chunks = decode_chunks(rec["chunks"], chunk_count(nbytes, rec["chunk_bytes"]))
-            shards[rec["name"]].append(SavedShard(tuple(rec["offsets"]), tuple(rec["dims"]), rep["file"],
-                                                  rec["key"], tuple(rec["byte_range"]), rec["checksum"],
-                                                  rec["chunk_bytes"], tuple(chunks)))
-    order = {(r.name, r.box): i for i, r in enumerate(plan.regions)}
-    tensors = {name: TensorEntry(size, dtype, tuple(sorted(shards[name], key=lambda s: order[(name, s.region)])))
-               for name, (size, dtype) in plan.tensors.items()}
-    metadata = CheckpointMetadata(tensors, plan.values, files, generation, world)
-    # Validate exactly what a reader will see before it becomes the checkpoint.
-    return parse_metadata(metadata.to_json(), source=posixpath.join(root, METADATA_FILE))
+              root: str) -> tuple[CheckpointMetadata, str]:
+    """Rank 0: the metadata of the new checkpoint from every rank's report, validated, and its text.
+
+    Column by column: a thousand tensors split over a thousand ranks are a million regions,
+    assembled with array operations rather than an object per region.
+    """
+    n = len(plan.regions)
+    files = {rep["file"]: rep["bytes"] for rep in reports if rep["file"] is not None}
+    file_number = np.full(max(world, 1), -1, dtype=np.int64)
+    for rank, rep in enumerate(reports):
+        if rep["file"] is not None:
+            file_number[rank] = list(files).index(rep["file"])
+    writers = np.array([w for c in plan.columns.values() for w in c.writers], dtype=np.int64)
+    # Each rank reported its own regions in plan order: rank after rank, they are the plan's
+    # regions in this order.
+    order = np.argsort(writers, kind="stable")
+    first_of_rank = np.concatenate([[0], np.cumsum(np.bincount(writers, minlength=world))])
+    starts = np.empty(n, dtype=np.int64)
+    starts[order] = np.array([a for rep in reports if rep["file"] is not None for a in rep["start"]], dtype=np.int64)
+    keys = {int(order[first_of_rank[rank] + int(k)]): key for rank, rep in enumerate(reports)
+            for k, key in rep.get("keys", {}).items()}
+    # Per tensor (its regions are consecutive in the plan): the blocks and each region's chunk count.
+    blocks, counts, at = [], [], 0
+    for name, (size, dtype) in plan.tensors.items():
+        columns = plan.columns[name]
+        k, ndim = len(columns.writers), len(size)
+        offsets = np.array(columns.offsets, dtype=np.int64).reshape(k, ndim)
+        dims = np.array(columns.dims, dtype=np.int64).reshape(k, ndim)
+        blocks.append((at, at + k, offsets, dims))
+        counts.append(-(-(blocks[-1][3].prod(axis=1) * dtype.itemsize) // CHUNK_BYTES))
+        at += k
+    count = np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
+    # The chunk checksums arrive in report order; put them in plan order.
+    reported = [decode_chunk_array(rep[CHECKSUM_ALGORITHM], int(count[order[first_of_rank[rank]:
+                                                                            first_of_rank[rank + 1]]].sum()))
+                for rank, rep in enumerate(reports) if rep["file"] is not None]
+    first_reported = np.empty(n, dtype=np.int64)
+    first_reported[order] = np.concatenate([[0], np.cumsum(count[order])])[:-1]
+    first = np.concatenate([[0], np.cumsum(count)])
+    crcs = np.concatenate(reported or [np.zeros(0, dtype=np.uint32)])[
+        np.repeat(first_reported - first[:-1], count) + np.arange(int(first[-1]))]
+    names = list(files)
+    tensors = {}
+    for (name, (size, dtype)), (a, b, offsets, dims) in zip(plan.tensors.items(), blocks):
+        table = RegionTable(name, size, dtype.itemsize, names, file_number[writers[a:b]], starts[a:b], CHUNK_BYTES,
+                            crcs[first[a]:first[b]], keys={i - a: key for i, key in keys.items() if a <= i < b},
+                            grid=grid_of(offsets, dims, size), offsets=offsets, dims=dims)
+        tensors[name] = TensorEntry(size, dtype, table)
+    data = CheckpointMetadata(tensors, plan.values, files, generation, world).to_data()
+    # Validate exactly what a reader will see (the data of the text written) before it becomes
+    # the checkpoint.
+    return metadata_from_data(data, source=posixpath.join(root, METADATA_FILE)), metadata_text(data)

@@ -46,16 +46,18 @@ from sharding import ShardMetadata
 from sharding.layout import Box, RegionIndex, check_tiling
 
 from . import _strict_json as strict_json
-from ._chunks import chunk_count, decode_chunks, encode_chunks
+from ._chunks import chunk_count, decode_chunks
+from ._regions import RegionError, RegionTable, SavedShard, parse_regions, region_index
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
-    "CheckpointError", "CheckpointMetadata", "TensorEntry", "SavedShard", "parse_metadata", "check_file_name",
+    "CheckpointError", "CheckpointMetadata", "TensorEntry", "SavedShard", "RegionTable", "parse_metadata",
+    "metadata_from_data", "metadata_text", "check_file_name",
     "dtype_from_name", "dtype_from_code", "dtype_name", "safetensors_dtype",
 ]
 
 FORMAT_NAME = "shardkit-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 METADATA_FILE = "shardkit.json"
 CHECKSUM_ALGORITHM = "crc32c"
 _GENERATION = re.compile(r"^[0-9a-f]{1,64}$")
@@ -150,67 +152,14 @@ def check_file_name(name: object, *, source: str = "?", tensor: str | None = Non
 # -- metadata ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class SavedShard:
-    """One saved region of a tensor: its block, and where its bytes are.
-
-    A region held by several replicas is saved once; the regions of a tensor tile it exactly.
-
-    Attributes:
-        offsets: where the block starts in the full tensor, one int per dimension.
-        dims: the block's sizes, one int per dimension.
-        file: the data file (a ``.safetensors`` file in the checkpoint folder) holding it.
-        key: the block's name inside that file's safetensors header.
-        byte_range: ``(start, end)`` of its bytes in the file.
-        checksum: the checksum of those bytes, ``"<algorithm>:<hex>"``.
-        chunk_bytes: the chunk size of ``chunks`` (format version 2), 0 when there are none.
-        chunks: the CRC-32C of each ``chunk_bytes`` piece of the bytes (the last may be
-            shorter), so a read of part of the region verifies just the chunks it touches;
-            empty in version-1 checkpoints, which have the whole-region ``checksum`` only.
-
-    Example:
-        >>> shard = checkpoint.read_metadata("ckpt").tensors["0.weight"].shards[1]  # doctest: +SKIP
-        >>> shard.offsets, shard.dims  # doctest: +SKIP
-        ((250, 0), (250, 64))
-    """
-
-    offsets: tuple[int, ...]
-    dims: tuple[int, ...]
-    file: str
-    key: str
-    byte_range: tuple[int, int]
-    checksum: str
-    chunk_bytes: int = 0
-    chunks: tuple[int, ...] = ()
-
-    @property
-    def region(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(offsets, dims)``."""
-        return (self.offsets, self.dims)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.dims)
-
-    @property
-    def nbytes(self) -> int:
-        return self.byte_range[1] - self.byte_range[0]
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"offsets": list(self.offsets), "dims": list(self.dims), "file": self.file,
-                               "key": self.key, "byte_range": list(self.byte_range), "checksum": self.checksum}
-        if self.chunk_bytes:
-            out["chunks"] = {"bytes": self.chunk_bytes, CHECKSUM_ALGORITHM: encode_chunks(self.chunks)}
-        return out
-
-
-@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """A saved tensor: its global size, dtype and the saved regions that tile it.
 
     Attributes:
         size: the full tensor's size.
         dtype: its dtype.
-        shards: the saved regions ([`SavedShard`][checkpoint._schema.SavedShard]), in save order.
+        shards: the saved regions ([`SavedShard`][checkpoint._schema.SavedShard]), in save order
+            (from format version 3 a [`RegionTable`][checkpoint._schema.RegionTable]).
 
     Example:
         >>> entry = checkpoint.read_metadata("ckpt").tensors["0.weight"]  # doctest: +SKIP
@@ -220,7 +169,7 @@ class TensorEntry:
 
     size: torch.Size
     dtype: torch.dtype
-    shards: tuple[SavedShard, ...]
+    shards: Sequence[SavedShard]
     # Built while the tiling is checked, so that finding the regions a block needs never
     # looks at the others (a million-region checkpoint is read by every rank).
     _index: RegionIndex | None = field(default=None, compare=False, repr=False)
@@ -233,13 +182,16 @@ class TensorEntry:
         """``(saved region, common block)`` for every saved region sharing an element with ``box``."""
         index = self._index
         if index is None:
-            index = RegionIndex([s.region for s in self.shards], self.size)
+            index = region_index(self.shards, self.size)
             object.__setattr__(self, "_index", index)  # a cache: equality and the data are unchanged
         return [(self.shards[i], common) for i, common in index.overlapping(box)]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"dtype": dtype_name(self.dtype), "size": list(self.size),
-                "shards": [s.to_dict() for s in self.shards]}
+    def to_dict(self, name: str, files: Mapping[str, int]) -> dict[str, Any]:
+        """Tensor ``name``'s object in ``shardkit.json`` (current version), file ids in ``files``' order."""
+        table = self.shards
+        if not isinstance(table, RegionTable):
+            table = RegionTable.of_shards(name, self.size, self.dtype, self.shards, list(files))
+        return {"dtype": dtype_name(self.dtype), "size": list(self.size), "regions": table.to_dict(files)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,14 +222,18 @@ class CheckpointMetadata:
     world_size: int
     version: int = FORMAT_VERSION
 
-    def to_json(self) -> str:
-        """The text of ``shardkit.json``."""
-        data = {"format": FORMAT_NAME, "version": self.version, "generation": self.generation,
+    def to_data(self) -> dict[str, Any]:
+        """The JSON data of ``shardkit.json``, in the current format version."""
+        files = {name: i for i, name in enumerate(self.files)}
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": self.generation,
                 "world_size": self.world_size,
-                "files": {name: {"bytes": n} for name, n in sorted(self.files.items())},
-                "tensors": {name: entry.to_dict() for name, entry in self.tensors.items()},
+                "files": [{"name": name, "bytes": n} for name, n in self.files.items()],
+                "tensors": {name: entry.to_dict(name, files) for name, entry in self.tensors.items()},
                 "values": dict(self.values)}
-        return json.dumps(data, separators=(",", ":"))
+
+    def to_json(self) -> str:
+        """The text of ``shardkit.json``, in the current format version."""
+        return metadata_text(self.to_data())
 
     @property
     def nbytes(self) -> int:
@@ -313,11 +269,26 @@ def parse_metadata(text: str | bytes, *, source: str = "?") -> CheckpointMetadat
         return _parse_metadata(text, source)
 
 
+def metadata_text(data: Mapping[str, Any]) -> str:
+    """The text of ``shardkit.json`` holding ``data``."""
+    return json.dumps(data, separators=(",", ":"))
+
+
+def metadata_from_data(data: object, *, source: str = "?") -> CheckpointMetadata:
+    """``parse_metadata`` of the JSON data itself (``data`` as ``json.loads`` returns it), as fully checked."""
+    with cyclic_gc_paused():
+        return _from_data(data, source)
+
+
 def _parse_metadata(text: str | bytes, source: str) -> CheckpointMetadata:
     try:
         data = strict_json.loads(text, source=source, what="malformed checkpoint metadata")
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
+    return _from_data(data, source)
+
+
+def _from_data(data: object, source: str) -> CheckpointMetadata:
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         msg = (f"{source!r} is not shardkit checkpoint metadata: expected \"format\": {FORMAT_NAME!r}, "
@@ -336,16 +307,7 @@ def _parse_metadata(text: str | bytes, source: str) -> CheckpointMetadata:
     world_size = data.get("world_size")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise _fail(source, "world_size", f"expected a positive int, got {world_size!r}")
-    raw_files = data.get("files")
-    if not isinstance(raw_files, dict):
-        raise _fail(source, "files", f"expected an object, got {type(raw_files).__name__}")
-    files: dict[str, int] = {}
-    for name, info in raw_files.items():
-        check_file_name(name, source=source)
-        nbytes = info.get("bytes") if isinstance(info, dict) else None
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < _MAX_INT:
-            raise _fail(source, f"files[{name!r}]", f"expected {{\"bytes\": <non-negative int>}}, got {info!r}")
-        files[name] = nbytes
+    files = _parse_files(data.get("files"), source, version)
     raw_tensors, values = data.get("tensors"), data.get("values")
     if not isinstance(raw_tensors, dict):
         raise _fail(source, "tensors", f"expected an object, got {type(raw_tensors).__name__}")
@@ -354,9 +316,52 @@ def _parse_metadata(text: str | bytes, source: str) -> CheckpointMetadata:
     both = sorted(set(raw_tensors) & set(values))
     if both:
         raise _fail(source, "tensors and values", f"names {both} appear in both")
-    tensors = {name: _parse_tensor(name, entry, files, source, version) for name, entry in raw_tensors.items()}
+    parse = _parse_tensor if version < 3 else _parse_table
+    tensors = {name: parse(name, entry, files, source, version) for name, entry in raw_tensors.items()}
     return CheckpointMetadata(MappingProxyType(tensors), MappingProxyType(values), MappingProxyType(files),
                               generation, world_size, version)
+
+
+def _parse_files(raw: object, source: str, version: int) -> dict[str, int]:
+    """Data file name -> size: an object ``{name: {"bytes": n}}`` up to version 2, a list of
+    ``{"name": name, "bytes": n}`` from version 3 (whose order the regions' file numbers index)."""
+    if version < 3:
+        if not isinstance(raw, dict):
+            raise _fail(source, "files", f"expected an object, got {type(raw).__name__}")
+        items = [(name, info.get("bytes") if isinstance(info, dict) else None, info) for name, info in raw.items()]
+    else:
+        if not isinstance(raw, list):
+            raise _fail(source, "files", f"expected a list, got {type(raw).__name__}")
+        items = [(item.get("name") if isinstance(item, dict) else None,
+                  item.get("bytes") if isinstance(item, dict) and set(item) == {"name", "bytes"} else None, item)
+                 for item in raw]
+    files: dict[str, int] = {}
+    for name, nbytes, info in items:
+        check_file_name(name, source=source)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < _MAX_INT:
+            expected = ("{\"bytes\": <non-negative int>}" if version < 3
+                        else "{\"name\": <file>, \"bytes\": <non-negative int>}")
+            raise _fail(source, f"files[{name!r}]", f"expected {expected}, got {info!r}")
+        if name in files:
+            raise _fail(source, "files", f"{name!r} is listed twice")
+        files[name] = nbytes
+    return files
+
+
+def _parse_table(name: str, entry: object, files: Mapping[str, int], source: str, version: int) -> TensorEntry:
+    """A tensor of format version 3: its regions as columns (``_regions.parse_regions``)."""
+    where = f"tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise _fail(source, where, f"expected an object, got {type(entry).__name__}")
+    dtype = dtype_from_name(entry.get("dtype"), source=source, tensor=name)
+    size = _int_list(entry.get("size"), source, f"{where} size")
+    if math.prod(size) * dtype.itemsize >= _MAX_INT:
+        raise _fail(source, f"{where} size", f"{list(size)} of {dtype} is more than 2**63 bytes")
+    try:
+        table, index = parse_regions(name, entry.get("regions"), size, dtype, files)
+    except RegionError as exc:
+        raise _fail(source, f"{where} regions{exc.where and ' ' + exc.where}".replace(" [", "["), exc.problem) from None
+    return TensorEntry(torch.Size(size), dtype, table, index)
 
 
 def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: str, version: int) -> TensorEntry:

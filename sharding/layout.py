@@ -81,9 +81,9 @@ class RegionIndex:
     """
 
     def __init__(self, boxes: Sequence[Box], size: Sequence[int]) -> None:
-        self.boxes = list(boxes)
+        self._boxes: Sequence[Box] | None = list(boxes)
         ndim = len(size)
-        live = [i for i, (_, dims) in enumerate(self.boxes) if 0 not in dims]
+        live = [i for i, (_, dims) in enumerate(self._boxes) if 0 not in dims]
         self._lo: torch.Tensor | None = None
         self._hi: torch.Tensor | None = None
         self._cells: tuple[torch.Tensor, torch.Tensor] | None = None  # grid cells each live box spans
@@ -95,9 +95,48 @@ class RegionIndex:
             self._build_small(live, size)
             return
         # Corners of every box (empty ones too, so rows are indexed by box id).
-        self._lo = torch.tensor([offsets for offsets, _ in self.boxes], dtype=torch.int64).reshape(-1, ndim)
-        self._hi = self._lo + torch.tensor([dims for _, dims in self.boxes], dtype=torch.int64).reshape(-1, ndim)
-        ids = torch.tensor(live, dtype=torch.int64)
+        lo = torch.tensor([offsets for offsets, _ in self._boxes], dtype=torch.int64).reshape(-1, ndim)
+        dims = torch.tensor([dims for _, dims in self._boxes], dtype=torch.int64).reshape(-1, ndim)
+        self._build(lo, dims, size)
+
+    @classmethod
+    def of_columns(cls, offsets: torch.Tensor, dims: torch.Tensor, size: Sequence[int]) -> RegionIndex:
+        """The index of ``n`` boxes given as two ``(n, ndim)`` int64 tensors (a million boxes need no tuples)."""
+        ndim = len(size)
+        if ndim == 0 or offsets.shape[0] <= _SMALL:
+            return cls(list(zip(map(tuple, offsets.tolist()), map(tuple, dims.tolist()))), size)
+        index = cls.__new__(cls)
+        index._boxes = None
+        index._lo = index._hi = None
+        index._cells = None
+        if not bool((dims > 0).all(dim=1).any()):
+            return cls([], size)
+        index._build(offsets, dims, size)
+        return index
+
+    @classmethod
+    def of_grid(cls, cuts: Sequence[Sequence[int]]) -> RegionIndex:
+        """The index of the cells of a grid, numbered in row-major order.
+
+        ``cuts[d]`` are the strictly increasing cut points of dimension ``d``, from 0 to its size:
+        the boxes of a regular split or mesh, with nothing to search or sort.
+        """
+        index = cls.__new__(cls)
+        index._boxes = None
+        index._cuts = [list(c) for c in cuts]
+        shape = tuple(len(c) - 1 for c in cuts)
+        index._grid = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+        cells = torch.cartesian_prod(*(torch.arange(n, dtype=torch.int64) for n in shape)).reshape(-1, len(shape))
+        bounds = [torch.tensor(c, dtype=torch.int64) for c in cuts]
+        index._lo = torch.stack([bounds[d][cells[:, d]] for d in range(len(shape))], dim=1)
+        index._hi = torch.stack([bounds[d][cells[:, d] + 1] for d in range(len(shape))], dim=1)
+        index._cells = (cells, cells + 1)
+        return index
+
+    def _build(self, lo: torch.Tensor, dims: torch.Tensor, size: Sequence[int]) -> None:
+        ndim = len(size)
+        self._lo, self._hi = lo, lo + dims
+        ids = (dims > 0).all(dim=1).nonzero().flatten()
         lo, hi = self._lo[ids].T.contiguous(), self._hi[ids].T.contiguous()
         bounds = torch.tensor([[0, int(n)] for n in size], dtype=torch.int64)
         cuts = [torch.unique(torch.cat([bounds[d], lo[d], hi[d]])) for d in range(ndim)]
@@ -115,6 +154,14 @@ class RegionIndex:
         for k in (~single).nonzero().flatten().tolist():
             cells = tuple(slice(a, b) for a, b in zip(cell_lo[k].tolist(), cell_hi[k].tolist()))
             self._grid[cells].clamp_(min=int(ids[k]))
+
+    def box(self, box_id: int) -> Box:
+        """The box with id ``box_id`` (its position in the boxes the index was built from)."""
+        if self._boxes is not None:
+            return self._boxes[box_id]
+        assert self._lo is not None and self._hi is not None
+        lo, hi = self._lo[box_id].tolist(), self._hi[box_id].tolist()
+        return tuple(lo), tuple(b - a for a, b in zip(lo, hi))
 
     def tiles(self, size: Sequence[int]) -> bool:
         """Whether the boxes lie inside ``size`` and cover each of its elements exactly once.
@@ -141,7 +188,8 @@ class RegionIndex:
 
     def _build_small(self, live: list[int], size: Sequence[int]) -> None:
         # A few boxes: plain Python beats the fixed cost of a dozen tensor operations.
-        boxes = self.boxes
+        boxes = self._boxes
+        assert boxes is not None
         self._cuts = [sorted({0, int(size[d]), *(boxes[i][0][d] for i in live),
                               *(boxes[i][0][d] + boxes[i][1][d] for i in live)}) for d in range(len(size))]
         position = [{c: k for k, c in enumerate(cut)} for cut in self._cuts]
@@ -174,11 +222,10 @@ class RegionIndex:
             return [(box_id, (tuple(o), tuple(n))) for box_id, o, n in zip(ids, low.tolist(), (high - low).tolist())
                     if min(n) > 0]
         result = []
-        boxes = self.boxes
         for box_id in ids:
             if box_id < 0:
                 continue
-            common = intersect(boxes[box_id], query)
+            common = intersect(self.box(box_id), query)
             if common is not None:
                 result.append((box_id, common))
         return result
