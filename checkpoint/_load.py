@@ -192,7 +192,7 @@ def _execute(task: _Task, reader: DataReader, scratch: memoryview, mmap: bool = 
     first, last = _span(task)
     lo, hi = covering(shard, first, last)
     direct = _raw(task.dest, dtype) if _run_structure(task) == 0 else None
-    if direct is not None and not shard.checksum:
+    if direct is not None and not shard.checksum and not shard.chunks:
         # Nothing to verify (a Hugging Face file): straight from the file into the target.
         reader.readinto(task.path, first, direct, tensors=task.name)
         return
