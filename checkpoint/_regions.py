@@ -155,15 +155,15 @@ class RegionTable(Sequence[SavedShard]):
     def __init__(self, name: str, size: Sequence[int], itemsize: int, files: Sequence[str], file_ids: np.ndarray,
                  starts: np.ndarray, chunk_bytes: int, crcs: np.ndarray, *, keys: Mapping[int, str] | None = None,
                  grid: Sequence[Sequence[int]] | None = None, offsets: np.ndarray | None = None,
-                 dims: np.ndarray | None = None) -> None:
+                 dims: np.ndarray | None = None, nbytes: np.ndarray | None = None) -> None:
         self.name, self.size = name, tuple(size)
         self.files, self.file_ids, self.starts = files, file_ids, starts
         self.chunk_bytes, self.crcs, self.keys = chunk_bytes, crcs, dict(keys or {})
-        self.grid = None if grid is None else tuple(tuple(c) for c in grid)
+        self.grid = None if grid is None else tuple(tuple(np.asarray(c).tolist()) for c in grid)
         shape = (len(starts), len(self.size))
         self._offsets = None if offsets is None else offsets.reshape(shape)
         self._dims = None if dims is None else dims.reshape(shape)
-        self.nbytes = _nbytes(self.grid, self._dims, itemsize)
+        self.nbytes = _nbytes(self.grid, self._dims, itemsize) if nbytes is None else nbytes
         counts = -(-self.nbytes // chunk_bytes)
         self._first = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
         if len(self.crcs) != int(self._first[-1]):
@@ -344,7 +344,9 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= _MAX_CHUNK:
         raise RegionError("chunk_bytes", f"expected a chunk size in [1, {_MAX_CHUNK}], got {chunk_bytes!r}")
     raw_keys = raw.get("keys", {})
-    if not isinstance(raw_keys, dict) or not all(isinstance(k, str) and k.isdigit() and int(k) < n
+    # Region numbers in plain decimal: str.isdigit() also takes "²" and int() refuses it, or 5000 digits.
+    if not isinstance(raw_keys, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 20
+                                                 and k == str(int(k)) and int(k) < n
                                                  and isinstance(v, str) and v for k, v in raw_keys.items()):
         raise RegionError("keys", f"expected {{\"<region number>\": <non-empty name>}}, got {raw_keys!r}")
     keys = {int(k): v for k, v in raw_keys.items()}
@@ -362,10 +364,17 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
     except ValueError as exc:
         raise RegionError(CHECKSUM_ALGORITHM, str(exc).rstrip(".")) from None
     table = RegionTable(name, size, dtype.itemsize, names, ids, starts, chunk_bytes, crcs, keys=keys, grid=grid,
-                        offsets=offsets, dims=dims)
-    if grid is not None:
+                        offsets=offsets, dims=dims, nbytes=nbytes)
+    if grid is not None:  # the cells of a grid tile the tensor by construction
         return table, None
     assert offsets is not None and dims is not None
+    if n <= 1:  # the common plain tensor: no index needed to see whether it is whole
+        whole = (n == 0 and 0 in size) or (n == 1 and not offsets.any() and dims.ravel().tolist() == list(size))
+        if not whole:
+            raise RegionError("", f"the saved regions do not tile the tensor's size {list(size)}: "
+                                  + ("there are none" if n == 0 else f"the only region has offsets="
+                                     f"{offsets[0].tolist()}, dims={dims[0].tolist()}"))
+        return table, None
     index = region_index(table, size)
     if not index.tiles(size):  # a region listed twice does not tile: it is counted twice
         live = (dims > 0).all(axis=1)

@@ -6,6 +6,7 @@ A *box* is ``(offsets, dims)``, a block of a global tensor. Nothing here communi
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Protocol
@@ -82,6 +83,7 @@ class RegionIndex:
 
     def __init__(self, boxes: Sequence[Box], size: Sequence[int]) -> None:
         self._boxes: Sequence[Box] | None = list(boxes)
+        self._grid_shape: tuple[int, ...] | None = None  # set for the index of a grid's cells (of_grid)
         ndim = len(size)
         live = [i for i, (_, dims) in enumerate(self._boxes) if 0 not in dims]
         self._lo: torch.Tensor | None = None
@@ -107,6 +109,7 @@ class RegionIndex:
             return cls(list(zip(map(tuple, offsets.tolist()), map(tuple, dims.tolist()))), size)
         index = cls.__new__(cls)
         index._boxes = None
+        index._grid_shape = None
         index._lo = index._hi = None
         index._cells = None
         if not bool((dims > 0).all(dim=1).any()):
@@ -119,18 +122,15 @@ class RegionIndex:
         """The index of the cells of a grid, numbered in row-major order.
 
         ``cuts[d]`` are the strictly increasing cut points of dimension ``d``, from 0 to its size:
-        the boxes of a regular split or mesh, with nothing to search or sort.
+        the boxes of a regular split or mesh. Nothing is built per cell: a query finds its cells
+        by bisecting the cut points, so it costs the same for ten cells or a million.
         """
         index = cls.__new__(cls)
         index._boxes = None
-        index._cuts = [list(c) for c in cuts]
-        shape = tuple(len(c) - 1 for c in cuts)
-        index._grid = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
-        cells = torch.cartesian_prod(*(torch.arange(n, dtype=torch.int64) for n in shape)).reshape(-1, len(shape))
-        bounds = [torch.tensor(c, dtype=torch.int64) for c in cuts]
-        index._lo = torch.stack([bounds[d][cells[:, d]] for d in range(len(shape))], dim=1)
-        index._hi = torch.stack([bounds[d][cells[:, d] + 1] for d in range(len(shape))], dim=1)
-        index._cells = (cells, cells + 1)
+        index._lo = index._hi = None
+        index._cells = None
+        index._cuts = [list(cut) for cut in cuts]
+        index._grid_shape = tuple(len(c) - 1 for c in index._cuts)
         return index
 
     def _build(self, lo: torch.Tensor, dims: torch.Tensor, size: Sequence[int]) -> None:
@@ -159,6 +159,10 @@ class RegionIndex:
         """The box with id ``box_id`` (its position in the boxes the index was built from)."""
         if self._boxes is not None:
             return self._boxes[box_id]
+        if self._grid_shape is not None:
+            cells = torch.unravel_index(torch.tensor(box_id), self._grid_shape)
+            return (tuple(cut[int(c)] for cut, c in zip(self._cuts, cells)),
+                    tuple(cut[int(c) + 1] - cut[int(c)] for cut, c in zip(self._cuts, cells)))
         assert self._lo is not None and self._hi is not None
         lo, hi = self._lo[box_id].tolist(), self._hi[box_id].tolist()
         return tuple(lo), tuple(b - a for a, b in zip(lo, hi))
@@ -171,6 +175,8 @@ class RegionIndex:
         wrong. Vectorized, from the grid built for the index: one count per box of a regular
         layout.
         """
+        if self._grid_shape is not None:
+            return [cut[-1] for cut in self._cuts] == list(size) and all(cut[0] == 0 for cut in self._cuts)
         if self._cells is None or self._lo is None or self._hi is None:
             return False
         limit = torch.tensor(tuple(size), dtype=torch.int64)
@@ -204,6 +210,8 @@ class RegionIndex:
         offsets, dims = query
         if 0 in dims:
             return []
+        if self._grid_shape is not None:
+            return self._grid_overlapping(query)
         cells = []
         for d, cut in enumerate(self._cuts):
             lo = bisect.bisect_right(cut, offsets[d]) - 1
@@ -229,6 +237,18 @@ class RegionIndex:
             if common is not None:
                 result.append((box_id, common))
         return result
+
+    def _grid_overlapping(self, query: Box) -> list[tuple[int, Box]]:
+        offsets, dims = query
+        spans = []  # per dimension: (cell, common offset, common length) of every cell the query meets
+        for cut, o, n in zip(self._cuts, offsets, dims):
+            first, last = bisect.bisect_right(cut, o) - 1, bisect.bisect_left(cut, o + n)
+            spans.append([(c, max(cut[c], o), min(cut[c + 1], o + n) - max(cut[c], o))
+                          for c in range(max(first, 0), min(last, len(cut) - 1))])
+        strides = [math.prod(self._grid_shape[d + 1:]) for d in range(len(self._grid_shape))]
+        return [(sum(c * s for (c, _, _), s in zip(cells, strides)),
+                 (tuple(o for _, o, _ in cells), tuple(n for _, _, n in cells)))
+                for cells in itertools.product(*spans)]
 
 
 # Up to this many boxes an index is built in plain Python; beyond, vectorized.
