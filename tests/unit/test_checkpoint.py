@@ -6,6 +6,7 @@ Multi-rank behaviour (layouts across world sizes, replicas, crashes) is in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import checkpoint
 import sharded_tensor as st
 from checkpoint import CheckpointError, _codec, _load, _save, _schema, _storage
 from sharding import single_split
+from tests import _metadata_edit as edit
 
 R0 = "rank:0/cpu"
 
@@ -120,27 +122,33 @@ def test_files_are_plain_safetensors_and_json_without_pickle(tmp_path):
     names = sorted(os.listdir(tmp_path / "ck"))
     assert names[-1] == "shardkit.json" and all(n.endswith(".safetensors") for n in names[:-1]), names
     meta = json.loads((tmp_path / "ck" / "shardkit.json").read_text())  # plain JSON
-    assert meta["format"] == "shardkit-checkpoint" and meta["version"] == 2
+    assert meta["format"] == "shardkit-checkpoint" and meta["version"] == 3
+    assert edit.file_names(meta) == names[:-1]
+    saved = {name: edit.all_regions(meta, name) for name in meta["tensors"]}
+    assert sum(len(r) for r in saved.values()) == 3  # w in two regions, b in one
     for name in names[:-1]:
         raw = (tmp_path / "ck" / name).read_bytes()
+        assert edit.file_entry(meta, name)["bytes"] == len(raw)
         assert not raw.startswith(b"\x80") and b"PK\x03\x04" not in raw[:8]  # neither pickle nor torch zip
         with safetensors.safe_open(str(tmp_path / "ck" / name), "pt") as f:
             about = json.loads(f.metadata()["shardkit"])
             assert about["generation"] == meta["generation"]
+            assert sorted(f.keys()) == sorted(r.key for rs in saved.values() for r in rs if r.file == name)
             for key in f.keys():
                 region = about["regions"][key]
                 tensor = f.get_tensor(key)
-                entry = meta["tensors"][region["name"]]
-                shard = next(s for s in entry["shards"] if s["key"] == key)
-                assert list(tensor.shape) == shard["dims"] and region["offsets"] == shard["offsets"]
-                # byte_range is exact: the bytes there are the tensor's, and the checksum matches
-                start, end = shard["byte_range"]
-                assert raw[start:end] == tensor.contiguous().view(torch.uint8).numpy().tobytes()
-                assert _codec.checksum(raw[start:end]) == shard["checksum"]
+                shard = next(r for r in saved[region["name"]] if r.key == key)
+                assert tensor.shape == shard.dims and tuple(region["offsets"]) == shard.offsets
+                # start is exact: the bytes there are the tensor's, and each chunk's checksum matches
+                data = raw[shard.start:shard.end]
+                assert data == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+                step = edit.regions(meta, region["name"])["chunk_bytes"]
+                assert [_codec.checksum(data[a:a + step]) for a in range(0, len(data), step)] == \
+                    [f"crc32c:{c:08x}" for c in shard.crcs] and len(shard.crcs) >= 1
         header, data_start = _codec.parse_safetensors_header(raw, file=name)
         assert data_start == 8 + int.from_bytes(raw[:8], "little") and data_start % 8 == 0
     # Loading a file's bytes with pickle machinery would fail: there is no pickle opcode stream.
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):
         list(pickletools.genops((tmp_path / "ck" / names[0]).read_bytes()))
 
 
@@ -267,17 +275,34 @@ def _target() -> dict:
 
 def test_flipped_byte_names_file_and_tensor(tmp_path):
     path, meta = _saved(tmp_path)
-    shard = meta["tensors"]["w"]["shards"][1]
-    data = bytearray((path / shard["file"]).read_bytes())
-    data[shard["byte_range"][0] + 3] ^= 0x10
-    (path / shard["file"]).write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"checksum mismatch in '.*{shard['file']}' for tensor 'w'"):
+    shard = edit.region(meta, "w", 1)
+    data = bytearray((path / shard.file).read_bytes())
+    data[shard.start + 3] ^= 0x10
+    (path / shard.file).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch in '.*{shard.file}' for tensor 'w'"):
         checkpoint.load(_target(), path)
+
+
+def test_flipped_checksum_digit_names_file_and_tensor(tmp_path):
+    # The other side of a flipped byte: the data is intact, the recorded chunk checksum is not.
+    path, meta = _saved(tmp_path)
+    shard = edit.region(meta, "w", 1)
+    regions = edit.regions(meta, "w")
+    digits = list(regions["crc32c"])
+    at = edit.CRC_DIGITS * sum(edit.chunk_counts(meta, "w")[:1]) + 5  # a digit of region 1's first chunk
+    digits[at] = "0" if digits[at] != "0" else "1"
+    regions["crc32c"] = "".join(digits)
+    (path / "shardkit.json").write_text(json.dumps(meta))
+    target = _target()
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch in '.*{shard.file}' for tensor 'w'"):
+        checkpoint.load(target, path)
+    # the region's rows never reach the target
+    assert not torch.equal(_full(target["w"])[3:], _example(torch.float32, (6, 4))[3:])
 
 
 def test_truncated_and_missing_files(tmp_path):
     path, meta = _saved(tmp_path)
-    name = meta["tensors"]["b"]["shards"][0]["file"]
+    name = edit.region(meta, "b", 0).file
     data = (path / name).read_bytes()
     (path / name).write_bytes(data[:-4])
     with pytest.raises(CheckpointError, match=rf"data file '.*{name}' of tensor '(w|b)' is truncated"):
@@ -287,40 +312,51 @@ def test_truncated_and_missing_files(tmp_path):
         checkpoint.load(_target(), path)
 
 
-@pytest.mark.parametrize(("edit", "match"), [
+@pytest.mark.parametrize(("mutate", "match"), [
     pytest.param(lambda m: "{not json", "not valid JSON", id="not-json"),
     pytest.param(lambda m: json.dumps({**m, "format": "other"}), "is not shardkit checkpoint metadata", id="format"),
     pytest.param(lambda m: json.dumps({**m, "version": 99}), "format version 99, newer", id="version"),
-    pytest.param(lambda m: json.dumps({**m, "tensors": {**m["tensors"], "w": {**m["tensors"]["w"], "dtype": "float7"}}}),
+    pytest.param(lambda m: _edited(m, lambda md: md["tensors"]["w"].update(dtype="float7")),
                  "tensor 'w' has unknown dtype 'float7'", id="dtype"),
-    pytest.param(lambda m: json.dumps({**m, "tensors": {"w": {**m["tensors"]["w"], "shards": m["tensors"]["w"]["shards"][:1]}}}),
-                 "tensor 'w': saved regions leave a gap", id="gap"),
-    pytest.param(lambda m: _set_shard(m, "byte_range", [0, 4]), r"tensor 'w' shards\[0\] byte_range", id="byte-range"),
-    pytest.param(lambda m: _set_shard(m, "checksum", "md5:0"), r"tensor 'w' shards\[0\] checksum", id="checksum"),
+    pytest.param(lambda m: _edited(m, edit.set_region, "w", 1, dims=(2, 4)),
+                 r"tensor 'w' regions: saved regions leave a gap at element \(5, 0\)", id="gap"),
+    pytest.param(lambda m: _edited(m, edit.drop_region, "w", 1),
+                 r"tensor 'w' regions: (saved regions leave a gap at element \(3, 0\)|the saved regions do not tile "
+                 r"the tensor's size \[6, 4\]: the only region has offsets=\[0, 0\], dims=\[3, 4\])",
+                 id="region-removed"),
+    pytest.param(lambda m: _edited(m, edit.set_region, "w", 0, start=0),
+                 r"tensor 'w' regions\[0\] start: \[0, 48\) does not hold 48 bytes", id="byte-range"),
+    pytest.param(lambda m: _edited(m, edit.set_region, "w", 1, start=m["files"][0]["bytes"] - 47),
+                 r"tensor 'w' regions\[1\] start: .* inside file 'data-.*' of \d+ bytes", id="byte-range-past-end"),
+    pytest.param(lambda m: _edited(m, _set_column, "w", "crc32c", "md5:0"), r"tensor 'w' regions crc32c",
+                 id="checksum"),
+    pytest.param(lambda m: _edited(m, _set_column, "w", "crc32c", m["tensors"]["w"]["regions"]["crc32c"][:-1]),
+                 r"tensor 'w' regions crc32c: chunk checksums must be 2 x 8", id="checksum-short"),
 ])
-def test_malformed_metadata(tmp_path, edit, match):
+def test_malformed_metadata(tmp_path, mutate, match):
     path, meta = _saved(tmp_path)
-    (path / "shardkit.json").write_text(edit(meta))
+    (path / "shardkit.json").write_text(mutate(meta))
     with pytest.raises(CheckpointError, match=match) as info:
         checkpoint.load(_target(), path)
     assert "shardkit.json" in str(info.value)
 
 
-def _set_shard(meta: dict, field: str, value: object) -> str:
-    meta["tensors"]["w"]["shards"][0][field] = value
+def _edited(meta: dict, change, *args, **kwargs) -> str:
+    change(meta, *args, **kwargs)
     return json.dumps(meta)
+
+
+def _set_column(meta: dict, name: str, column: str, value: object) -> None:
+    edit.regions(meta, name)[column] = value
 
 
 @pytest.mark.parametrize("name", ["../escape.safetensors", "/etc/passwd", "sub/x.safetensors", "..", "C:x",
                                   "s3://bucket/x"])
 def test_file_names_outside_the_folder_are_refused(tmp_path, name):
     path, meta = _saved(tmp_path)
-    old = meta["tensors"]["w"]["shards"][0]["file"]
-    meta["files"][name] = meta["files"].pop(old)
-    for entry in meta["tensors"].values():
-        for shard in entry["shards"]:
-            if shard["file"] == old:
-                shard["file"] = name
+    old = edit.region(meta, "w", 0).file
+    edit.file_entry(meta, old)["name"] = name  # the regions refer to it by its number
+    assert edit.region(meta, "w", 0).file == name
     (path / "shardkit.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="not a plain file name inside the checkpoint folder") as info:
         checkpoint.load(_target(), path)
@@ -392,16 +428,50 @@ def test_unsupported_dtype_and_key_collisions(tmp_path):
 
 
 def test_metadata_file_is_compact_and_validated_before_commit():
-    md = _schema.parse_metadata(json.dumps({
+    file = "data-ab-r00000.safetensors"
+    x = {"count": 1, "offsets": edit.encode([0], 16), "dims": edit.encode([2], 16), "file": edit.encode([0], 8),
+         "start": edit.encode([64], 16), "chunk_bytes": 1 << 20, "crc32c": "0000000a"}
+    y = {"count": 2, "grid": [edit.encode([0, 1, 4], 16), edit.encode([0, 2], 16)], "file": edit.encode([0, 0], 8),
+         "start": edit.encode([72, 80], 16), "chunk_bytes": 8, "crc32c": edit.encode([1, 2, 3, 4], 8),
+         "keys": {"1": "y-rest"}}
+    text = json.dumps({
+        "format": "shardkit-checkpoint", "version": 3, "generation": "ab", "world_size": 1,
+        "files": [{"name": file, "bytes": 104}],
+        "tensors": {"x": {"dtype": "float32", "size": [2], "regions": x},
+                    "y": {"dtype": "float32", "size": [4, 2], "regions": y}},
+        "values": {"n": 1}})
+    md = _schema.parse_metadata(text, source="t")
+    assert md.version == 3 and dict(md.files) == {file: 104} and md.values["n"] == 1
+    assert md.tensors["x"].shards[0].nbytes == 8 and md.nbytes == 8 + 32
+    assert math.prod(md.tensors["x"].size) == 2
+    assert list(md.tensors["y"].shards) == [
+        _schema.SavedShard((0, 0), (1, 2), file, "y@0,0", (72, 80), "", 8, (1,)),
+        _schema.SavedShard((1, 0), (3, 2), file, "y-rest", (80, 104), "", 8, (2, 3, 4))]
+    out = md.to_json()
+    assert " " not in out and "\n" not in out  # compact
+    assert json.loads(out) == json.loads(text)  # the same columns written back
+    assert _schema.parse_metadata(out) == md
+    # An older version is written as version 3: the regions are the same, without the
+    # whole-region checksums of version 2 (the chunk checksums cover every byte).
+    v2 = _schema.parse_metadata((Path(__file__).parent.parent / "data/v2/one_rank/shardkit.json").read_text())
+    assert v2.version == 2 and all(s.checksum.startswith("crc32c:") for e in v2.tensors.values() for s in e.shards)
+    again = _schema.parse_metadata(v2.to_json())
+    assert again.version == 3 and dict(again.files) == dict(v2.files) and again.values == v2.values
+    for name, entry in v2.tensors.items():
+        assert (again.tensors[name].size, again.tensors[name].dtype) == (entry.size, entry.dtype), name
+        assert list(again.tensors[name].shards) == [dataclasses.replace(s, checksum="") for s in entry.shards], name
+    # Version 1 has no chunk checksums, which version 3 needs: refused, not written wrong.
+    v1 = _schema.parse_metadata(json.dumps({
         "format": "shardkit-checkpoint", "version": 1, "generation": "ab", "world_size": 1,
-        "files": {"data-ab-r00000.safetensors": {"bytes": 72}},
+        "files": {file: {"bytes": 72}},
         "tensors": {"x": {"dtype": "float32", "size": [2], "shards": [
-            {"offsets": [0], "dims": [2], "file": "data-ab-r00000.safetensors", "key": "x", "byte_range": [64, 72],
+            {"offsets": [0], "dims": [2], "file": file, "key": "x", "byte_range": [64, 72],
              "checksum": "crc32c:00000000"}]}},
         "values": {"n": 1}}), source="t")
-    assert md.tensors["x"].shards[0].nbytes == 8 and md.nbytes == 8 and md.values["n"] == 1
-    assert _schema.parse_metadata(md.to_json()) == md
-    assert math.prod(md.tensors["x"].size) == 2
+    assert v1.tensors["x"].shards[0].nbytes == 8 and v1.nbytes == 8 and v1.values["n"] == 1
+    assert v1.tensors["x"].shards[0].checksum == "crc32c:00000000" and v1.tensors["x"].shards[0].chunks == ()
+    with pytest.raises(ValueError, match="tensor 'x': only regions with chunk checksums"):
+        v1.to_json()
 
 
 def test_parsed_entry_finds_the_regions_a_block_needs():

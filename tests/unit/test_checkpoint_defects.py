@@ -25,6 +25,7 @@ import sharded_tensor as st
 from checkpoint import CheckpointError
 from checkpoint.__main__ import main
 from sharding import single_split
+from tests import _metadata_edit as edit
 
 R0 = "rank:0/cpu"
 
@@ -46,14 +47,6 @@ def _sharded(full: torch.Tensor, dim: int, parts: int) -> st.ShardedTensor:
 
 def _data_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("data-*.safetensors"))
-
-
-def _metadata(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / "shardkit.json").read_text())
-
-
-def _write_metadata(folder: Path, md: dict[str, Any]) -> None:
-    (folder / "shardkit.json").write_text(json.dumps(md))
 
 
 def _mapped_in(folder: Path) -> list[str]:
@@ -103,10 +96,10 @@ def test_concurrent_saves_never_destroy_the_checkpoint(tmp_path: Path) -> None:
             t.start()
         for t in threads:
             t.join(60)
-        for exc in results.values():
-            if exc is not None:  # the loser fails clearly, naming the folder
-                assert isinstance(exc, CheckpointError), repr(exc)
-                assert str(folder) in str(exc)
+        for error in results.values():
+            if error is not None:  # the loser fails clearly, naming the folder
+                assert isinstance(error, CheckpointError), repr(error)
+                assert str(folder) in str(error)
         ok = [s for s, e in results.items() if e is None]
         out = {"w": torch.zeros(64, 1024)}
         checkpoint.load(out, folder)  # always loadable
@@ -226,22 +219,22 @@ def test_corrupt_region_raises_and_leaves_the_target_untouched(tmp_path: Path, d
     folder = tmp_path / "ck"
     full = _ramp(64, 256)
     checkpoint.save({"w": _sharded(full, dim, 2)}, folder, quiet=True)
-    md = _metadata(folder)
-    shard = md["tensors"]["w"]["shards"][1]
-    path = folder / shard["file"]
+    md = edit.read(folder)
+    shard = edit.region(md, "w", 1)
+    path = folder / shard.file
     data = bytearray(path.read_bytes())
-    data[(shard["byte_range"][0] + shard["byte_range"][1]) // 2] ^= 0xFF
+    flip = (shard.start + shard.end) // 2
+    data[flip] ^= 0xFF
     path.write_bytes(bytes(data))
     target = torch.full((64, 256), 7.0)
     with pytest.raises(CheckpointError, match="checksum mismatch") as info:
         checkpoint.load({"w": target}, folder)
-    assert shard["file"] in str(info.value)
+    assert shard.file in str(info.value)
     # nothing corrupt stays: each element is the old value, the right one, or zero (a block read
     # straight into the target whose bytes fail verification is cleared), and the flipped
     # element is not the corrupt value
     assert bool(((target == 7.0) | (target == full) | (target == 0)).all())
-    flip = (shard["byte_range"][0] + shard["byte_range"][1]) // 2
-    word = flip - (flip - shard["byte_range"][0]) % 4
+    word = flip - (flip - shard.start) % 4
     corrupt = torch.frombuffer(bytearray(data[word:word + 4]), dtype=torch.float32)[0]
     assert not bool((target == corrupt).any()), corrupt
     assert _mapped_in(folder) == []
@@ -390,9 +383,9 @@ def test_duplicate_keys_in_metadata_are_refused(tmp_path: Path, capsys: pytest.C
 
 def test_dtype_relabelled_in_metadata_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = _saved(tmp_path)
-    md = _metadata(folder)
+    md = edit.read(folder)
     md["tensors"]["w"]["dtype"] = "int32"
-    _write_metadata(folder, md)
+    edit.write(folder, md)
     for target in (None, torch.zeros(8, 4, dtype=torch.int32)):
         with pytest.raises(CheckpointError, match="dtype") as info:
             checkpoint.load({"w": target, "b": None, "epoch": None}, folder)
@@ -405,10 +398,11 @@ def test_dtype_relabelled_in_metadata_is_refused(tmp_path: Path, capsys: pytest.
 
 def test_shape_relabelled_in_metadata_is_refused(tmp_path: Path) -> None:
     folder = _saved(tmp_path)
-    md = _metadata(folder)
+    md = edit.read(folder)
     md["tensors"]["w"]["size"] = [4, 8]
-    md["tensors"]["w"]["shards"][0]["dims"] = [4, 8]
-    _write_metadata(folder, md)
+    edit.set_region(md, "w", 0, dims=[4, 8])
+    assert edit.region(md, "w", 0).key == "w"  # still the whole tensor's key: only the shape is wrong
+    edit.write(folder, md)
     with pytest.raises(CheckpointError, match="shape"):
         checkpoint.load({"w": None, "b": None, "epoch": None}, folder)
 
@@ -416,18 +410,19 @@ def test_shape_relabelled_in_metadata_is_refused(tmp_path: Path) -> None:
 def test_sizes_beyond_the_files_are_refused_before_allocating(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     folder = _saved(tmp_path)
-    md = _metadata(folder)
+    md = edit.read(folder)
     huge = 1 << 40  # elements: 4 TiB of float32, claimed by a file of a few hundred bytes
-    w = md["tensors"]["w"]
-    start = w["shards"][0]["byte_range"][0]
-    w["size"], w["shards"][0]["dims"], w["shards"][0]["offsets"] = [huge], [huge], [0]
-    w["shards"][0]["byte_range"] = [start, start + 4 * huge]
-    w["shards"][0]["chunks"] = {"bytes": 1 << 30, "crc32c": "0" * 8 * ((4 * huge) >> 30)}
-    md["files"][w["shards"][0]["file"]]["bytes"] = start + 4 * huge + 64
-    _write_metadata(folder, md)
+    shard = edit.region(md, "w", 0)
+    md["tensors"]["w"]["size"] = [huge]
+    edit.set_region(md, "w", 0, offsets=[0], dims=[huge])
+    regions = edit.regions(md, "w")
+    regions["chunk_bytes"], regions["crc32c"] = 1 << 30, "0" * 8 * ((4 * huge) >> 30)
+    edit.file_entry(md, shard.file)["bytes"] = shard.start + 4 * huge + 64
+    assert edit.region(md, "w", 0).end == shard.start + 4 * huge  # the metadata is consistent: only the file lies
+    edit.write(folder, md)
     with pytest.raises(CheckpointError, match="bytes") as info:
         checkpoint.load({"w": None, "b": None, "epoch": None}, folder)
-    assert w["shards"][0]["file"] in str(info.value)
+    assert shard.file in str(info.value)
     with pytest.raises(CheckpointError, match="bytes"):
         checkpoint.consolidate(folder, tmp_path / "o.safetensors", quiet=True)
 
@@ -457,14 +452,10 @@ def test_deep_safetensors_header_is_refused(tmp_path: Path) -> None:
 
 
 def _fix_sizes(folder: Path, path: Path, shift: int) -> None:
-    """Move the metadata's byte ranges of ``path`` by ``shift`` (after its header grew)."""
-    md = _metadata(folder)
-    md["files"][path.name]["bytes"] += shift
-    for entry in md["tensors"].values():
-        for shard in entry["shards"]:
-            if shard["file"] == path.name:
-                shard["byte_range"] = [b + shift for b in shard["byte_range"]]
-    _write_metadata(folder, md)
+    """Move the metadata's regions in ``path`` by ``shift`` (after its header grew)."""
+    md = edit.read(folder)
+    edit.shift_file(md, path.name, shift)
+    edit.write(folder, md)
 
 
 def test_meta_device_target_is_refused(tmp_path: Path) -> None:
