@@ -29,7 +29,8 @@ from sharding.layout import RegionIndex, check_tiling
 
 from ._chunks import CHUNK_BYTES, decode_chunk_array, encode_chunk_array
 
-__all__ = ["SavedShard", "RegionTable", "RegionError", "region_key", "grid_of", "region_index", "parse_regions"]
+__all__ = ["SavedShard", "RegionTable", "FileList", "RegionError", "region_key", "grid_of", "region_index",
+           "parse_regions"]
 
 CHECKSUM_ALGORITHM = "crc32c"
 _MAX_INT = 1 << 63
@@ -131,6 +132,21 @@ def grid_of(offsets: np.ndarray, dims: np.ndarray, size: Sequence[int]) -> tuple
     if not (np.array_equal(lo, offsets) and np.array_equal(extent, dims)):
         return None
     return tuple(tuple(c.tolist()) for c in cuts)
+
+
+@dataclass(frozen=True)
+class FileList:
+    """A checkpoint's data files in the order that regions number them: names, sizes and numbers."""
+
+    names: list[str]
+    sizes: np.ndarray  # int64, bytes of each file
+    number: dict[str, int]
+
+    @classmethod
+    def of(cls, files: Mapping[str, int]) -> FileList:
+        """``files`` (name -> size in bytes), numbered in its order."""
+        names = list(files)
+        return cls(names, np.array(list(files.values()), dtype=np.int64), {f: i for i, f in enumerate(names)})
 
 
 class RegionTable(Sequence[SavedShard]):
@@ -244,11 +260,11 @@ class RegionTable(Sequence[SavedShard]):
     def __repr__(self) -> str:
         return f"RegionTable({self.name!r}, regions={len(self)})"
 
-    def to_dict(self, files: Mapping[str, int]) -> dict[str, Any]:
+    def to_dict(self, files: FileList) -> dict[str, Any]:
         """The ``"regions"`` object of ``shardkit.json``, with file numbers in ``files``' order."""
         ids = self.file_ids
-        if list(files) != list(self.files):
-            ids = np.array([files[f] for f in self.files], dtype=np.int64)[ids]
+        if self.files is not files.names and list(self.files) != files.names:
+            ids = np.array([files.number[f] for f in self.files], dtype=np.int64)[ids]
         out: dict[str, Any] = {"count": len(self)}
         if self.grid is not None:
             out["grid"] = [_encode(np.asarray(cuts, dtype=np.int64), 16) for cuts in self.grid]
@@ -310,7 +326,7 @@ def _parse_grid(raw: object, size: Sequence[int], count: int) -> list[np.ndarray
 
 
 def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtype,
-                  files: Mapping[str, int]) -> tuple[RegionTable, RegionIndex | None]:
+                  files: FileList) -> tuple[RegionTable, RegionIndex | None]:
     """Check a tensor's ``"regions"`` object (format version 3) and return its table.
 
     Also returns the region index that checking the tiling built (``None`` for a grid, whose
@@ -336,7 +352,7 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
             raise RegionError(f"[{i}]", f"the block offsets={offsets[i].tolist()}, dims={dims[i].tolist()} lies "
                                         f"outside the tensor's size {list(size)}")
     ids, starts = _column(raw, "file", n, 8), _column(raw, "start", n, 16)
-    names = list(files)
+    names = files.names
     if n and int(ids.max()) >= len(names):
         i = int(ids.argmax())
         raise RegionError(f"[{i}] file", f"file number {int(ids[i])} is not in \"files\" ({len(names)} listed)")
@@ -351,14 +367,14 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
         raise RegionError("keys", f"expected {{\"<region number>\": <non-empty name>}}, got {raw_keys!r}")
     keys = {int(k): v for k, v in raw_keys.items()}
     nbytes = _nbytes(grid, dims, dtype.itemsize)
-    room = np.array(list(files.values()), dtype=np.int64)[ids] - starts if n else nbytes
+    room = files.sizes[ids] - starts if n else nbytes
     wrong = (starts < 8) | (room < nbytes)
     if wrong.any():
         i = int(wrong.argmax())
-        first, file = int(starts[i]), names[int(ids[i])]
+        first, file, room_of = int(starts[i]), names[int(ids[i])], int(files.sizes[ids[i]])
         shape = (dims[i].tolist() if dims is not None else "of its grid cell")
         raise RegionError(f"[{i}] start", f"[{first}, {first + int(nbytes[i])}) does not hold {int(nbytes[i])} bytes "
-                                          f"(dims {shape} of {dtype}) inside file {file!r} of {files[file]} bytes")
+                                          f"(dims {shape} of {dtype}) inside file {file!r} of {room_of} bytes")
     try:
         crcs = decode_chunk_array(raw.get(CHECKSUM_ALGORITHM), int((-(-nbytes // chunk_bytes)).sum()))
     except ValueError as exc:

@@ -728,7 +728,8 @@ def _assemble(plan: _Plan, reports: list[dict[str, Any]], generation: str, world
     for (name, (size, dtype)), (a, b, offsets, dims) in zip(plan.tensors.items(), blocks):
         table = RegionTable(name, size, dtype.itemsize, names, file_number[writers[a:b]], starts[a:b], CHUNK_BYTES,
                             crcs[first[a]:first[b]], keys={i - a: key for i, key in keys.items() if a <= i < b},
-                            grid=grid_of(offsets, dims, size), offsets=offsets, dims=dims)
+                            grid=grid_of(offsets, dims, size), offsets=offsets, dims=dims,
+                            nbytes=dims.prod(axis=1) * dtype.itemsize)
         tensors[name] = TensorEntry(size, dtype, table)
     data = CheckpointMetadata(tensors, plan.values, files, generation, world).to_data()
     # Validate exactly what a reader will see (the data of the text written) before it becomes

@@ -47,7 +47,7 @@ from sharding.layout import Box, RegionIndex, check_tiling
 
 from . import _strict_json as strict_json
 from ._chunks import chunk_count, decode_chunks
-from ._regions import RegionError, RegionTable, SavedShard, parse_regions, region_index
+from ._regions import FileList, RegionError, RegionTable, SavedShard, parse_regions, region_index
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
@@ -186,11 +186,11 @@ class TensorEntry:
             object.__setattr__(self, "_index", index)  # a cache: equality and the data are unchanged
         return [(self.shards[i], common) for i, common in index.overlapping(box)]
 
-    def to_dict(self, name: str, files: Mapping[str, int]) -> dict[str, Any]:
+    def to_dict(self, name: str, files: FileList) -> dict[str, Any]:
         """Tensor ``name``'s object in ``shardkit.json`` (current version), file ids in ``files``' order."""
         table = self.shards
         if not isinstance(table, RegionTable):
-            table = RegionTable.of_shards(name, self.size, self.dtype, self.shards, list(files))
+            table = RegionTable.of_shards(name, self.size, self.dtype, self.shards, files.names)
         return {"dtype": dtype_name(self.dtype), "size": list(self.size), "regions": table.to_dict(files)}
 
 
@@ -224,7 +224,7 @@ class CheckpointMetadata:
 
     def to_data(self) -> dict[str, Any]:
         """The JSON data of ``shardkit.json``, in the current format version."""
-        files = {name: i for i, name in enumerate(self.files)}
+        files = FileList.of(self.files)
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": self.generation,
                 "world_size": self.world_size,
                 "files": [{"name": name, "bytes": n} for name, n in self.files.items()],
@@ -316,8 +316,11 @@ def _from_data(data: object, source: str) -> CheckpointMetadata:
     both = sorted(set(raw_tensors) & set(values))
     if both:
         raise _fail(source, "tensors and values", f"names {both} appear in both")
-    parse = _parse_tensor if version < 3 else _parse_table
-    tensors = {name: parse(name, entry, files, source, version) for name, entry in raw_tensors.items()}
+    if version < 3:
+        tensors = {name: _parse_tensor(name, entry, files, source, version) for name, entry in raw_tensors.items()}
+    else:
+        numbered = FileList.of(files)
+        tensors = {name: _parse_table(name, entry, numbered, source) for name, entry in raw_tensors.items()}
     return CheckpointMetadata(MappingProxyType(tensors), MappingProxyType(values), MappingProxyType(files),
                               generation, world_size, version)
 
@@ -348,7 +351,7 @@ def _parse_files(raw: object, source: str, version: int) -> dict[str, int]:
     return files
 
 
-def _parse_table(name: str, entry: object, files: Mapping[str, int], source: str, version: int) -> TensorEntry:
+def _parse_table(name: str, entry: object, files: FileList, source: str) -> TensorEntry:
     """A tensor of format version 3: its regions as columns (``_regions.parse_regions``)."""
     where = f"tensor {name!r}"
     if not isinstance(entry, dict):
