@@ -33,6 +33,7 @@ __all__ = ["SavedShard", "RegionTable", "FileList", "RegionError", "region_key",
            "parse_regions"]
 
 CHECKSUM_ALGORITHM = "crc32c"
+_Cuts = Sequence[Sequence[int]] | Sequence[np.ndarray]  # a grid's cut points per dimension
 _MAX_INT = 1 << 63
 _MAX_CHUNK = 1 << 30
 
@@ -112,7 +113,7 @@ def _decode(text: object, count: int, digits: int) -> np.ndarray | None:
     return None if digits == 16 and count and int(column.min()) < 0 else column  # >= 2**63 wraps below 0
 
 
-def _grid_boxes(cuts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+def _grid_boxes(cuts: _Cuts) -> tuple[np.ndarray, np.ndarray]:
     """``(offsets, dims)`` of the cells of the grid with these cut points, in row-major order."""
     lows = np.meshgrid(*(np.asarray(c[:-1], dtype=np.int64) for c in cuts), indexing="ij")
     sizes = np.meshgrid(*(np.diff(np.asarray(c, dtype=np.int64)) for c in cuts), indexing="ij")
@@ -170,7 +171,7 @@ class RegionTable(Sequence[SavedShard]):
 
     def __init__(self, name: str, size: Sequence[int], itemsize: int, files: Sequence[str], file_ids: np.ndarray,
                  starts: np.ndarray, chunk_bytes: int, crcs: np.ndarray, *, keys: Mapping[int, str] | None = None,
-                 grid: Sequence[Sequence[int]] | None = None, offsets: np.ndarray | None = None,
+                 grid: _Cuts | None = None, offsets: np.ndarray | None = None,
                  dims: np.ndarray | None = None, nbytes: np.ndarray | None = None) -> None:
         self.name, self.size = name, tuple(size)
         self.files, self.file_ids, self.starts = files, file_ids, starts
@@ -405,11 +406,11 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
     return table, index
 
 
-def _nbytes(grid: Sequence[Sequence[int]] | None, dims: np.ndarray | None, itemsize: int) -> np.ndarray:
+def _nbytes(grid: _Cuts | None, dims: np.ndarray | None, itemsize: int) -> np.ndarray:
     """Each region's length in bytes: from the grid's cells when there is one, else from ``dims``."""
     if grid is None:
         assert dims is not None
-        return dims.prod(axis=1) * itemsize
+        return np.asarray(dims.prod(axis=1) * itemsize, dtype=np.int64)
     cells = np.ones(1, dtype=np.int64)
     for cuts in grid:
         cells = np.multiply.outer(cells, np.diff(np.asarray(cuts, dtype=np.int64))).ravel()

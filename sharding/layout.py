@@ -240,12 +240,14 @@ class RegionIndex:
 
     def _grid_overlapping(self, query: Box) -> list[tuple[int, Box]]:
         offsets, dims = query
+        shape = self._grid_shape
+        assert shape is not None
         spans = []  # per dimension: (cell, common offset, common length) of every cell the query meets
         for cut, o, n in zip(self._cuts, offsets, dims):
             first, last = bisect.bisect_right(cut, o) - 1, bisect.bisect_left(cut, o + n)
             spans.append([(c, max(cut[c], o), min(cut[c + 1], o + n) - max(cut[c], o))
                           for c in range(max(first, 0), min(last, len(cut) - 1))])
-        strides = [math.prod(self._grid_shape[d + 1:]) for d in range(len(self._grid_shape))]
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         return [(sum(c * s for (c, _, _), s in zip(cells, strides)),
                  (tuple(o for _, o, _ in cells), tuple(n for _, _, n in cells)))
                 for cells in itertools.product(*spans)]
