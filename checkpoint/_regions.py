@@ -124,7 +124,7 @@ def _grid_boxes(cuts: _Cuts) -> tuple[np.ndarray, np.ndarray]:
 def grid_of(offsets: np.ndarray, dims: np.ndarray, size: Sequence[int]) -> tuple[tuple[int, ...], ...] | None:
     """The cut points of the grid whose cells, in row-major order, are exactly these regions; else ``None``."""
     n, ndim = offsets.shape
-    if n < 2 or ndim == 0 or not (dims > 0).all():
+    if n == 0 or ndim == 0 or not (dims > 0).all():
         return None
     cuts = [np.unique(np.append(offsets[:, d], size[d])) for d in range(ndim)]
     if math.prod(len(c) - 1 for c in cuts) != n or any(int(c[0]) != 0 for c in cuts):
