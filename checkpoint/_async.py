@@ -4,7 +4,10 @@ Why this shape:
 
 - **Snapshot, then return.** ``save``'s planning runs on the caller's thread, then each region
   this rank writes is copied into a staging buffer. Only then does ``async_save`` return, so
-  in-place updates that follow (an optimizer step) never reach the files.
+  in-place updates that follow (an optimizer step) never reach the files. The background
+  thread is started before the copy: its prepare phase (agreement, folder, lease) overlaps
+  the copy, and it reads the buffers only once every region is staged (``_Feed``). If the
+  copy fails, the writer gives up and every rank's save fails; the call raises the error.
 - **Bounded, reused staging.** A rank stages only the regions it writes (a replica written by
   another rank is not copied), so staging never exceeds one copy of the rank's local bytes.
   Buffers are kept between saves and reused when a region keeps its shape and dtype; buffers
@@ -59,6 +62,7 @@ class AsyncSaveHandle:
         self._error: BaseException | None = None
         self._reported = False
         self._finished_at: float | None = None  # time.perf_counter() at the end (benchmarks)
+        self._blocked_parts: dict[str, float] = {}  # seconds of each step of the call (benchmarks)
 
     def done(self) -> bool:
         """Whether the background save has finished (committed or failed)."""
@@ -105,9 +109,11 @@ class _Staging:
         waves = 0 if self.wave is None else self.wave.numel()
         return waves + sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def stage(self, plan: _Plan, rank: int) -> None:
+    def stage(self, plan: _Plan, rank: int, feed: _Feed | None = None) -> None:
+        """Copy this rank's regions into the buffers, then hand them to ``feed`` (the writer)."""
         keep: dict[tuple[str, Any], torch.Tensor] = {}
         device_copies = False
+        staged: list[torch.Tensor] = []
         for region in plan.regions:
             if region.writer != rank or region.tensor is None:
                 continue
@@ -132,10 +138,51 @@ class _Staging:
                     buffer.copy_(source)
             keep[key] = buffer
             region.tensor = buffer
+            staged.append(buffer)
         if device_copies and self.stream is not None:
             self.stream.synchronize()
+        if feed is not None:
+            for index, buffer in enumerate(staged):
+                feed.put(index, buffer)
         self.buffers = keep  # buffers of regions no longer saved are released here
         self.wave = None
+
+
+class _Feed:
+    """This rank's staged regions, handed from the training thread to the writer.
+
+    The writer starts before staging, so its prepare phase (agreement, folder, lease) runs
+    while the training thread copies; it reads a region only once the whole snapshot is
+    staged. (Handing each region over as soon as it is copied, so that writing overlaps
+    staging too, made the copy itself slower on a loaded machine: docs/benchmarks.md.)
+    """
+
+    def __init__(self, count: int) -> None:
+        self._tensors: list[torch.Tensor | None] = [None] * count
+        self._ready = [threading.Event() for _ in range(count)]
+        self._error: BaseException | None = None
+
+    def put(self, index: int, tensor: torch.Tensor) -> None:
+        self._tensors[index] = tensor
+        self._ready[index].set()
+
+    def fail(self, error: BaseException) -> None:
+        """Staging raised: the writer stops at the next region it asks for."""
+        self._error = error
+        for ready in self._ready:
+            ready.set()
+
+    def get(self, index: int) -> torch.Tensor:
+        self._ready[index].wait()
+        if self._error is not None:
+            msg = f"staging the snapshot failed on this rank: {type(self._error).__name__}: {self._error}"
+            raise CheckpointError(msg) from self._error
+        tensor = self._tensors[index]
+        assert tensor is not None
+        return tensor
+
+    def release(self, index: int) -> None:
+        """Nothing to do: the buffers stay for the next save."""
 
 
 class _Waves:
@@ -201,12 +248,6 @@ class _Waves:
         if i in self.last_of_wave:
             self.written[self.wave_of[i]].set()
 
-
-_BACKGROUND_PIECE = 16 << 20
-"""Checksum-then-write unit of the background thread: each piece hands the interpreter lock
-to the training thread and must win it back (up to ``sys.getswitchinterval()`` each time), so
-fewer, larger pieces than ``save``'s keep the writer from waiting on the lock (measured in
-docs/benchmarks.md, async_save)."""
 
 _lock = threading.Lock()
 _inflight: AsyncSaveHandle | None = None
@@ -322,8 +363,10 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
         msg = f"max_staging_bytes={max_staging_bytes!r} must be a positive int (bytes) or None (no cap)."
         raise ValueError(msg)
     timeout = _comm.resolve_timeout(timeout)  # the background thread runs outside this call's scope
+    called = time.perf_counter()
     with _lock:
         _wait_previous(if_busy)
+        waited = time.perf_counter()
         group = _checkpoint_group(process_group, timeout)
         rank, world = _comm.rank_and_world(process_group)
         fs, root = resolve(path, storage_options)
@@ -339,21 +382,21 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
         handle = AsyncSaveHandle(os.fspath(path))
         mine = [r for r in plan.regions if r.writer == rank and r.tensor is not None]
         total = sum(r.tensor.numel() * r.tensor.element_size() for r in mine)
-        waves: _Waves | None = None
+        feed: _Waves | _Feed
         if max_staging_bytes is not None and total > max_staging_bytes:
             try:
-                waves = _Waves(mine, max_staging_bytes, _staging, handle)
+                feed = _Waves(mine, max_staging_bytes, _staging, handle)
             except ValueError as exc:
                 _tell_peers(exc, fs, root, group, timeout)
                 raise
         else:
-            _staging.stage(plan, rank)
+            feed = _Feed(len(mine))
+        planned = time.perf_counter()
 
         def work() -> None:
             try:
                 with _comm.operation("checkpoint.async_save", timeout):
-                    run_plan(plan, None, fs, root, process_group=group, timeout=timeout, quiet=quiet,
-                             piece_bytes=_BACKGROUND_PIECE, feed=waves)
+                    run_plan(plan, None, fs, root, process_group=group, timeout=timeout, quiet=quiet, feed=feed)
                 if _after is not None:
                     _after()
             except BaseException as exc:
@@ -364,6 +407,16 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
 
         _inflight = handle
         threading.Thread(target=work, name="shardkit-async-save", daemon=False).start()
-        if waves is not None:
-            waves.stage_all()
+        started = time.perf_counter()
+        if isinstance(feed, _Waves):
+            feed.stage_all()
+        else:
+            try:
+                _staging.stage(plan, rank, feed)
+            except BaseException as exc:
+                feed.fail(exc)  # the writer gives up: every rank's save fails, nothing is committed
+                handle._reported = True  # raised here; the next call must not raise it again
+                raise
+        handle._blocked_parts = {"wait_previous": waited - called, "plan": planned - waited,
+                                 "start_writer": started - planned, "stage": time.perf_counter() - started}
         return handle

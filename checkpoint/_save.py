@@ -93,8 +93,10 @@ DEFAULT_TIMEOUT = _comm.DEFAULT_TIMEOUT
 ``$SHARDKIT_TIMEOUT`` says otherwise."""
 
 _test_hook: Callable[[str], None] | None = None
-"""Private, for tests only: called with each phase name ("planned", "data_written",
-"before_commit", "committed") on every rank, so a test can crash a rank at a chosen point."""
+"""Private, for tests and benchmarks: called with each phase name ("planned", "writing",
+"data_written", "before_commit", "committed"; the last two on rank 0 only) on the thread
+running the save, so a test can crash a rank at a chosen point and a benchmark can time
+the phases."""
 
 def _hook(phase: str) -> None:
     if _test_hook is not None:
@@ -272,8 +274,7 @@ class _LocalFile:
 
 
 def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Region],
-                     plan: _Plan, generation: str, rank: int, bar: Any,
-                     piece_bytes: int = _PIECE, feed: Any = None,
+                     plan: _Plan, generation: str, rank: int, bar: Any, feed: Any = None,
                      watchdog: Watchdog | None = None) -> tuple[int, dict[str, Any]]:
     """Write this rank's regions to one safetensors file; return its size and where each region went.
 
@@ -310,8 +311,8 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
             # Checksum each piece (chunk by chunk) right before writing it: the write then reads
             # it from the CPU cache, so checksumming adds no second pass over memory. The
             # whole-region checksum is derived from the chunks' (no third pass either).
-            for first in range(0, len(data), piece_bytes):
-                piece = data[first:first + piece_bytes]
+            for first in range(0, len(data), _PIECE):
+                piece = data[first:first + _PIECE]
                 digest.update(piece)
                 _write_all(handle, piece, watchdog)
             bar.update(len(data))
@@ -477,17 +478,15 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
 
 def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSystem, root: str, *,
              process_group: _comm.ProcessGroup, timeout: float | None, quiet: bool | None,
-             piece_bytes: int = _PIECE, feed: Any = None) -> None:
+             feed: Any = None) -> None:
     """The phases of ``save`` after planning (prepare, write, commit, cleanup). Collective.
 
     ``plan`` holds the tensors this rank writes (``_Region.tensor``): the caller's live tensors
     for ``save``, staged copies for ``async_save``, which runs this on a background thread
     with its own process group. ``problem`` is an error raised while planning on this rank;
-    it is reported to every rank before anything is written. ``piece_bytes`` is the
-    checksum-then-write unit: a background thread uses larger pieces, since each piece is a
-    point where it must win the interpreter lock back from the training thread. ``feed``,
-    when given, supplies the tensor of this rank's i-th written region (``feed.get(i)``,
-    which may wait until it is staged) and is told when it is written (``feed.release(i)``).
+    it is reported to every rank before anything is written. ``feed``, when given, supplies
+    the tensor of this rank's i-th written region (``feed.get(i)``, which may wait until it
+    is staged, or raise if staging failed) and is told when it is written (``feed.release(i)``).
     """
     rank, world = _comm.rank_and_world(process_group)
     # The entry point's name (checkpoint.async_save's thread runs this too) goes into every error.
@@ -496,7 +495,7 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
     try:
         _prepare_phase(job, problem)
         try:
-            reports = _write_phase(job, quiet=quiet, piece_bytes=piece_bytes, feed=feed)
+            reports = _write_phase(job, quiet=quiet, feed=feed)
             _commit_phase(job, reports)
         except Exception as exc:
             if _all_reported(exc):
@@ -597,11 +596,12 @@ def _prepare_phase(job: _Job, problem: Exception | None) -> None:
     job.generation = everyone[0]["generation"]
 
 
-def _write_phase(job: _Job, *, quiet: bool | None, piece_bytes: int, feed: Any) -> list[dict[str, Any]]:
+def _write_phase(job: _Job, *, quiet: bool | None, feed: Any) -> list[dict[str, Any]]:
     """write: this rank's regions to a data file of the new generation; returns what every rank wrote."""
     job.clean = False  # from here on, this save's files may exist until committed or removed
 
     def write() -> dict[str, Any]:
+        _hook("writing")
         plan = job.plan
         mine = [r for r in plan.regions if r.writer == job.rank]
         report: dict[str, Any] = {"file": None, "bytes": 0}
@@ -613,7 +613,7 @@ def _write_phase(job: _Job, *, quiet: bool | None, piece_bytes: int, feed: Any) 
             # The bar counts the whole save (every rank's bytes), advanced by rank 0's share.
             with progress(everyone_total, "save", rank=job.rank, quiet=quiet, share=total) as bar:
                 nbytes, columns = job.storage(f"writing {path!r}", lambda watchdog: _write_data_file(
-                    job.fs, path, mine, plan, job.generation, job.rank, bar, piece_bytes, feed, watchdog))
+                    job.fs, path, mine, plan, job.generation, job.rank, bar, feed, watchdog))
             report.update(file=name, bytes=nbytes, **columns)
         _hook("data_written")
         return report

@@ -72,6 +72,28 @@ def test_error_surfaces_from_result_and_next_call(tmp_path):
     assert checkpoint.read_metadata(tmp_path / "ok").values["step"] == 3
 
 
+class _Uncopyable(torch.Tensor):
+    """A tensor whose copy fails, as a device copy can: staging it raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func is torch.Tensor.copy_:
+            raise RuntimeError("copy failed (simulated)")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_failed_staging_raises_at_the_call_and_commits_nothing(tmp_path):
+    # The writer has started (its prepare phase runs while the training thread stages); it must
+    # stop, leave no file behind, and not report the error a second time.
+    state = {"a": torch.ones(1024), "b": torch.ones(8).as_subclass(_Uncopyable)}
+    with pytest.raises(RuntimeError, match="simulated"):
+        checkpoint.async_save(state, tmp_path / "ck")
+    checkpoint.async_save({"a": torch.ones(1024)}, tmp_path / "ok").result(timeout=60)  # waits for it
+    with pytest.raises(FileNotFoundError):
+        checkpoint.read_metadata(tmp_path / "ck")
+    assert [p.name for p in (tmp_path / "ck").iterdir() if p.suffix == ".safetensors"] == []
+
+
 def test_bad_input_raises_at_the_call(tmp_path):
     with pytest.raises(TypeError):
         checkpoint.async_save({"x": object()}, tmp_path / "bad")
