@@ -48,17 +48,17 @@ def _load_rows(rank: int, world_size: int, folder: str) -> str:
 
 
 def test_flipped_byte_is_caught_by_a_partial_read(tmp_path: Path) -> None:
-    import json
-
     import checkpoint
+    from tests import _metadata_edit as edit
 
     folder = tmp_path / "ck"
     full = torch.arange(1024 * 64, dtype=torch.float32).reshape(1024, 64)
     checkpoint.save({"w": full}, folder, quiet=True)  # one process: one region of 256 KiB
-    shard = json.loads((folder / "shardkit.json").read_text())["tensors"]["w"]["shards"][0]
-    path = folder / shard["file"]
+    shard = edit.region(edit.read(folder), "w", 0)
+    assert shard.end - shard.start == full.numel() * 4 and len(shard.crcs) == 1
+    path = folder / shard.file
     data = bytearray(path.read_bytes())
-    data[shard["byte_range"][0] + 10 * 64 * 4 + 5] ^= 0x01  # a byte inside row 10
+    data[shard.start + 10 * 64 * 4 + 5] ^= 0x01  # a byte inside row 10
     path.write_bytes(bytes(data))
     try:
         results = run_distributed(_load_rows, 2, str(folder))
@@ -68,5 +68,5 @@ def test_flipped_byte_is_caught_by_a_partial_read(tmp_path: Path) -> None:
     # fails too: its rows share the region's only chunk (256 KiB < one chunk), and in any case
     # a failure on one rank is raised on every rank.
     assert results[0].startswith("CheckpointError") and "checksum mismatch" in results[0], results[0]
-    assert shard["file"] in results[0] and "'w'" in results[0]
+    assert shard.file in results[0] and "'w'" in results[0]
     assert results[1].startswith("CheckpointError"), results[1]
