@@ -126,12 +126,21 @@ def grid_of(offsets: np.ndarray, dims: np.ndarray, size: Sequence[int]) -> tuple
     n, ndim = offsets.shape
     if n == 0 or ndim == 0 or not (dims > 0).all():
         return None
-    cuts = [np.unique(np.append(offsets[:, d], size[d])) for d in range(ndim)]
-    if math.prod(len(c) - 1 for c in cuts) != n or any(int(c[0]) != 0 for c in cuts):
+    cuts = []
+    for d in range(ndim):
+        ordered = np.sort(offsets[:, d])
+        distinct = ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])]
+        cuts.append(np.append(distinct, size[d]))
+    shape = [len(c) - 1 for c in cuts]
+    if math.prod(shape) != n or any(int(c[0]) != 0 for c in cuts):
         return None
-    lo, extent = _grid_boxes(cuts)
-    if not (np.array_equal(lo, offsets) and np.array_equal(extent, dims)):
-        return None
+    cell = np.arange(n)
+    for d in range(ndim - 1, -1, -1):  # region i is cell (i // stride_d) % shape_d along dimension d
+        along = cell % shape[d]
+        if not (np.array_equal(offsets[:, d], cuts[d][along])
+                and np.array_equal(dims[:, d], np.diff(cuts[d])[along])):
+            return None
+        cell = cell // shape[d]
     return tuple(tuple(c.tolist()) for c in cuts)
 
 
@@ -340,6 +349,9 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
     n, ndim = raw.get("count"), len(size)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < _MAX_INT:
         raise RegionError("count", f"expected a non-negative int, got {n!r}")
+    # First the columns of one value per region, whose length bounds the count: a 0-d tensor's
+    # offsets and sizes are empty for any count, and nothing below may be built from it alone.
+    ids, starts = _column(raw, "file", n, 8), _column(raw, "start", n, 16)
     grid = offsets = dims = None
     if "grid" in raw:
         grid = _parse_grid(raw["grid"], size, n)
@@ -352,7 +364,6 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
             i = int(outside.argmax())
             raise RegionError(f"[{i}]", f"the block offsets={offsets[i].tolist()}, dims={dims[i].tolist()} lies "
                                         f"outside the tensor's size {list(size)}")
-    ids, starts = _column(raw, "file", n, 8), _column(raw, "start", n, 16)
     names = files.names
     if n and int(ids.max()) >= len(names):
         i = int(ids.argmax())
