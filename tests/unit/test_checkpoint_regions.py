@@ -9,6 +9,7 @@ reads and edits those columns independently of the library's parser.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -230,7 +231,7 @@ MALFORMED = {
     "grid-not-to-size": (lambda m: _grid(m, 1, [0, 2, 5]), "w", r" grid: expected, .* from 0 to the size"),
     "grid-short-of-size": (lambda m: _grid(m, 1, [0, 2, 3]), "w", r" grid: expected"),
     "grid-out-of-order": (lambda m: _grid(m, 0, [0, 6, 3]), "w", r" grid: expected, .*strictly increasing"),
-    "grid-repeated-cut": (lambda m: _grid(m, 0, [0, 3, 3, 6]) or _column(m, "w", "count", 6), "w", r" grid: expected"),
+    "grid-repeated-cut": (lambda m: _grid(m, 0, [0, 3, 3, 3, 6]) or _grid(m, 1, [0, 4]), "w", r" grid: expected"),
     "grid-more-cells": (lambda m: _grid(m, 0, [0, 1, 3, 6]), "w", r" grid: expected, .* with 4 cells in all"),
     "grid-fewer-cells": (lambda m: _grid(m, 0, [0, 6]), "w", r" grid: expected, .* with 4 cells in all"),
     "grid-2**63": (lambda m: _column(m, "w", "grid", [m["tensors"]["w"]["regions"]["grid"][0], "0" * 16 + "8" * 16]),
@@ -240,8 +241,9 @@ MALFORMED = {
                       r" grid: expected"),
     "grid-one-dimension": (lambda m: _column(m, "w", "grid", m["tensors"]["w"]["regions"]["grid"][:1]), "w",
                            r" grid: expected"),
-    "count-huge": (lambda m: _column(m, "v", "count", 2**62), "v", r" offsets: expected 9223372036854775808 x 16"),
-    "count-huge-grid": (lambda m: _column(m, "w", "count", 2**62), "w", r" grid: expected"),
+    "count-huge": (lambda m: _column(m, "v", "count", 2**62), "v", r" file: expected 4611686018427387904 x 8"),
+    "count-huge-grid": (lambda m: _column(m, "w", "count", 2**62), "w", r" file: expected 4611686018427387904 x 8"),
+    "count-one-more": (lambda m: _column(m, "w", "count", 5), "w", r" file: expected 5 x 8"),
     "count-2**63": (lambda m: _column(m, "v", "count", 2**63), "v", r" count: expected a non-negative int"),
     "count-negative": (lambda m: _column(m, "v", "count", -1), "v", r" count: expected a non-negative int"),
     "count-bool": (lambda m: _column(m, "v", "count", True), "v", r" count: expected a non-negative int"),
@@ -282,6 +284,31 @@ def test_malformed_columns_name_the_metadata_and_the_tensor(tmp_path: Path, case
         prefix = f"malformed checkpoint metadata {source!r}: tensor {name!r} regions"
         assert message.startswith(prefix), message
         assert re.match(problem, message[len(prefix):]), (problem, message)
+
+
+def test_the_count_of_a_scalar_is_bounded_by_its_columns(tmp_path: Path) -> None:
+    # A 0-d tensor's offsets and sizes are empty strings whatever the count: the per-region
+    # columns must refuse a huge count before anything of that length is built.
+    folder = tmp_path / "ck"
+    checkpoint.save({"s": torch.tensor(1.5)}, folder, quiet=True)
+    saved = edit.read(folder)
+    (r,) = edit.all_regions(saved, "s")
+    assert r.offsets == () and r.dims == () and edit.regions(saved, "s")["offsets"] == ""
+    source = str(folder / "shardkit.json")
+    for count, problem in ((2**62 + 1, r"file: expected 4611686018427387905 x 8"), (2, r"file: expected 2 x 8")):
+        md = copy.deepcopy(saved)
+        edit.regions(md, "s")["count"] = count
+        edit.write(folder, md)
+        with pytest.raises(CheckpointError, match=rf"^malformed checkpoint metadata {re.escape(repr(source))}: "
+                                                  rf"tensor 's' regions {problem}"):
+            checkpoint.read_metadata(folder)
+    # every column doubled: a second copy of the one element, refused as such
+    md = copy.deepcopy(saved)
+    regions = edit.regions(md, "s")
+    regions.update(count=2, file=regions["file"] * 2, start=regions["start"] * 2, crc32c=regions["crc32c"] * 2)
+    edit.write(folder, md)
+    with pytest.raises(CheckpointError, match=r"tensor 's' regions: a region is listed twice"):
+        checkpoint.read_metadata(folder)
 
 
 def test_a_bad_region_among_many_is_named() -> None:
