@@ -79,7 +79,8 @@ def _cpu(rank: int) -> str:
 
 def _replicas(rows: list[tuple[int, int, list[int]]], cols: int) -> EnumerableShardingSpec:
     """Row blocks ``(start, stop, holders)``: each block held by every rank in ``holders``."""
-    return EnumerableShardingSpec([ShardMetadata((a, 0), (b - a, cols), _cpu(r)) for a, b, ranks in rows for r in ranks])
+    return EnumerableShardingSpec([ShardMetadata((a, 0), (b - a, cols), _cpu(r))
+                                   for a, b, ranks in rows for r in ranks])
 
 
 def _layout(which: str) -> dict[str, Any]:
@@ -264,7 +265,8 @@ def test_save_4_load_2_save_2_load_4(tmp_path):
     assert "ck4-bad/data-" in b2[1]["corrupt_error"]
     assert "failed on rank 1" in b2[0]["corrupt_error"] and "checksum mismatch" in b2[0]["corrupt_error"]
     for r in b2:
-        assert "rank 1's state_dict differs from rank 0's" in r["mismatch_error"] and "extra ['y']" in r["mismatch_error"]
+        assert "rank 1's state_dict differs from rank 0's" in r["mismatch_error"]
+        assert "extra ['y']" in r["mismatch_error"]
     assert b2[1]["write_error"] == "OSError: disk full (simulated)"
     assert b2[0]["write_error"].startswith("CheckpointError") and "rank 1: OSError: disk full" in b2[0]["write_error"]
     assert [r["bad_after_failed_overwrite"] for r in b2] == [[], []]

@@ -126,7 +126,8 @@ def test_collect_memory_is_streamed() -> None:
     tensor_bytes = rows * cols * 4
     results = run_distributed(_collect_memory, WORLD, n, rows, cols)
     assert results[0]["collected"] == n * tensor_bytes
-    slack = 10 << 20  # interpreter, Gloo bookkeeping, allocator rounding, thread stacks; far below a second copy of the state dict
+    # interpreter, Gloo bookkeeping, allocator rounding, thread stacks; far below a second copy of the state dict
+    slack = 10 << 20
     # dst: the full state dict plus about one tensor's receive buffers.
     assert results[0]["growth"] <= n * tensor_bytes + tensor_bytes + slack, results
     # Others: only one tensor's send buffers at a time (a column shard must be packed),

@@ -216,7 +216,7 @@ def _from_local_shards_invalid(rank: int) -> None:
                                                                                              "rank:3/cpu"))]},
          None),
     ]
-    for name, layout, match in cases:
+    for _name, layout, match in cases:
         if match is None:  # a valid layout between the invalid ones: nothing is out of step
             t = st.ShardedTensor.from_local_shards(layout[rank], (8, 4))
             assert torch.equal(t.full_tensor(), x)

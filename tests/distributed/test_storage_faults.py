@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-from checkpoint import CheckpointError
-from checkpoint import _save
+from checkpoint import CheckpointError, _save
 from tests._s3 import S3Process, s3_process  # noqa: F401 - fixture, found by name
 from tests.distributed._launch import run_distributed
 

@@ -29,7 +29,8 @@ def _folder(tmp_path: Path) -> Path:
 
 def test_folder_with_index_loads_into_tensors_and_sharded_tensors(tmp_path):
     folder = _folder(tmp_path)
-    sd = {"a.weight": st.empty(6, 4, sharding_spec=single_split(0, ["rank:0/cpu"])), "b": torch.empty(5, dtype=torch.int64)}
+    sd = {"a.weight": st.empty(6, 4, sharding_spec=single_split(0, ["rank:0/cpu"])),
+          "b": torch.empty(5, dtype=torch.int64)}
     checkpoint.load(sd, folder)
     assert torch.equal(sd["a.weight"].local_shard(), TENSORS["a.weight"])
     assert torch.equal(sd["b"], TENSORS["b"])
@@ -92,7 +93,8 @@ def test_header_longer_than_the_file_and_a_wrong_index(tmp_path):
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     index["weight_map"]["b"] = "model-00001-of-00002.safetensors"
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(checkpoint.CheckpointError, match=r"maps tensor 'b' to 'model-00001-of-00002.safetensors', which"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"maps tensor 'b' to 'model-00001-of-00002.safetensors', which"):
         checkpoint.load({}, folder, strict=False)
     index["weight_map"]["b"] = "../outside.safetensors"
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -144,8 +144,8 @@ def brute_overlapping(boxes, query):  # type: ignore[no-untyped-def]
     for i, (offsets, dims) in enumerate(boxes):
         lo = [max(o, q) for o, q in zip(offsets, query[0])]
         hi = [min(o + n, q + m) for o, n, q, m in zip(offsets, dims, query[0], query[1])]
-        if math.prod(dims) and math.prod(query[1]) and all(h > l for l, h in zip(lo, hi)):
-            result.append((i, (tuple(lo), tuple(h - l for l, h in zip(lo, hi)))))
+        if math.prod(dims) and math.prod(query[1]) and all(h > a for a, h in zip(lo, hi)):
+            result.append((i, (tuple(lo), tuple(h - a for a, h in zip(lo, hi)))))
     return result
 
 

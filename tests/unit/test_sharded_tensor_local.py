@@ -262,7 +262,8 @@ def test_gather_dst_out_of_range():
 
 @pytest.mark.parametrize(("spec", "error", "match"), [
     pytest.param(single_split(0, [R0, R0], [3, 4]), ValueError, r"sum to 7 .* has 6 elements", id="sizes-do-not-sum"),
-    pytest.param(single_split(1, [R0, "rank:1/cpu"]), ValueError, r"rank 1 .*world has 1 ranks", id="rank-beyond-world"),
+    pytest.param(single_split(1, [R0, "rank:1/cpu"]), ValueError, r"rank 1 .*world has 1 ranks",
+                 id="rank-beyond-world"),
     pytest.param(mesh([[[R0]]]), ValueError, r"mesh has 3 dimensions", id="mesh-rank-mismatch"),
     pytest.param(single_split(-3, [R0]), ValueError, r"split_dimension=-3 is out of range", id="dim-out-of-range"),
     pytest.param(composite(w=R0), TypeError, "CompositeShardingSpec", id="composite"),

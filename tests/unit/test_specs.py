@@ -228,7 +228,8 @@ def test_single_split_rankless_placement_replicates_that_chunk():
                  r"shard_sizes=\[1, 1\] sum to 2 but dimension 0 of size=\(3, 4\) has 3 elements; make them sum to 3",
                  id="sizes-do-not-sum"),
     pytest.param(single_split(2, ranks(2)), (3, 4), {}, ValueError,
-                 r"split_dimension=2 is out of range for a tensor of rank 2 \(size=\(3, 4\)\); use a dimension in \[-2, 1\]",
+                 r"split_dimension=2 is out of range for a tensor of rank 2 \(size=\(3, 4\)\); "
+                 r"use a dimension in \[-2, 1\]",
                  id="dim-too-large"),
     pytest.param(single_split(-3, ranks(2)), (3, 4), {}, ValueError,
                  r"split_dimension=-3 is out of range", id="dim-too-negative"),
