@@ -9,9 +9,10 @@ a tensor's regions as a few columns rather than an object per region:
 - each region's data file (a number into the checkpoint's list of files) and first byte;
 - the CRC-32C of every chunk of every region, region after region.
 
-Columns of per-region integers are fixed-width hexadecimal strings, as the checksums are, so
-neither writing nor reading them loops over values in Python. ``RegionTable`` keeps them as
-arrays and builds a ``SavedShard`` only for a region that is looked at. Pure: no file system.
+Columns of per-region integers are fixed-width hexadecimal strings, as the checksums are (as
+few digits as the tensor's largest value needs), so neither writing nor reading them loops
+over values in Python. ``RegionTable`` keeps them as arrays and builds a ``SavedShard`` only
+for a region that is looked at. Pure: no file system.
 """
 
 from __future__ import annotations
@@ -97,6 +98,15 @@ class SavedShard:
 
 def _encode(column: np.ndarray, digits: int) -> str:
     return column.astype(f">u{digits // 2}").tobytes().hex()
+
+
+_DIGITS = (2, 4, 8, 16)  # the widths of integer columns: 1, 2, 4 or 8 bytes per value
+
+
+def _digits_for(*columns: np.ndarray) -> int:
+    """The fewest hex digits per value (of ``_DIGITS``) that hold every value of ``columns``."""
+    top = max((int(c.max()) for c in columns if c.size), default=0)
+    return next(d for d in _DIGITS if top < 16 ** d)
 
 
 def _decode(text: object, count: int, digits: int) -> np.ndarray | None:
@@ -275,13 +285,18 @@ class RegionTable(Sequence[SavedShard]):
         ids = self.file_ids
         if self.files is not files.names and list(self.files) != files.names:
             ids = np.array([files.number[f] for f in self.files], dtype=np.int64)[ids]
-        out: dict[str, Any] = {"count": len(self)}
         if self.grid is not None:
-            out["grid"] = [_encode(np.asarray(cuts, dtype=np.int64), 16) for cuts in self.grid]
+            blocks = [np.asarray(cuts, dtype=np.int64) for cuts in self.grid]
         else:
-            out.update(offsets=_encode(self.offsets.ravel(), 16), dims=_encode(self.dims.ravel(), 16))
-        out.update({"file": _encode(ids, 8), "start": _encode(self.starts, 16), "chunk_bytes": self.chunk_bytes,
-                    CHECKSUM_ALGORITHM: encode_chunk_array(self.crcs)})
+            blocks = [self.offsets.ravel(), self.dims.ravel()]
+        digits = _digits_for(ids, self.starts, *blocks)
+        out: dict[str, Any] = {"count": len(self), "digits": digits}
+        if self.grid is not None:
+            out["grid"] = [_encode(cuts, digits) for cuts in blocks]
+        else:
+            out.update(offsets=_encode(blocks[0], digits), dims=_encode(blocks[1], digits))
+        out.update({"file": _encode(ids, digits), "start": _encode(self.starts, digits),
+                    "chunk_bytes": self.chunk_bytes, CHECKSUM_ALGORITHM: encode_chunk_array(self.crcs)})
         if self.keys:
             out["keys"] = {str(i): key for i, key in sorted(self.keys.items())}
         return out
@@ -306,7 +321,7 @@ class RegionError(ValueError):
         self.where, self.problem = where, problem
 
 
-_KNOWN = {"count", "grid", "offsets", "dims", "file", "start", "chunk_bytes", CHECKSUM_ALGORITHM, "keys"}
+_KNOWN = {"count", "digits", "grid", "offsets", "dims", "file", "start", "chunk_bytes", CHECKSUM_ALGORITHM, "keys"}
 
 
 def _column(raw: Mapping[str, Any], key: str, count: int, digits: int) -> np.ndarray:
@@ -319,19 +334,20 @@ def _column(raw: Mapping[str, Any], key: str, count: int, digits: int) -> np.nda
     return column
 
 
-def _parse_grid(raw: object, size: Sequence[int], count: int) -> list[np.ndarray]:
+def _parse_grid(raw: object, size: Sequence[int], count: int, digits: int) -> list[np.ndarray]:
     """Cut points per dimension, each strictly increasing from 0 to the dimension's size, with ``count`` cells."""
     cuts = []
     if isinstance(raw, list) and len(raw) == len(size) > 0:
         for text, n in zip(raw, size):
-            column = _decode(text, len(text) // 16, 16) if isinstance(text, str) else None
+            column = _decode(text, len(text) // digits, digits) if isinstance(text, str) else None
             if column is None or len(column) < 2 or column[0] != 0 or column[-1] != n or (np.diff(column) <= 0).any():
                 break
             cuts.append(column)
     if len(cuts) != len(size) or len(size) == 0 or math.prod(len(c) - 1 for c in cuts) != count:
         shown = repr(raw) if len(repr(raw)) <= 200 else f"{repr(raw)[:200]}..."
         raise RegionError("grid", f"expected, per dimension of size {list(size)}, strictly increasing cut points "
-                                  f"(16 hex digits each) from 0 to the size, with {count} cells in all; got {shown}")
+                                  f"({digits} hex digits each) from 0 to the size, with {count} cells in all; "
+                                  f"got {shown}")
     return cuts
 
 
@@ -349,15 +365,18 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
     n, ndim = raw.get("count"), len(size)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < _MAX_INT:
         raise RegionError("count", f"expected a non-negative int, got {n!r}")
+    digits = raw.get("digits")
+    if digits not in _DIGITS or isinstance(digits, bool):
+        raise RegionError("digits", f"expected one of {list(_DIGITS)}, got {digits!r}")
     # First the columns of one value per region, whose length bounds the count: a 0-d tensor's
     # offsets and sizes are empty for any count, and nothing below may be built from it alone.
-    ids, starts = _column(raw, "file", n, 8), _column(raw, "start", n, 16)
+    ids, starts = _column(raw, "file", n, digits), _column(raw, "start", n, digits)
     grid = offsets = dims = None
     if "grid" in raw:
-        grid = _parse_grid(raw["grid"], size, n)
+        grid = _parse_grid(raw["grid"], size, n, digits)
     else:
-        offsets = _column(raw, "offsets", n * ndim, 16).reshape(n, ndim)
-        dims = _column(raw, "dims", n * ndim, 16).reshape(n, ndim)
+        offsets = _column(raw, "offsets", n * ndim, digits).reshape(n, ndim)
+        dims = _column(raw, "dims", n * ndim, digits).reshape(n, ndim)
         limit = np.array(size, dtype=np.int64).reshape(1, ndim)
         outside = ((dims > limit) | (offsets > limit - dims)).any(axis=1)
         if outside.any():
