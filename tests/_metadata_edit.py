@@ -2,10 +2,12 @@
 
 A tensor's ``"regions"`` object holds columns (see ``checkpoint/_regions.py``): the blocks as
 ``"grid"`` cut points or as ``"offsets"``/``"dims"``, and ``"file"``, ``"start"``, ``"crc32c"``,
-each a string of fixed-width lowercase hex values. These helpers decode and encode those
-columns on their own (not with the library's parser, which is what the tests check) so a
-test can change one region's start, file or block, switch a grid to explicit blocks, or
-remove a region, and write the result back::
+each a string of fixed-width lowercase hex values (``"digits"`` wide, ``"crc32c"`` 8). These
+helpers decode and encode those columns on their own (not with the library's parser, which
+is what the tests check) so a test can change one region's start, file or block, switch a
+grid to explicit blocks, or remove a region, and write the result back. ``read`` rewrites the
+integer columns 16 digits wide (the widest; the library writes as few as the values need and
+reads any of 2, 4, 8 and 16), so an edit may put any value in them::
 
     md = read(folder)
     r = region(md, "w", 1)                     # offsets, dims, file, start, end, key, crcs
@@ -26,10 +28,10 @@ import torch
 
 __all__ = ["OFFSET_DIGITS", "FILE_DIGITS", "CRC_DIGITS", "Region", "read", "write", "decode", "encode", "regions",
            "file_names", "file_entry", "itemsize", "grid_cells", "blocks", "chunk_counts", "region", "all_regions",
-           "explicit", "set_region", "drop_region", "shift_file", "default_key"]
+           "explicit", "set_region", "drop_region", "shift_file", "default_key", "widen"]
 
-OFFSET_DIGITS = 16  # "grid", "offsets", "dims", "start": 16 hex digits per value
-FILE_DIGITS = 8  # "file": 8 hex digits per region
+OFFSET_DIGITS = 16  # "grid", "offsets", "dims", "start" after ``read``: 16 hex digits per value
+FILE_DIGITS = 16  # "file" after ``read``
 CRC_DIGITS = 8  # "crc32c": 8 hex digits per chunk
 
 
@@ -48,8 +50,24 @@ class Region:
 
 
 def read(folder: str | Path) -> dict[str, Any]:
-    """The JSON data of ``folder/shardkit.json``."""
-    return json.loads((Path(folder) / "shardkit.json").read_text())
+    """The JSON data of ``folder/shardkit.json``, its integer columns 16 hex digits wide."""
+    md = json.loads((Path(folder) / "shardkit.json").read_text())
+    for entry in md["tensors"].values():
+        widen(entry["regions"])
+    return md
+
+
+def widen(raw: dict[str, Any], digits: int = 16) -> None:
+    """Rewrite the integer columns of a ``"regions"`` object ``digits`` hex digits wide."""
+    old = raw["digits"]
+    if old == digits:
+        return
+    for column in ("offsets", "dims", "file", "start"):
+        if column in raw:
+            raw[column] = encode(decode(raw[column], old), digits)
+    if "grid" in raw:
+        raw["grid"] = [encode(decode(c, old), digits) for c in raw["grid"]]
+    raw["digits"] = digits
 
 
 def write(folder: str | Path, md: dict[str, Any]) -> None:
@@ -104,9 +122,9 @@ def blocks(md: dict[str, Any], name: str) -> list[tuple[tuple[int, ...], tuple[i
     """``(offsets, dims)`` of every region of tensor ``name``, from its grid or its explicit columns."""
     raw = regions(md, name)
     if "grid" in raw:
-        return grid_cells([decode(c, OFFSET_DIGITS) for c in raw["grid"]])
+        return grid_cells([decode(c, raw["digits"]) for c in raw["grid"]])
     n = raw["count"]
-    offsets, dims = decode(raw["offsets"], OFFSET_DIGITS), decode(raw["dims"], OFFSET_DIGITS)
+    offsets, dims = decode(raw["offsets"], raw["digits"]), decode(raw["dims"], raw["digits"])
     ndim = len(offsets) // n if n else 0
     return [(tuple(offsets[i * ndim:(i + 1) * ndim]), tuple(dims[i * ndim:(i + 1) * ndim])) for i in range(n)]
 
@@ -127,7 +145,7 @@ def default_key(name: str, offsets: Sequence[int], dims: Sequence[int], size: Se
 def all_regions(md: dict[str, Any], name: str) -> list[Region]:
     """Every region of tensor ``name``, in order."""
     raw, files = regions(md, name), file_names(md)
-    numbers, starts = decode(raw["file"], FILE_DIGITS), decode(raw["start"], OFFSET_DIGITS)
+    numbers, starts = decode(raw["file"], raw["digits"]), decode(raw["start"], raw["digits"])
     crcs, counts = decode(raw["crc32c"], CRC_DIGITS), chunk_counts(md, name)
     size, step = md["tensors"][name]["size"], itemsize(md, name)
     out, first = [], 0
@@ -148,6 +166,7 @@ def region(md: dict[str, Any], name: str, i: int) -> Region:
 
 def _put_blocks(md: dict[str, Any], name: str, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
     raw = regions(md, name)
+    widen(raw)
     raw.pop("grid", None)
     raw["offsets"] = encode([v for o, _ in boxes for v in o], OFFSET_DIGITS)
     raw["dims"] = encode([v for _, d in boxes for v in d], OFFSET_DIGITS)
@@ -162,6 +181,7 @@ def set_region(md: dict[str, Any], name: str, i: int, *, start: int | None = Non
                offsets: Sequence[int] | None = None, dims: Sequence[int] | None = None) -> None:
     """Change region ``i``'s first byte, file number or block (a grid becomes explicit blocks first)."""
     raw = regions(md, name)
+    widen(raw)
     if start is not None:
         starts = decode(raw["start"], OFFSET_DIGITS)
         starts[i] = start
@@ -180,6 +200,7 @@ def set_region(md: dict[str, Any], name: str, i: int, *, start: int | None = Non
 def drop_region(md: dict[str, Any], name: str, i: int) -> None:
     """Remove region ``i`` of tensor ``name``: its block, file, start, chunk checksums and key."""
     raw = regions(md, name)
+    widen(raw)
     boxes, counts = blocks(md, name), chunk_counts(md, name)
     crcs = decode(raw["crc32c"], CRC_DIGITS)
     first = sum(counts[:i])
@@ -202,5 +223,6 @@ def shift_file(md: dict[str, Any], file: str, shift: int) -> None:
     file_entry(md, file)["bytes"] += shift
     for name in md["tensors"]:
         raw = regions(md, name)
+        widen(raw)
         numbers, starts = decode(raw["file"], FILE_DIGITS), decode(raw["start"], OFFSET_DIGITS)
         raw["start"] = encode([s + shift if f == number else s for f, s in zip(numbers, starts)], OFFSET_DIGITS)

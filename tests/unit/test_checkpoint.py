@@ -429,9 +429,9 @@ def test_unsupported_dtype_and_key_collisions(tmp_path):
 
 def test_metadata_file_is_compact_and_validated_before_commit():
     file = "data-ab-r00000.safetensors"
-    x = {"count": 1, "offsets": edit.encode([0], 16), "dims": edit.encode([2], 16), "file": edit.encode([0], 8),
+    x = {"count": 1, "offsets": edit.encode([0], 16), "dims": edit.encode([2], 16), "file": edit.encode([0], 16), "digits": 16,
          "start": edit.encode([64], 16), "chunk_bytes": 1 << 20, "crc32c": "0000000a"}
-    y = {"count": 2, "grid": [edit.encode([0, 1, 4], 16), edit.encode([0, 2], 16)], "file": edit.encode([0, 0], 8),
+    y = {"count": 2, "grid": [edit.encode([0, 1, 4], 16), edit.encode([0, 2], 16)], "file": edit.encode([0, 0], 16), "digits": 16,
          "start": edit.encode([72, 80], 16), "chunk_bytes": 8, "crc32c": edit.encode([1, 2, 3, 4], 8),
          "keys": {"1": "y-rest"}}
     text = json.dumps({
@@ -449,7 +449,11 @@ def test_metadata_file_is_compact_and_validated_before_commit():
         _schema.SavedShard((1, 0), (3, 2), file, "y-rest", (80, 104), "", 8, (2, 3, 4))]
     out = md.to_json()
     assert " " not in out and "\n" not in out  # compact
-    assert json.loads(out) == json.loads(text)  # the same columns written back
+    written = json.loads(out)
+    assert written["tensors"]["y"]["regions"]["digits"] == 2  # as few digits as the values need
+    for entry in written["tensors"].values():
+        edit.widen(entry["regions"])
+    assert written == json.loads(text)  # the same columns written back
     assert _schema.parse_metadata(out) == md
     # An older version is written as version 3: the regions are the same, without the
     # whole-region checksums of version 2 (the chunk checksums cover every byte).

@@ -445,7 +445,7 @@ def test_the_mutations_reach_the_readers(saved: Path, tmp_path: Path) -> None:
 # well formed and what loading then says)
 _REACH = [
     (("digits", "w", "start", "drop", 0, "g"), r" start: expected 2 x 16 lowercase hex digits", None),
-    (("digits", "v", "file", "capitals", 3, "g"), r" file: expected 4 x 8 lowercase hex digits", None),
+    (("digits", "v", "file", "capitals", 3, "g"), r" file: expected 4 x 16 lowercase hex digits", None),
     (("digits", "w", "grid", "char", 3, "\u0660"), r" grid: expected", None),
     (("digits", "v", "offsets", "add", 0, "g"), r" offsets: expected 8 x 16", None),
     (("digits", "s", "offsets", "add", 0, "g"), r" offsets: expected 0 x 16", None),
@@ -461,9 +461,9 @@ _REACH = [
     (("start-near-end", "b", 0, 0), None, "the header places the data at"),
     (("file-beyond", "h", 0, 0), r"\[0\] file: file number 1 is not in", None),
     (("file-beyond", "w", 1, 2**32 - 2), r"\[1\] file: file number 4294967295 is not in", None),
-    (("count", "v", "set", 2**62), r" file: expected 4611686018427387904 x 8", None),
-    (("count", "w", "add", 1), r" file: expected 3 x 8", None),
-    (("count", "s", "add", 2**62), r" file: expected 4611686018427387905 x 8", None),  # a 0-d tensor: no blocks
+    (("count", "v", "set", 2**62), r" file: expected 4611686018427387904 x 16", None),
+    (("count", "w", "add", 1), r" file: expected 3 x 16", None),
+    (("count", "s", "add", 2**62), r" file: expected 4611686018427387905 x 16", None),  # a 0-d tensor: no blocks
     (("count", "b", "set", "1"), r" count: expected a non-negative int", None),
     (("count", "e", "set", 10**30), r" count: expected a non-negative int", None),
     (("chunk_bytes", "h", 0), r" chunk_bytes: expected a chunk size", None),

@@ -113,7 +113,7 @@ def test_scalar_and_empty_tensors_read_back(tmp_path: Path) -> None:
     # a 0-d tensor: one region with no offsets and no sizes (zero values per region)
     assert scalar["count"] == 1 and scalar["offsets"] == "" and scalar["dims"] == "" and "grid" not in scalar
     # an empty tensor: no region at all
-    assert empty == {"count": 0, "offsets": "", "dims": "", "file": "", "start": "",
+    assert empty == {"count": 0, "digits": 16, "offsets": "", "dims": "", "file": "", "start": "",
                      "chunk_bytes": empty["chunk_bytes"], "crc32c": ""}
     md = checkpoint.read_metadata(folder)
     (r,) = edit.all_regions(data, "s")
@@ -212,8 +212,8 @@ MALFORMED = {
     "start-past-file": (lambda m: edit.set_region(m, "w", 2, start=m["files"][0]["bytes"] - 23), "w",
                         r"\[2\] start: \[\d+, \d+\) does not hold 24 bytes .* inside file 'data-.*' of \d+ bytes"),
     "start-max": (lambda m: edit.set_region(m, "w", 2, start=2**63 - 1), "w", r"\[2\] start: .* does not hold"),
-    "file-short": (lambda m: _column(m, "v", "file", "0" * 31), "v", r" file: expected 4 x 8 lowercase hex digits"),
-    "file-capitals": (lambda m: _column(m, "v", "file", "0000000A" + "0" * 24), "v", r" file: expected 4 x 8"),
+    "file-short": (lambda m: _column(m, "v", "file", "0" * 63), "v", r" file: expected 4 x 16 lowercase hex digits"),
+    "file-capitals": (lambda m: _column(m, "v", "file", "000000000000000A" + "0" * 48), "v", r" file: expected 4 x 16"),
     "file-beyond-list": (lambda m: edit.set_region(m, "v", 1, file=1), "v",
                          r"\[1\] file: file number 1 is not in \"files\" \(1 listed\)"),
     "file-max": (lambda m: edit.set_region(m, "v", 3, file=2**32 - 1), "v",
@@ -241,9 +241,9 @@ MALFORMED = {
                       r" grid: expected"),
     "grid-one-dimension": (lambda m: _column(m, "w", "grid", m["tensors"]["w"]["regions"]["grid"][:1]), "w",
                            r" grid: expected"),
-    "count-huge": (lambda m: _column(m, "v", "count", 2**62), "v", r" file: expected 4611686018427387904 x 8"),
-    "count-huge-grid": (lambda m: _column(m, "w", "count", 2**62), "w", r" file: expected 4611686018427387904 x 8"),
-    "count-one-more": (lambda m: _column(m, "w", "count", 5), "w", r" file: expected 5 x 8"),
+    "count-huge": (lambda m: _column(m, "v", "count", 2**62), "v", r" file: expected 4611686018427387904 x 16"),
+    "count-huge-grid": (lambda m: _column(m, "w", "count", 2**62), "w", r" file: expected 4611686018427387904 x 16"),
+    "count-one-more": (lambda m: _column(m, "w", "count", 5), "w", r" file: expected 5 x 16"),
     "count-2**63": (lambda m: _column(m, "v", "count", 2**63), "v", r" count: expected a non-negative int"),
     "count-negative": (lambda m: _column(m, "v", "count", -1), "v", r" count: expected a non-negative int"),
     "count-bool": (lambda m: _column(m, "v", "count", True), "v", r" count: expected a non-negative int"),
@@ -260,6 +260,12 @@ MALFORMED = {
     "keys-beyond-count": (lambda m: _column(m, "v", "keys", {"4": "v"}), "v", r" keys: expected"),
     "keys-empty-name": (lambda m: _column(m, "v", "keys", {"0": ""}), "v", r" keys: expected"),
     "unknown-column": (lambda m: _column(m, "v", "checksum", "crc32c:00000000"), "v", r": unknown keys \['checksum'\]"),
+    "digits-odd": (lambda m: _column(m, "v", "digits", 3), "v", r" digits: expected one of \[2, 4, 8, 16\], got 3"),
+    "digits-wide": (lambda m: _column(m, "v", "digits", 32), "v", r" digits: expected one of \[2, 4, 8, 16\]"),
+    "digits-text": (lambda m: _column(m, "v", "digits", "16"), "v", r" digits: expected one of \[2, 4, 8, 16\]"),
+    "digits-bool": (lambda m: _column(m, "v", "digits", True), "v", r" digits: expected one of \[2, 4, 8, 16\]"),
+    "digits-missing": (lambda m: m["tensors"]["v"]["regions"].pop("digits"), "v", r" digits: expected one of"),
+    "digits-narrower": (lambda m: _column(m, "v", "digits", 8), "v", r" file: expected 4 x 8 lowercase hex digits"),
     "not-an-object": (lambda m: m["tensors"]["v"].update(regions=[]), "v",
                       r": expected an object, got list"),
 }
@@ -286,6 +292,24 @@ def test_malformed_columns_name_the_metadata_and_the_tensor(tmp_path: Path, case
         assert re.match(problem, message[len(prefix):]), (problem, message)
 
 
+def test_columns_use_as_few_digits_as_their_values_need(tmp_path: Path) -> None:
+    small, large = tmp_path / "small", tmp_path / "large"
+    checkpoint.save({"w": _sharded(_ramp(6, 4), [((0, 0), (3, 4)), ((3, 0), (3, 4))])}, small, quiet=True)
+    # 70,000 bytes before "z" in the file: its start needs more than 4 hex digits
+    checkpoint.save({"a": torch.zeros(17500), "z": torch.ones(3)}, large, quiet=True)
+    raw_small = json.loads((small / "shardkit.json").read_text())["tensors"]["w"]["regions"]
+    raw_large = json.loads((large / "shardkit.json").read_text())["tensors"]
+    assert raw_small["digits"] == 4 and len(raw_small["start"]) == 2 * 4  # starts in [256, 65536)
+    assert {raw_large["a"]["regions"]["digits"], raw_large["z"]["regions"]["digits"]} == {4, 8}
+    for folder, names in ((small, ["w"]), (large, ["a", "z"])):
+        state = {name: None for name in names}
+        checkpoint.load(state, folder)
+        for name in names:
+            assert edit.all_regions(edit.read(folder), name) == edit.all_regions(
+                json.loads((folder / "shardkit.json").read_text()), name)
+    assert torch.equal(state["z"], torch.ones(3)) and torch.equal(state["a"], torch.zeros(17500))
+
+
 def test_the_count_of_a_scalar_is_bounded_by_its_columns(tmp_path: Path) -> None:
     # A 0-d tensor's offsets and sizes are empty strings whatever the count: the per-region
     # columns must refuse a huge count before anything of that length is built.
@@ -295,7 +319,7 @@ def test_the_count_of_a_scalar_is_bounded_by_its_columns(tmp_path: Path) -> None
     (r,) = edit.all_regions(saved, "s")
     assert r.offsets == () and r.dims == () and edit.regions(saved, "s")["offsets"] == ""
     source = str(folder / "shardkit.json")
-    for count, problem in ((2**62 + 1, r"file: expected 4611686018427387905 x 8"), (2, r"file: expected 2 x 8")):
+    for count, problem in ((2**62 + 1, r"file: expected 4611686018427387905 x 16"), (2, r"file: expected 2 x 16")):
         md = copy.deepcopy(saved)
         edit.regions(md, "s")["count"] = count
         edit.write(folder, md)
@@ -316,7 +340,7 @@ def test_a_bad_region_among_many_is_named() -> None:
     file = "data-ab-r00000.safetensors"
     rows = list(range(299, -1, -1))
     regions = {"count": 300, "offsets": edit.encode([v for r in rows for v in (2 * r, 0)], 16),
-               "dims": edit.encode([2, 4] * 300, 16), "file": edit.encode([0] * 300, 8),
+               "dims": edit.encode([2, 4] * 300, 16), "file": edit.encode([0] * 300, 16), "digits": 16,
                "start": edit.encode([8 + 32 * r for r in rows], 16), "chunk_bytes": 1 << 20,
                "crc32c": edit.encode([0] * 300, 8)}
     data = {"format": "shardkit-checkpoint", "version": 3, "generation": "ab", "world_size": 1,
