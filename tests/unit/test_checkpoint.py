@@ -429,10 +429,11 @@ def test_unsupported_dtype_and_key_collisions(tmp_path):
 
 def test_metadata_file_is_compact_and_validated_before_commit():
     file = "data-ab-r00000.safetensors"
-    x = {"count": 1, "offsets": edit.encode([0], 16), "dims": edit.encode([2], 16), "file": edit.encode([0], 16), "digits": 16,
-         "start": edit.encode([64], 16), "chunk_bytes": 1 << 20, "crc32c": "0000000a"}
-    y = {"count": 2, "grid": [edit.encode([0, 1, 4], 16), edit.encode([0, 2], 16)], "file": edit.encode([0, 0], 16), "digits": 16,
-         "start": edit.encode([72, 80], 16), "chunk_bytes": 8, "crc32c": edit.encode([1, 2, 3, 4], 8),
+    x = {"count": 1, "digits": 16, "offsets": edit.encode([0], 16), "dims": edit.encode([2], 16),
+         "file": edit.encode([0], 16), "start": edit.encode([64], 16), "chunk_bytes": 1 << 20, "crc32c": "0000000a"}
+    y = {"count": 2, "digits": 16, "grid": [edit.encode([0, 1, 4], 16), edit.encode([0, 2], 16)],
+         "file": edit.encode([0, 0], 16), "start": edit.encode([72, 80], 16),
+         "chunk_bytes": 8, "crc32c": edit.encode([1, 2, 3, 4], 8),
          "keys": {"1": "y-rest"}}
     text = json.dumps({
         "format": "shardkit-checkpoint", "version": 3, "generation": "ab", "world_size": 1,
