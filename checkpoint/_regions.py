@@ -206,19 +206,19 @@ class RegionTable(Sequence[SavedShard]):
             msg = f"tensor {name!r}: {len(self.crcs)} chunk checksums for {int(self._first[-1])} chunks."
             raise ValueError(msg)
 
-    @property
-    def offsets(self) -> np.ndarray:
-        if self._offsets is None:
+    def _blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._offsets is None or self._dims is None:  # a grid's blocks, built when first asked for
             assert self.grid is not None
             self._offsets, self._dims = _grid_boxes(self.grid)
-        return self._offsets
+        return self._offsets, self._dims
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self._blocks()[0]
 
     @property
     def dims(self) -> np.ndarray:
-        if self._dims is None:
-            assert self.grid is not None
-            self._offsets, self._dims = _grid_boxes(self.grid)
-        return self._dims
+        return self._blocks()[1]
 
     @classmethod
     def of_shards(cls, name: str, size: Sequence[int], dtype: torch.dtype, shards: Sequence[SavedShard],
