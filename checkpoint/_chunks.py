@@ -13,7 +13,6 @@ Pure functions over bytes, integers and numpy arrays: no file system, no torch.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +31,9 @@ __all__ = [
     "crc32c_combine",
     "decode_chunk_array",
     "decode_chunks",
+    "decode_hex_column",
     "encode_chunk_array",
+    "encode_hex_column",
     "encode_chunks",
     "plan_read",
     "verify_chunks",
@@ -253,17 +254,35 @@ def _is_hex(text: str) -> bool:
 _HEX = re.compile(r"[0-9a-f]*")
 
 
+def encode_hex_column(column: np.ndarray, digits: int) -> str:
+    """Non-negative integers as ``digits`` (2, 4, 8 or 16) lowercase hex digits each, without a Python loop."""
+    return column.astype(f">u{digits // 2}").tobytes().hex()
+
+
+def decode_hex_column(text: object, count: int, digits: int) -> np.ndarray | None:
+    """Inverse of ``encode_hex_column`` as int64, or ``None`` unless ``text`` is exactly ``count`` values in
+    the canonical spelling (no capitals, no spaces); 16-digit values must be below 2**63."""
+    if not isinstance(text, str) or len(text) != digits * count:
+        return None
+    try:
+        data = bytes.fromhex(text)
+    except ValueError:
+        return None
+    if data.hex() != text:
+        return None
+    column = np.frombuffer(data, dtype=f">u{digits // 2}").astype(np.int64)
+    return None if digits == 16 and count and int(column.min()) < 0 else column  # >= 2**63 wraps below 0
+
+
 def encode_chunk_array(checksums: np.ndarray) -> str:
     """``encode_chunks`` of an array of checksums, without a Python loop over them."""
-    return checksums.astype(">u4").tobytes().hex()
+    return encode_hex_column(checksums, 8)
 
 
 def decode_chunk_array(text: object, count: int) -> np.ndarray:
     """Inverse of ``encode_chunk_array`` (a ``uint32`` array of ``count``); ``ValueError`` if malformed."""
-    data = None
-    if isinstance(text, str) and len(text) == 8 * count:
-        with contextlib.suppress(ValueError):
-            data = bytes.fromhex(text)
-    if data is None or data.hex() != text:  # only the canonical spelling: no capitals, no spaces
+    column = decode_hex_column(text, count, 8)
+    if column is None:
         decode_chunks(text, count)  # raises, with the message
-    return np.frombuffer(data, dtype=">u4").astype(np.uint32)  # type: ignore[arg-type]
+    assert column is not None
+    return column.astype(np.uint32)

@@ -28,15 +28,15 @@ import torch
 from sharding import ShardMetadata
 from sharding.layout import RegionIndex, check_tiling
 
-from ._chunks import CHUNK_BYTES, decode_chunk_array, encode_chunk_array
+from ._chunks import CHUNK_BYTES, decode_chunk_array, decode_hex_column, encode_chunk_array, encode_hex_column
 
 __all__ = ["SavedShard", "RegionTable", "FileList", "RegionError", "region_key", "grid_of", "region_index",
            "parse_regions"]
 
 CHECKSUM_ALGORITHM = "crc32c"
 _Cuts = Sequence[Sequence[int]] | Sequence[np.ndarray]  # a grid's cut points per dimension
-_MAX_INT = 1 << 63
-_MAX_CHUNK = 1 << 30
+MAX_INT = 1 << 63  # sizes, offsets and byte positions are int64 everywhere downstream (torch, files)
+MAX_CHUNK = 1 << 30
 
 
 def region_key(name: str, offsets: Sequence[int], dims: Sequence[int], size: Sequence[int]) -> str:
@@ -96,10 +96,6 @@ class SavedShard:
 
 # -- hexadecimal columns -----------------------------------------------------------------------------
 
-def _encode(column: np.ndarray, digits: int) -> str:
-    return column.astype(f">u{digits // 2}").tobytes().hex()
-
-
 _DIGITS = (2, 4, 8, 16)  # the widths of integer columns: 1, 2, 4 or 8 bytes per value
 
 
@@ -107,20 +103,6 @@ def _digits_for(*columns: np.ndarray) -> int:
     """The fewest hex digits per value (of ``_DIGITS``) that hold every value of ``columns``."""
     top = max((int(c.max()) for c in columns if c.size), default=0)
     return next(d for d in _DIGITS if top < 16 ** d)
-
-
-def _decode(text: object, count: int, digits: int) -> np.ndarray | None:
-    """``count`` unsigned values of ``digits`` lowercase hex digits each as int64, or ``None`` if malformed."""
-    if not isinstance(text, str) or len(text) != digits * count:
-        return None
-    try:
-        data = bytes.fromhex(text)
-    except ValueError:
-        return None
-    if data.hex() != text:  # only the canonical spelling: no capitals, no spaces
-        return None
-    column = np.frombuffer(data, dtype=f">u{digits // 2}").astype(np.int64)
-    return None if digits == 16 and count and int(column.min()) < 0 else column  # >= 2**63 wraps below 0
 
 
 def _grid_boxes(cuts: _Cuts) -> tuple[np.ndarray, np.ndarray]:
@@ -292,10 +274,10 @@ class RegionTable(Sequence[SavedShard]):
         digits = _digits_for(ids, self.starts, *blocks)
         out: dict[str, Any] = {"count": len(self), "digits": digits}
         if self.grid is not None:
-            out["grid"] = [_encode(cuts, digits) for cuts in blocks]
+            out["grid"] = [encode_hex_column(cuts, digits) for cuts in blocks]
         else:
-            out.update(offsets=_encode(blocks[0], digits), dims=_encode(blocks[1], digits))
-        out.update({"file": _encode(ids, digits), "start": _encode(self.starts, digits),
+            out.update(offsets=encode_hex_column(blocks[0], digits), dims=encode_hex_column(blocks[1], digits))
+        out.update({"file": encode_hex_column(ids, digits), "start": encode_hex_column(self.starts, digits),
                     "chunk_bytes": self.chunk_bytes, CHECKSUM_ALGORITHM: encode_chunk_array(self.crcs)})
         if self.keys:
             out["keys"] = {str(i): key for i, key in sorted(self.keys.items())}
@@ -325,7 +307,7 @@ _KNOWN = {"count", "digits", "grid", "offsets", "dims", "file", "start", "chunk_
 
 
 def _column(raw: Mapping[str, Any], key: str, count: int, digits: int) -> np.ndarray:
-    column = _decode(raw.get(key), count, digits)
+    column = decode_hex_column(raw.get(key), count, digits)
     if column is None:
         value = raw.get(key)
         shown = value if not isinstance(value, str) or len(value) <= 40 else f"{value[:40]}... ({len(value)} chars)"
@@ -339,7 +321,7 @@ def _parse_grid(raw: object, size: Sequence[int], count: int, digits: int) -> li
     cuts = []
     if isinstance(raw, list) and len(raw) == len(size) > 0:
         for text, n in zip(raw, size):
-            column = _decode(text, len(text) // digits, digits) if isinstance(text, str) else None
+            column = decode_hex_column(text, len(text) // digits, digits) if isinstance(text, str) else None
             if column is None or len(column) < 2 or column[0] != 0 or column[-1] != n or (np.diff(column) <= 0).any():
                 break
             cuts.append(column)
@@ -363,7 +345,7 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
     if set(raw) - _KNOWN:
         raise RegionError("", f"unknown keys {sorted(set(raw) - _KNOWN)}")
     n, ndim = raw.get("count"), len(size)
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < _MAX_INT:
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < MAX_INT:
         raise RegionError("count", f"expected a non-negative int, got {n!r}")
     digits = raw.get("digits")
     if digits not in _DIGITS or isinstance(digits, bool):
@@ -388,8 +370,8 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
         i = int(ids.argmax())
         raise RegionError(f"[{i}] file", f"file number {int(ids[i])} is not in \"files\" ({len(names)} listed)")
     chunk_bytes = raw.get("chunk_bytes")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= _MAX_CHUNK:
-        raise RegionError("chunk_bytes", f"expected a chunk size in [1, {_MAX_CHUNK}], got {chunk_bytes!r}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= MAX_CHUNK:
+        raise RegionError("chunk_bytes", f"expected a chunk size in [1, {MAX_CHUNK}], got {chunk_bytes!r}")
     raw_keys = raw.get("keys", {})
     # Region numbers in plain decimal: str.isdigit() also takes "²" and int() refuses it, or 5000 digits.
     if not isinstance(raw_keys, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 20

@@ -690,10 +690,9 @@ def _assemble(plan: _Plan, reports: list[dict[str, Any]], generation: str, world
     """
     n = len(plan.regions)
     files = {rep["file"]: rep["bytes"] for rep in reports if rep["file"] is not None}
-    file_number = np.full(max(world, 1), -1, dtype=np.int64)
-    for rank, rep in enumerate(reports):
-        if rep["file"] is not None:
-            file_number[rank] = list(files).index(rep["file"])
+    file_number = np.full(max(world, 1), -1, dtype=np.int64)  # each rank writes its own file, or none
+    writing = [rank for rank, rep in enumerate(reports) if rep["file"] is not None]
+    file_number[writing] = np.arange(len(writing))
     writers = np.array([w for c in plan.columns.values() for w in c.writers], dtype=np.int64)
     # Each rank reported its own regions in plan order: rank after rank, they are the plan's
     # regions in this order.

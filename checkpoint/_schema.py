@@ -47,7 +47,17 @@ from sharding.layout import Box, RegionIndex, check_tiling
 
 from . import _strict_json as strict_json
 from ._chunks import chunk_count, decode_chunks
-from ._regions import FileList, RegionError, RegionTable, SavedShard, parse_regions, region_index
+from ._regions import (
+    CHECKSUM_ALGORITHM,
+    MAX_CHUNK,
+    MAX_INT,
+    FileList,
+    RegionError,
+    RegionTable,
+    SavedShard,
+    parse_regions,
+    region_index,
+)
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
@@ -59,10 +69,7 @@ __all__ = [
 FORMAT_NAME = "shardkit-checkpoint"
 FORMAT_VERSION = 3
 METADATA_FILE = "shardkit.json"
-CHECKSUM_ALGORITHM = "crc32c"
 _GENERATION = re.compile(r"^[0-9a-f]{1,64}$")
-_MAX_INT = 1 << 63  # sizes, offsets and byte positions are int64 everywhere downstream (torch, files)
-_MAX_CHUNK = 1 << 30
 
 
 class CheckpointError(RuntimeError):
@@ -250,7 +257,7 @@ def _fail(source: str, where: str, problem: str) -> CheckpointError:
 
 
 def _int_list(value: object, source: str, where: str, length: int | None = None) -> tuple[int, ...]:
-    if (not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _MAX_INT
+    if (not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_INT
                                            for v in value)
             or (length is not None and len(value) != length)):
         expected = ("a list of ints in [0, 2**63)" + (f" of length {length}" if length is not None else ""))
@@ -341,7 +348,7 @@ def _parse_files(raw: object, source: str, version: int) -> dict[str, int]:
     files: dict[str, int] = {}
     for name, nbytes, info in items:
         check_file_name(name, source=source)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < _MAX_INT:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < MAX_INT:
             expected = ("{\"bytes\": <non-negative int>}" if version < 3
                         else "{\"name\": <file>, \"bytes\": <non-negative int>}")
             raise _fail(source, f"files[{name!r}]", f"expected {expected}, got {info!r}")
@@ -358,7 +365,7 @@ def _parse_table(name: str, entry: object, files: FileList, source: str) -> Tens
         raise _fail(source, where, f"expected an object, got {type(entry).__name__}")
     dtype = dtype_from_name(entry.get("dtype"), source=source, tensor=name)
     size = _int_list(entry.get("size"), source, f"{where} size")
-    if math.prod(size) * dtype.itemsize >= _MAX_INT:
+    if math.prod(size) * dtype.itemsize >= MAX_INT:
         raise _fail(source, f"{where} size", f"{list(size)} of {dtype} is more than 2**63 bytes")
     try:
         table, index = parse_regions(name, entry.get("regions"), size, dtype, files)
@@ -424,8 +431,8 @@ def _parse_chunks(raw: object, nbytes: int, version: int, source: str, where: st
         raise _fail(source, where, f"expected {{\"bytes\": <chunk size>, \"{CHECKSUM_ALGORITHM}\": <hex>}}, got "
                                    f"{type(raw).__name__}")
     chunk_bytes = raw.get("bytes")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= _MAX_CHUNK:
-        raise _fail(source, f"{where} bytes", f"expected a chunk size in [1, {_MAX_CHUNK}], got {chunk_bytes!r}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= MAX_CHUNK:
+        raise _fail(source, f"{where} bytes", f"expected a chunk size in [1, {MAX_CHUNK}], got {chunk_bytes!r}")
     try:
         chunks = decode_chunks(raw.get(CHECKSUM_ALGORITHM), chunk_count(nbytes, chunk_bytes))
     except ValueError as exc:

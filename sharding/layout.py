@@ -102,18 +102,24 @@ class RegionIndex:
         self._build(lo, dims, size)
 
     @classmethod
-    def of_columns(cls, offsets: torch.Tensor, dims: torch.Tensor, size: Sequence[int]) -> RegionIndex:
-        """The index of ``n`` boxes given as two ``(n, ndim)`` int64 tensors (a million boxes need no tuples)."""
-        ndim = len(size)
-        if ndim == 0 or offsets.shape[0] <= _SMALL:
-            return cls(list(zip(map(tuple, offsets.tolist()), map(tuple, dims.tolist()))), size)
+    def _without_boxes(cls) -> RegionIndex:
+        """An index not built from a list of boxes; the caller fills in its grid or its columns."""
         index = cls.__new__(cls)
         index._boxes = None
         index._grid_shape = None
         index._lo = index._hi = None
         index._cells = None
+        return index
+
+    @classmethod
+    def of_columns(cls, offsets: torch.Tensor, dims: torch.Tensor, size: Sequence[int]) -> RegionIndex:
+        """The index of ``n`` boxes given as two ``(n, ndim)`` int64 tensors (a million boxes need no tuples)."""
+        ndim = len(size)
+        if ndim == 0 or offsets.shape[0] <= _SMALL:
+            return cls(list(zip(map(tuple, offsets.tolist()), map(tuple, dims.tolist()))), size)
         if not bool((dims > 0).all(dim=1).any()):
             return cls([], size)
+        index = cls._without_boxes()
         index._build(offsets, dims, size)
         return index
 
@@ -125,10 +131,7 @@ class RegionIndex:
         the boxes of a regular split or mesh. Nothing is built per cell: a query finds its cells
         by bisecting the cut points, so it costs the same for ten cells or a million.
         """
-        index = cls.__new__(cls)
-        index._boxes = None
-        index._lo = index._hi = None
-        index._cells = None
+        index = cls._without_boxes()
         index._cuts = [list(cut) for cut in cuts]
         index._grid_shape = tuple(len(c) - 1 for c in index._cuts)
         return index
