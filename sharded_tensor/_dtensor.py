@@ -8,9 +8,11 @@ rank without communication, and the local tensor is handed over as it is: a view
 same storage, never a copy.
 
 Only layouts both sides can describe convert. DTensor cannot describe several shards per
-rank, arbitrary block positions or uneven splits other than ``torch.chunk``'s; shardkit
-cannot describe ``Partial`` (pending sums) or ``_StridedShard`` (interleaved rows). Those
-raise ``ValueError`` naming the layout and the way out.
+rank, arbitrary block positions or uneven splits other than ``torch.chunk``'s. Pending
+reductions convert when every mesh axis is ``Partial`` with one reduce op: that is a
+``PartialSpec`` over the mesh's ranks. shardkit cannot describe ``_StridedShard``
+(interleaved rows) or ``Partial`` beside ``Shard``/``Replicate`` axes (a reduction over only
+some ranks). Those raise ``ValueError`` naming the layout and the way out.
 
 ``torch.distributed.tensor`` is imported lazily: importing ``sharded_tensor`` stays cheap and
 works where DTensor is unavailable.
@@ -63,12 +65,26 @@ def _check_placements(placements: Sequence[Any], ndim: int, where: str) -> None:
             continue
         if isinstance(placement, Replicate):
             continue
+        if _partial_op(placements) is not None:
+            continue
         kind = type(placement).__name__
         msg = (f"{where}: placement {placement!r} ({kind}) on mesh axis {axis} (placements "
-               f"{_describe(placements)}) holds pending partial values, which a ShardedTensor cannot "
-               f"describe; reduce it first with dt.redistribute(dt.device_mesh, [Replicate() or Shard(d) "
-               f"for each axis]) or dt.full_tensor().")
+               f"{_describe(placements)}) holds values pending a reduction over only some of the ranks, "
+               f"which a ShardedTensor cannot describe (its PartialSpec reduces over every holder: "
+               f"Partial on every mesh axis with one reduce op); reduce it first with "
+               f"dt.redistribute(dt.device_mesh, [Replicate() or Shard(d) for each axis]) or dt.full_tensor().")
         raise ValueError(msg)
+
+
+def _partial_op(placements: Sequence[Any]) -> str | None:
+    """The reduce op when every placement is ``Partial`` with the same op, else ``None``."""
+    from torch.distributed.tensor import Partial
+
+    ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+    if len(ops) != 1 or not all(isinstance(p, Partial) for p in placements):
+        return None
+    op = str(ops.pop())
+    return op if op in ("sum", "avg", "max", "min") else None
 
 
 def dtensor_layout(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any]
@@ -145,13 +161,14 @@ def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) 
     Every mesh rank gets one shard: the block its placements give it, computed like DTensor
     does (``Shard(d)`` splits like ``torch.chunk``, mesh axes apply left to right, so
     uneven last shards and empty shards match). ``Replicate`` axes become explicit replicas.
+    ``Partial(op)`` on every mesh axis becomes a ``PartialSpec`` over the mesh's ranks.
     The local shard *is* the DTensor's local tensor (a detached view of the same storage):
     writing into one writes into the other, which is how ``checkpoint.load`` fills a DTensor
     state_dict in place.
 
     Args:
         dtensor: a ``torch.distributed.tensor.DTensor`` with ``Shard`` and ``Replicate``
-            placements in the default (left-to-right) order.
+            placements in the default (left-to-right) order, or ``Partial`` on every axis.
         process_group: the group the mesh's ranks belong to; ``None`` means the default group,
             whose ranks are the mesh's global ranks.
 
@@ -160,9 +177,10 @@ def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) 
 
     Raises:
         TypeError: ``dtensor`` is not a DTensor.
-        ValueError: a ``Partial`` or ``_StridedShard`` placement, a non-default shard order, a
-            mesh whose ranks are not ranks of the group, or a local tensor whose shape is not
-            the one DTensor's rules give (a ``DTensor.from_local`` with custom shapes).
+        ValueError: a ``_StridedShard`` placement, ``Partial`` beside other placements, a
+            non-default shard order, a mesh whose ranks are not ranks of the group, or a local
+            tensor whose shape is not the one DTensor's rules give (a ``DTensor.from_local``
+            with custom shapes).
 
     Example:
         >>> # 4 ranks: a (10, 4) DTensor with Shard(0) -> rows 3/3/3/1, shared with the DTensor
@@ -190,6 +208,9 @@ def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) 
     rank, _ = _comm.rank_and_world(process_group)
     ranks = _mesh_ranks(mesh, process_group, where)
     local = dtensor._local_tensor.detach()
+    partial = _partial_op(spec.placements)
+    if partial is not None:
+        return _from_partial(dtensor, local, ranks, partial, rank, process_group, where)
     layout = dtensor_layout(tuple(dtensor.shape), tuple(mesh.shape), spec.placements)
     shards: list[ShardMetadata] = []
     mine: int | None = None
@@ -210,6 +231,27 @@ def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) 
 
     return ShardedTensor._make(tensors, metadata, EnumerableShardingSpec(metadata.shards), rank=rank,
                                group=process_group, requires_grad=dtensor.requires_grad)
+
+
+def _from_partial(dtensor: DTensor, local: torch.Tensor, ranks: torch.Tensor, op: str, rank: int,
+                  group: _comm.ProcessGroup, where: str) -> ShardedTensor:
+    """Every mesh rank holds a full-size value pending ``op``: a ``PartialSpec`` over the mesh ranks."""
+    from sharding import PartialSpec
+
+    size = tuple(dtensor.shape)
+    if tuple(local.shape) != size:
+        msg = (f"{where}: rank {rank}'s local tensor has shape {tuple(local.shape)}, but a Partial DTensor "
+               f"holds a full-size value {size} on every rank; rebuild it with DTensor.from_local(..., "
+               f"shape=local.shape).")
+        raise ValueError(msg)
+    mesh = dtensor.device_mesh
+    owners = [int(r) for r in ranks.flatten()]
+    devices = [RemoteDevice.of(r, _device_name(mesh, r, local, rank)) for r in owners]
+    spec = PartialSpec([str(d) for d in devices], reduce_op=op)
+    metadata = spec.build_metadata(size, dtype=dtensor.dtype)
+    tensors = {owners.index(rank): local} if rank in owners else {}
+    return ShardedTensor._make(tensors, metadata, spec, rank=rank, group=group,
+                               requires_grad=dtensor.requires_grad)
 
 
 def _candidates(ndim: int, axes: int) -> list[tuple[Any, ...]]:
@@ -257,6 +299,10 @@ def to_dtensor(tensor: ShardedTensor, device_mesh: DeviceMesh, placements: Seque
     where = f"to_dtensor(size={size}, mesh shape={tuple(device_mesh.shape)})"
     ranks = _mesh_ranks(device_mesh, tensor.process_group, where)
     held = _layout_of(tensor)
+    pending = tensor.sharding_metadata().partial
+    wanted = None if placements is None else _partial_op(tuple(placements))
+    if pending is not None or wanted is not None:
+        return _to_partial(tensor, device_mesh, ranks, held, pending, placements, where)
     if placements is not None:
         placements = tuple(placements)
         if len(placements) != device_mesh.ndim:
@@ -295,6 +341,36 @@ def to_dtensor(tensor: ShardedTensor, device_mesh: DeviceMesh, placements: Seque
         raise ValueError(msg)
     stride = torch.empty(size, device="meta").stride()
     return DTensor.from_local(local, device_mesh, chosen, run_check=False, shape=torch.Size(size), stride=stride)
+
+
+def _to_partial(tensor: ShardedTensor, device_mesh: DeviceMesh, ranks: torch.Tensor,
+               held: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]], pending: str | None,
+               placements: Sequence[Placement] | None, where: str) -> DTensor:
+    """Partial values on exactly the mesh's ranks become ``Partial(op)`` on every mesh axis."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if pending is None:
+        msg = (f"{where}: placements {_describe(tuple(placements or ()))} declare values pending a reduction, "
+               f"but this ShardedTensor holds plain values; a DTensor built that way would reduce them "
+               f"again. Pass placements=None (or Shard/Replicate placements).")
+        raise ValueError(msg)
+    expected = tuple(Partial(pending) for _ in range(device_mesh.ndim))
+    if placements is not None and tuple(placements) != expected:
+        msg = (f"{where}: this ShardedTensor holds values pending reduce_op={pending!r}, which only the "
+               f"placements {_describe(expected)} describe, not {_describe(tuple(placements))}; reshard it to "
+               f"a plain layout first to use Shard/Replicate placements.")
+        raise ValueError(msg)
+    size = tuple(tensor.shape)
+    mesh_ranks = sorted(int(r) for r in ranks.flatten())
+    full = ((0,) * len(size), size)
+    if sorted(held) != mesh_ranks or any(len(v) != 1 or v[0] != full for v in held.values()):
+        msg = (f"{where}: the partial values are held by ranks {sorted(held)}, but a Partial DTensor needs one "
+               f"full-size value on each mesh rank {mesh_ranks}; reshard it to PartialSpec over the mesh's "
+               f"ranks first.")
+        raise ValueError(msg)
+    local = tensor.local_shards()[0].tensor if tensor.local_shards() else torch.empty(size, dtype=tensor.dtype)
+    stride = torch.empty(size, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, expected, run_check=False, shape=torch.Size(size), stride=stride)
 
 
 def _summary(held: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> str:

@@ -356,11 +356,14 @@ class ShardedTensor:
         coordinate (``Shard(d)`` splits like ``torch.chunk``, mesh axes apply left to right;
         ``Replicate`` means every rank along that axis holds the same block). With
         ``placements=None`` they are inferred from the layout (``Replicate`` preferred where
-        both fit, e.g. on an axis of size 1). The DTensor's local tensor is this rank's shard.
+        both fit, e.g. on an axis of size 1). Partial values (``PartialSpec`` over exactly the
+        mesh's ranks) become ``Partial(op)`` on every mesh axis. The DTensor's local tensor is
+        this rank's shard.
 
         Args:
             device_mesh: the ``DeviceMesh``; its ranks are ranks of this tensor's process group.
-            placements: one ``Shard``/``Replicate`` per mesh axis, or ``None`` to infer them.
+            placements: one ``Shard``/``Replicate`` per mesh axis (``Partial`` for partial
+                values), or ``None`` to infer them.
 
         Returns:
             A ``DTensor`` of the same global size and dtype.
