@@ -21,6 +21,7 @@ from sharding import (
 )
 from sharding.layout import check_reduce_op, check_tiling
 
+from ._dtensor_layout import to_dtensor
 from ._reshard import redistribute
 
 if TYPE_CHECKING:
@@ -381,9 +382,9 @@ class ShardedTensor:
             >>> dt.placements  # doctest: +SKIP
             (Shard(dim=0),)
         """
-        from ._dtensor import to_dtensor
-
-        return to_dtensor(self, device_mesh, placements)
+        shards = self.local_shards()
+        return to_dtensor(self._metadata, shards[0].tensor if shards else None, self._group, device_mesh,
+                          placements)
 
     def reduced(self) -> ShardedTensor:
         """A new ShardedTensor with the reduced values of this partial one, split over its holders. Collective.
