@@ -130,9 +130,10 @@ def _parser() -> argparse.ArgumentParser:
         "convert", parents=[common], help="convert between shardkit checkpoints and torch.distributed.checkpoint (DCP) folders",
         description="Convert a DCP folder (written by torch.distributed.checkpoint.save) into a shardkit checkpoint "
                     "or one .safetensors file, or a shardkit checkpoint into a DCP folder that dcp.load reads. "
-                    "Runs in one process; the whole checkpoint passes through memory once. Reading a DCP folder "
-                    "unpickles its .metadata file (DCP's format): convert only DCP folders you trust. shardkit's "
-                    "own format never uses pickle.")
+                    "Runs in one process; the whole checkpoint passes through memory once. A folder is read as DCP "
+                    "only with --from dcp: DCP's .metadata file is a pickle, read with a restricted unpickler "
+                    "that admits DCP's own metadata classes only and refuses any other global before calling it. "
+                    "shardkit's own format never uses pickle, and nothing else is ever unpickled.")
     conv.add_argument("path", metavar="SRC", help="source folder (a DCP folder must be local)")
     conv.add_argument("output", metavar="DST", help="destination folder, or .safetensors file with --to safetensors")
     conv.add_argument("--from", dest="from_format", choices=("shardkit", "dcp"), default="shardkit",

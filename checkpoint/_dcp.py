@@ -1,9 +1,10 @@
 """Checkpoints written by ``torch.distributed.checkpoint`` (DCP): load into any layout, convert both ways.
 
 A DCP folder holds ``.metadata`` (the layout of every tensor, **pickled**) and ``*.distcp``
-data files. Importing one runs torch's own ``FileSystemReader``, which unpickles
-``.metadata``: only import folders you trust, exactly as with ``dcp.load``. shardkit's own
-format never uses pickle, and nothing here changes that.
+data files. A folder is read as DCP only when the caller says so (``from_format="dcp"``);
+its ``.metadata`` is then read by ``_dcp_metadata``'s restricted unpickler, which admits
+DCP's metadata classes only, and the data through torch's ``FileSystemReader``.
+shardkit's own format never uses pickle, and nothing here changes that.
 
 Loading plans the reads with shardkit's targets: each rank asks torch's reader for the
 overlaps between the saved chunks and its own local blocks (``ShardedTensor`` shards,
@@ -21,9 +22,7 @@ from __future__ import annotations
 
 import io
 import os
-import posixpath
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,23 +31,11 @@ import torch
 from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
 
-from ._schema import METADATA_FILE, CheckpointError
-from ._storage import resolve
+from ._dcp_metadata import read_dcp_metadata
+from ._schema import CheckpointError
 from ._walk import flatten_state_dict
 
-__all__ = ["convert", "is_dcp_checkpoint", "load_dcp"]
-
-_DCP_METADATA = ".metadata"
-
-
-def is_dcp_checkpoint(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> bool:
-    """Whether ``path`` is a DCP folder (``.metadata``, and no ``shardkit.json``)."""
-    try:
-        fs, root = resolve(path, storage_options)
-        return bool(fs.isfile(posixpath.join(root, _DCP_METADATA))
-                    and not fs.exists(posixpath.join(root, METADATA_FILE)))
-    except Exception:  # unreachable storage: let the normal load report it
-        return False
+__all__ = ["convert", "load_dcp"]
 
 
 def _reader(path: str | os.PathLike[str]) -> tuple[Any, Any]:
@@ -59,9 +46,11 @@ def _reader(path: str | os.PathLike[str]) -> tuple[Any, Any]:
         msg = (f"DCP checkpoint {local!r}: only local DCP folders are read (torch's FileSystemReader); "
                f"copy the folder to a local disk first.")
         raise CheckpointError(msg)
-    reader = FileSystemReader(local.removeprefix("file://"))
-    # Unpickles .metadata: DCP's format. Trusting the folder is the caller's decision (see docs).
-    metadata = reader.read_metadata()
+    local = local.removeprefix("file://")
+    # DCP's .metadata is a pickle: read with an unpickler that admits DCP's metadata classes only,
+    # never with FileSystemReader.read_metadata (plain pickle.load).
+    metadata = read_dcp_metadata(local)
+    reader = FileSystemReader(local)
     reader.set_up_storage_reader(metadata, True)
     return reader, metadata
 
@@ -252,7 +241,8 @@ def convert(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
     """Convert a checkpoint between shardkit's format, a DCP folder and one safetensors file. One process.
 
     - ``from_format="dcp"``: read a folder written by ``torch.distributed.checkpoint.save``
-      (its ``.metadata`` is pickled: only convert folders you trust) into a shardkit checkpoint
+      (its ``.metadata`` is a pickle, read with a restricted unpickler that admits DCP's
+      metadata classes only) into a shardkit checkpoint
       (``to_format="shardkit"``) or one ``.safetensors`` file (``to_format="safetensors"``).
     - ``to_format="dcp"``: write a shardkit checkpoint as a DCP folder that ``dcp.load`` reads
       under any layout (full tensors in one ``.distcp`` file; non-tensor values as DCP values).

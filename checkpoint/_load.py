@@ -30,7 +30,7 @@ import os
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
 import torch
@@ -41,7 +41,7 @@ from sharded_tensor import ShardedTensor
 from sharding.layout import box_slices
 
 from ._codec import tensor_bytes, tensor_from_bytes
-from ._dcp import is_dcp_checkpoint, load_dcp
+from ._dcp import load_dcp
 from ._dtensor import dtensor_views
 from ._hf import KeyMap, apply_key_map, find_hf, read_hf_metadata
 from ._progress import progress
@@ -258,7 +258,8 @@ def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
          key_map: KeyMap | None = None, quiet: bool | None = None,
-         timeout: float | None = None, mmap: bool = False) -> dict[str, Any]:
+         timeout: float | None = None, mmap: bool = False,
+         from_format: Literal["dcp"] | None = None) -> dict[str, Any]:
     """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
 
     A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
@@ -269,8 +270,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     like ``ShardedTensor``s of their layout.
 
     A folder written by ``torch.distributed.checkpoint.save`` (DCP: ``.metadata`` plus
-    ``.distcp`` files) is detected and read with torch's ``FileSystemReader``, into any layout.
-    DCP's ``.metadata`` is pickled: load only DCP folders you trust.
+    ``.distcp`` files) is read only when asked with ``from_format="dcp"``, into any layout.
+    DCP's ``.metadata`` is a pickle: it is read with a restricted unpickler that admits
+    DCP's metadata classes only and refuses any other global before calling it. Without
+    ``from_format``, nothing is ever unpickled.
 
     ``path`` may also be a Hugging Face safetensors checkpoint: one ``.safetensors`` file, or a
     folder with ``model.safetensors.index.json`` (or a single ``model.safetensors``) and no
@@ -309,6 +312,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
             pass ``model.state_dict(keep_vars=True)`` to map the parameters themselves. The
             files must not be modified or truncated while the tensors live (replacing them with
             new files, as ``checkpoint.save`` does, is fine).
+        from_format: ``None`` (a shardkit or Hugging Face checkpoint, told apart by their
+            files) or ``"dcp"`` (a local DCP folder; never inferred).
 
     Returns:
         ``state_dict`` itself.
@@ -326,9 +331,14 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         >>> sd = {"w": st.empty(10, 4, single_split(1, ["rank:0/cpu", "rank:1/cpu"]))}  # doctest: +SKIP
         >>> checkpoint.load(sd, "ckpt")  # rank r reads columns 2r..2r+1 of every row  # doctest: +SKIP
     """
+    if from_format not in (None, "dcp"):
+        msg = (f"from_format={from_format!r} is not a checkpoint format load reads; use None (a shardkit or "
+               f"Hugging Face checkpoint, detected from its files) or 'dcp' (a torch.distributed.checkpoint folder).")
+        raise ValueError(msg)
+
     def read() -> None:
         views, restore = dtensor_views(state_dict, process_group)
-        if is_dcp_checkpoint(path, storage_options):
+        if from_format == "dcp":
             load_dcp(views, path, strict=strict, cast=cast)
         else:
             _load(views, path, storage_options, strict, cast, key_map, quiet, process_group, mmap)

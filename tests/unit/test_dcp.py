@@ -1,4 +1,4 @@
-"""DCP folders in one process: checkpoint.load detects them, convert and the CLI go both ways, bit for bit."""
+"""DCP folders in one process: load reads them when named (from_format="dcp"); convert and the CLI go both ways."""
 
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ def _dcp_save(state: dict, path: Path) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
 
 
-def test_load_detects_a_dcp_folder_and_fills_every_kind_of_entry(tmp_path: Path):
+def test_load_reads_a_dcp_folder_and_fills_every_kind_of_entry(tmp_path: Path):
     state = _state()
     _dcp_save(state, tmp_path / "dcp")
     target = {"model": {"w": torch.zeros(5, 4), "b": None},
               "optim": {"state": {"w": {"step": 0, "exp_avg": torch.zeros(5, 4)}}, "param_groups": None},
               "epoch": 0}
     w = target["model"]["w"]
-    checkpoint.load(target, tmp_path / "dcp")
+    checkpoint.load(target, tmp_path / "dcp", from_format="dcp")
     assert target["model"]["w"] is w and torch.equal(w, state["model"]["w"])
     assert torch.equal(target["model"]["b"], state["model"]["b"]) and target["model"]["b"].dtype == torch.bfloat16
     assert target["optim"]["state"]["w"]["step"] == 4 and isinstance(target["optim"]["state"]["w"]["step"], int)
@@ -47,11 +47,12 @@ def test_load_detects_a_dcp_folder_and_fills_every_kind_of_entry(tmp_path: Path)
 def test_dcp_mismatches_are_clear(tmp_path: Path):
     _dcp_save(_state(), tmp_path / "dcp")
     with pytest.raises(checkpoint.CheckpointError, match=r"missing=\['extra'\].*unexpected=\['epoch'"):
-        checkpoint.load({"extra": None, "model": {"w": None, "b": None}}, tmp_path / "dcp")
+        checkpoint.load({"extra": None, "model": {"w": None, "b": None}}, tmp_path / "dcp", from_format="dcp")
     with pytest.raises(checkpoint.CheckpointError, match=r"'model.w' .* size \(5, 4\).* size \(4, 5\)"):
-        checkpoint.load({"model": {"w": torch.zeros(4, 5)}}, tmp_path / "dcp", strict=False)
+        checkpoint.load({"model": {"w": torch.zeros(4, 5)}}, tmp_path / "dcp", strict=False, from_format="dcp")
     with pytest.raises(checkpoint.CheckpointError, match="pass cast=True"):
-        checkpoint.load({"model": {"w": torch.zeros(5, 4, dtype=torch.float64)}}, tmp_path / "dcp", strict=False)
+        checkpoint.load({"model": {"w": torch.zeros(5, 4, dtype=torch.float64)}}, tmp_path / "dcp", strict=False,
+                        from_format="dcp")
 
 
 def test_cli_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
