@@ -166,7 +166,7 @@ class TensorEntry:
         size: the full tensor's size.
         dtype: its dtype.
         shards: the saved regions ([`SavedShard`][checkpoint._schema.SavedShard]), in save order
-            (from format version 3 a [`RegionTable`][checkpoint._schema.RegionTable]).
+            (from format version 3 a read-only sequence of them, built from columns on access).
 
     Example:
         >>> entry = checkpoint.read_metadata("ckpt").tensors["0.weight"]  # doctest: +SKIP
