@@ -63,6 +63,11 @@ class CommCounter:
 
     Every communication shardkit does passes through one module, so the counts are exact.
 
+    Args:
+        counts: filled in by the block: operations by name (``"send/recv"``, ``"all_reduce"``,
+            ...), one per message or call; start empty.
+        bytes_by_op: filled in by the block: bytes this rank sent, per operation.
+
     Example:
         >>> with CommCounter() as comm:
         ...     t.reshard(spec)  # doctest: +SKIP

@@ -54,7 +54,11 @@ __all__ = ["async_save", "AsyncSaveHandle"]
 
 
 class AsyncSaveHandle:
-    """The future of one ``async_save``: ``done()`` polls, ``result(timeout)`` waits and raises its error."""
+    """The future of one ``async_save``: ``done()`` polls, ``result(timeout)`` waits and raises its error.
+
+    Args:
+        path: the checkpoint being written (created by ``async_save``, not by hand).
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -324,7 +324,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     Example:
         >>> # saved by 4 ranks split by rows; loaded by 2 ranks split by columns
         >>> sd = {"w": st.empty(10, 4, single_split(1, ["rank:0/cpu", "rank:1/cpu"]))}  # doctest: +SKIP
-        >>> checkpoint.load(sd, "ckpt")  # rank r reads columns 2r..2r+1 of every row  # doctest: +SKIP
+        >>> # rank r reads columns 2r..2r+1 of every row
+        >>> checkpoint.load(sd, "ckpt")["w"].local_shard().shape  # doctest: +SKIP
+        torch.Size([10, 2])
     """
     def read() -> None:
         views, restore = dtensor_views(state_dict, process_group)

@@ -70,13 +70,15 @@ def visualize_sharding(tensor: ShardedTensor | ShardedTensorMetadata, *, file: T
     every rank with ``all_ranks=True``) and returned on every rank.
 
     Example:
-        >>> # (8, 8) on a 2x2 mesh of ranks 0..3:
-        >>> # +----------+----------+----------+
-        >>> # |          | cols 0:4 | cols 4:8 |
-        >>> # +==========+==========+==========+
-        >>> # | rows 0:4 | rank 0   | rank 1   |
-        >>> # | rows 4:8 | rank 2   | rank 3   |
-        >>> # +----------+----------+----------+
+        >>> spec = mesh([["rank:0/cpu", "rank:1/cpu"], ["rank:2/cpu", "rank:3/cpu"]])
+        >>> _ = st.visualize_sharding(spec.build_metadata((8, 8)))
+        size=(8, 8) dtype=float32 shards=4 ranks=[0, 1, 2, 3]
+        +----------+----------+----------+
+        |          | cols 0:4 | cols 4:8 |
+        +==========+==========+==========+
+        | rows 0:4 | rank 0   | rank 1   |
+        | rows 4:8 | rank 2   | rank 3   |
+        +----------+----------+----------+
     """
     if not isinstance(tensor, ShardedTensor | ShardedTensorMetadata):
         raise TypeError(_not_sharded(tensor))

@@ -133,18 +133,102 @@ def test_docs_have_examples() -> None:
         "README.md and docs/*.md should hold both single-process and multi-rank Python examples"
 
 
-def test_mkdocs_build_strict(tmp_path: Path) -> None:
-    """The site builds with no warning at all: strict mode, and the log is read too."""
+@dataclass(frozen=True)
+class Build:
+    site: Path
+    returncode: int
+    log: str
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    """``mkdocs build --strict`` once for the tests that read the site."""
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (pip install -e '.[docs]')")
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    log = result.stdout + result.stderr
-    warnings = [line for line in log.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", line)]
-    assert result.returncode == 0 and not warnings, f"mkdocs build --strict failed or warned:\n{log}"
-    assert "Documentation built" in log, f"mkdocs printed no build summary; was its log silenced?\n{log}"
-    assert (tmp_path / "site" / "index.html").exists()
+    site = tmp_path_factory.mktemp("site")
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return Build(site, result.returncode, result.stdout + result.stderr)
+
+
+def test_mkdocs_build_strict(build: Build) -> None:
+    """The site builds with no warning at all: strict mode, and the log is read too."""
+    warnings = [line for line in build.log.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", line)]
+    assert build.returncode == 0 and not warnings, f"mkdocs build --strict failed or warned:\n{build.log}"
+    assert "Documentation built" in build.log, f"mkdocs printed no build summary; was its log silenced?\n{build.log}"
+    assert (build.site / "index.html").exists()
+
+
+def test_site_frame_at_1280_and_390_px(build: Build, tmp_path: Path) -> None:
+    """scripts/screenshots.py: one-row navbar, nothing wider than a phone, anchors clear of the navbar."""
+    screenshots = _load_script("screenshots")
+    chromium = os.environ.get("CHROMIUM") or screenshots.find_chromium()
+    if chromium is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium); the site frame is not checked")
+    assert build.returncode == 0, build.log
+    results = screenshots.check(build.site, tmp_path / "shots", chromium)
+    assert len(results) == len(screenshots.PAGES) * len(screenshots.WIDTHS)
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, "\n".join(f"{r['page']} at {r['width']} px: {r['problems']}" for r in failed)
+
+
+PACKAGES = ("sharding", "sharded_tensor", "checkpoint")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_api_reference_lists_every_public_name(package: str) -> None:
+    """Each name in ``__all__`` has its entry in docs/api/<package>.md (the page orders them by use)."""
+    module = importlib.import_module(package)
+    page = (ROOT / "docs" / "api" / f"{package}.md").read_text()
+    listed = set(re.findall(rf"^::: {package}\.(\w+)\s*$", page, re.MULTILINE))
+    missing = sorted(set(module.__all__) - listed)
+    assert not missing, (f"docs/api/{package}.md has no entry for {missing}; add a line "
+                         f"'::: {package}.<name>' under the section where a user would look for it")
+
+
+def test_api_reference_shows_no_private_names(build: Build) -> None:
+    """Signatures, tables and text of the API pages name public types only (hover titles aside)."""
+    assert build.returncode == 0, build.log
+    for package in PACKAGES:
+        page = (build.site / "api" / package / "index.html").read_text()
+        text = re.sub(r"<[^>]*>", "", page)  # visible text only: tags and their attributes go
+        private = sorted(set(re.findall(r"(?<![\w.])_[a-z]\w*\.[A-Za-z]\w*", text)))
+        private += sorted(set(re.findall(r"\b(?:InitArg|Intervals|ProcessGroup = Any)\b", text)))
+        assert not private, f"the API reference of {package} shows private names: {private}"
+
+
+def test_public_constructors_are_documented() -> None:
+    """Every parameter of every public class's constructor is described (Args or Attributes)."""
+    griffe = pytest.importorskip("griffe", reason="griffe comes with the docs extra (pip install -e '.[docs]')")
+    loader = griffe.GriffeLoader(search_paths=[str(ROOT)], docstring_parser=griffe.Parser.google)
+    modules = {name: loader.load(name) for name in (*PACKAGES, "_shardkit")}
+    loader.resolve_aliases()
+    undocumented = {}
+    for package in PACKAGES:
+        for name in modules[package].exports:
+            cls = modules[package][name]
+            cls = cls.final_target if cls.is_alias else cls
+            if not cls.is_class:
+                continue
+            init = cls.all_members.get("__init__")
+            params = [p.name for p in (init.parameters if init is not None else []) if p.name != "self"]
+            if params == ["args", "kwargs"] and init.docstring is not None:
+                continue  # not constructed directly, and its __init__ says so (ShardedTensor)
+            described = {item.name for holder in (cls, init) if holder is not None and holder.docstring
+                         for section in holder.docstring.parsed
+                         if section.kind.value in ("parameters", "attributes", "other parameters")
+                         for item in section.value}
+            if [p for p in params if p not in described]:
+                undocumented[f"{package}.{name}"] = [p for p in params if p not in described]
+    assert not undocumented, f"constructor parameters with no description (add an Args: section): {undocumented}"
+
+
+def _load_script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("path", [_file_param(p) for p in FILES])
