@@ -158,7 +158,7 @@ class _Feed:
     The writer starts before staging, so its prepare phase (agreement, folder, lease) runs
     while the training thread copies; it reads a region only once the whole snapshot is
     staged. (Handing each region over as soon as it is copied, so that writing overlaps
-    staging too, made the copy itself slower on a loaded machine: docs/benchmarks.md.)
+    staging too, made the copy itself slower on a loaded machine: docs/benchmarks-history.md.)
     """
 
     def __init__(self, count: int) -> None:
