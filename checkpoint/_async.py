@@ -87,6 +87,8 @@ class AsyncSaveHandle:
         Example:
             >>> handle = checkpoint.async_save(state, "ckpt")  # doctest: +SKIP
             >>> handle.result(timeout=60)  # doctest: +SKIP
+            >>> handle.done()  # doctest: +SKIP
+            True
         """
         if not self._finished.wait(timeout):
             msg = (f"async_save to {self.path!r} is still running after timeout={timeout!r} s; "
@@ -357,6 +359,8 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
         >>> handle = checkpoint.async_save({"w": sharded_weight, "step": 10}, "ckpt")  # doctest: +SKIP
         >>> optimizer.step()  # safe: the snapshot is already staged  # doctest: +SKIP
         >>> handle.result()  # the checkpoint is committed  # doctest: +SKIP
+        >>> handle.done()  # doctest: +SKIP
+        True
     """
     global _inflight
     if if_busy not in ("wait", "error"):

@@ -39,7 +39,7 @@ WIDTHS = (1280, 390)
 HEIGHT = 900
 MAX_NAVBAR = 80  # px: one row of the bootstrap navbar is 56
 # Pages with the widest content: long code lines, wide tables, API signatures; and anchors.
-PAGES = ("", "benchmarks/", "api/sharded_tensor/", "models/#clipping-gradients-stclip_grad_norm_")
+PAGES = ("", "benchmarks/", "api/", "api/sharded_tensor/", "models/#clipping-gradients-stclip_grad_norm_")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars")
 

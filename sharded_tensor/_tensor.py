@@ -407,6 +407,8 @@ class ShardedTensor:
         Example:
             >>> # 2 ranks, partial sums of a (4, 4) tensor -> rows 0:2 on rank 0, 2:4 on rank 1
             >>> r = t.reduced()  # doctest: +SKIP
+            >>> r.local_shard().shape  # doctest: +SKIP
+            torch.Size([2, 4])
         """
         from ._partial import _split_over
 
