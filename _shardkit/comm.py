@@ -126,8 +126,9 @@ def _check_not_launched() -> None:
         rank = os.environ.get("RANK", "?")
         msg = (f"torch.distributed has no process group, but a launcher started this process as rank {rank} "
                f"of {world} (WORLD_SIZE={world}); call torch.distributed.init_process_group(\"gloo\") "
-               f"(\"nccl\" on GPUs) at the start of the script, before shardkit is used. To run as one "
-               f"process instead, start the script without torchrun (or unset WORLD_SIZE).")
+               f"(\"nccl\" on GPUs) at the start of the script, before shardkit is used, and "
+               f"destroy_process_group() only after its last call. To run as one process instead, start "
+               f"the script without torchrun (or unset WORLD_SIZE).")
         raise RuntimeError(msg)
 
 
