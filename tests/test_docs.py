@@ -186,11 +186,16 @@ def test_api_reference_lists_every_public_name(package: str) -> None:
                          f"'::: {package}.<name>' under the section where a user would look for it")
 
 
-def test_api_reference_shows_no_private_names(build: Build) -> None:
-    """Signatures, tables and text of the API pages name public types only (hover titles aside)."""
+def test_api_reference_is_compact_and_public(build: Build) -> None:
+    """Signatures are one line each (the page wraps them), and the API pages name public types only."""
     assert build.returncode == 0, build.log
     for package in PACKAGES:
         page = (build.site / "api" / package / "index.html").read_text()
+        signatures = re.findall(r'doc-signature highlight"><pre>(.*?)</pre>', page, re.DOTALL)
+        assert signatures, f"no signatures found in the API page of {package}"
+        texts = [re.sub(r"<[^>]*>", "", s).strip() for s in signatures]
+        folded = [text[:60] for text in texts if "\n" in text]
+        assert not folded, f"signatures laid out over several lines in the API page of {package}: {folded}"
         text = re.sub(r"<[^>]*>", "", page)  # visible text only: tags and their attributes go
         private = sorted(set(re.findall(r"(?<![\w.])_[a-z]\w*\.[A-Za-z]\w*", text)))
         private += sorted(set(re.findall(r"\b(?:InitArg|Intervals|ProcessGroup = Any)\b", text)))
