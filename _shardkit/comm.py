@@ -63,6 +63,11 @@ class CommCounter:
 
     Every communication shardkit does passes through one module, so the counts are exact.
 
+    Args:
+        counts: filled in by the block: operations by name (``"send/recv"``, ``"all_reduce"``,
+            ...), one per message or call; start empty.
+        bytes_by_op: filled in by the block: bytes this rank sent, per operation.
+
     Example:
         >>> with CommCounter() as comm:
         ...     t.reshard(spec)  # doctest: +SKIP
@@ -103,10 +108,28 @@ def _initialized() -> bool:
 
 
 def rank_and_world(group: ProcessGroup = None) -> tuple[int, int]:
-    """This process's rank in ``group`` and the group's size; ``(0, 1)`` with no process group."""
+    """This process's rank in ``group`` and the group's size; ``(0, 1)`` with no process group.
+
+    Raises:
+        RuntimeError: no process group, but a launcher (torchrun) started this process as one
+            of several ranks: every rank would act as rank 0 of a world of one.
+    """
     if not _initialized():
+        _check_not_launched()
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_not_launched() -> None:
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        rank = os.environ.get("RANK", "?")
+        msg = (f"torch.distributed has no process group, but a launcher started this process as rank {rank} "
+               f"of {world} (WORLD_SIZE={world}); call torch.distributed.init_process_group(\"gloo\") "
+               f"(\"nccl\" on GPUs) at the start of the script, before shardkit is used, and "
+               f"destroy_process_group() only after its last call. To run as one process instead, start "
+               f"the script without torchrun (or unset WORLD_SIZE).")
+        raise RuntimeError(msg)
 
 
 def default_device(group: ProcessGroup = None) -> torch.device:

@@ -7,12 +7,15 @@ message, naming the file and the tensor, goes to stderr), 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import os
 import shutil
+import signal
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from ._codec import check_header_entry
@@ -143,6 +146,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_on_closed_pipe(run: Callable[[Sequence[str] | None], int]) -> Callable[[Sequence[str] | None], int]:
+    """End quietly when the reader of stdout goes away (``inspect ckpt | head``), as Unix tools do."""
+    @functools.wraps(run)
+    def wrapper(argv: Sequence[str] | None = None) -> int:
+        try:
+            status = run(argv)
+            sys.stdout.flush()  # buffered output meets a closed pipe here, not at exit
+        except BrokenPipeError:
+            # Python would flush stdout again at exit and report the same error; send it nowhere.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return 128 + signal.SIGPIPE
+        return status
+    return wrapper
+
+
+@_quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -159,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         return _consolidate_cmd(args.path, args.output, args.max_shard_size, options, quiet=args.quiet,
                                 include=args.include, strip_prefix=args.strip_prefix, out=sys.stdout)
+    except BrokenPipeError:
+        raise  # not the checkpoint's fault: handled in _quiet_on_closed_pipe
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1

@@ -35,6 +35,9 @@ class DevicePlacement(PlacementSpec):
 
     With a rank (``"rank:1/cpu"``) only that rank holds it. Without one (``"cpu"``) every
     rank holds a full replica on that device.
+
+    Args:
+        device: a ``RemoteDevice`` or its string, ``"rank:1/cpu"`` or ``"cpu"``.
     """
 
     device: RemoteDevice
@@ -122,6 +125,14 @@ class SingleSplitShardingSpec(PlacementSpec):
     Without ``shard_sizes`` the split follows ``torch.chunk`` (trailing shards may be empty and
     stay listed); with ``shard_sizes`` (one per placement, summing to the dimension's size) it is
     uneven. ``split_dimension`` may be negative or the name of a named tensor dimension.
+
+    Args:
+        shard_placement: one entry per shard, in order: ``"rank:<r>/<device>"`` strings,
+            ``RemoteDevice`` or ``DevicePlacement`` values; a rank may appear several times.
+        split_dimension: the dimension to split: an int (negative counts from the end) or a
+            dimension name of a named tensor.
+        shard_sizes: the size of each shard along ``split_dimension`` (same length as
+            ``shard_placement``); ``None`` splits like ``torch.chunk``.
 
     Example:
         >>> spec = SingleSplitShardingSpec(["rank:0/cpu", "rank:1/cpu"], 0)
@@ -266,6 +277,11 @@ class MeshShardingSpec(PlacementSpec):
     Tensor dimension ``d`` is cut into ``mesh_shape[d]`` chunks (``torch.chunk`` rules) and the
     element at index ``(i, j, ...)`` holds block ``(i, j, ...)``. A 4x8 tensor on a 2x4 mesh gives
     2x2 blocks.
+
+    Args:
+        shard_placement: a nested list of placements (strings, ``RemoteDevice`` or
+            ``DevicePlacement``) with one level per tensor dimension, e.g.
+            ``[["rank:0/cpu", "rank:1/cpu"], ["rank:2/cpu", "rank:3/cpu"]]`` for 2x2 blocks.
     """
 
     shard_placement: tuple[DevicePlacement, ...]  # row-major, flattened
@@ -339,6 +355,9 @@ class EnumerableShardingSpec(PlacementSpec):
 
     This is the spec of a ``ShardedTensor`` built from arbitrary local shards, and lets any
     layout be the target of a reshard.
+
+    Args:
+        shards: every shard's ``ShardMetadata`` (offsets, sizes, device), in order.
     """
 
     shards: tuple[ShardMetadata, ...]
@@ -392,6 +411,10 @@ class PartialSpec(PlacementSpec):
     moves until then. A placement without a rank (``"cpu"``) means every rank of the world.
 
     The same idea as DTensor's ``Partial`` placement, with the holders named explicitly.
+
+    Args:
+        shard_placement: the holding ranks' devices, one full-size partial tensor each.
+        reduce_op: the pending reduction: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
 
     Example:
         >>> spec = PartialSpec(["rank:0/cpu", "rank:1/cpu"], reduce_op="sum")
@@ -481,6 +504,10 @@ class CompositeShardingSpec(PlacementSpec):
 
     A spec given for a submodule applies to every parameter under it; nested composites
     compose paths; a device string means ``DevicePlacement`` of it.
+
+    Args:
+        param_placement: a mapping from parameter or submodule names (dotted, ``*`` matching
+            one name component) to specs or device strings.
 
     Example:
         >>> spec = composite(net1=single_split(0, ["rank:0/cpu", "rank:1/cpu"]), net2="rank:0/cpu")
