@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -614,3 +615,44 @@ def test_a_dcp_folder_is_read_only_when_named(tmp_path: Path) -> None:
     assert torch.equal(out["w"], state["w"]) and out["epoch"] == 1
     with pytest.raises(ValueError, match="from_format='pickle'"):
         checkpoint.load({"w": torch.zeros(8, 4)}, tmp_path / "dcp", from_format="pickle")  # type: ignore[arg-type]
+
+
+# -- shardkit.json cannot be edited silently; every argument checked alike -------------------------
+
+def test_an_edited_metadata_file_is_refused_by_load_and_verify(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``"step": 5`` changed to 6 used to load silently and pass ``verify``; the content checksum catches it.
+    Re-indenting the file changes no content and still loads."""
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(8, 4), "step": 5}, folder, quiet=True)
+    text = (folder / "shardkit.json").read_text()
+    pretty = json.dumps(json.loads(text), indent=2)
+    (folder / "shardkit.json").write_text(pretty)
+    assert checkpoint.load({"w": torch.zeros(8, 4), "step": 0}, folder)["step"] == 5
+    for edited in (text.replace('"step":5', '"step":6'), text.replace('"checksum":', '"checksum_":')):
+        (folder / "shardkit.json").write_text(edited)
+        with pytest.raises(CheckpointError, match=r"shardkit.json' was edited or is corrupt") as info:
+            checkpoint.load({"w": torch.zeros(8, 4), "step": 0}, folder)
+        assert "save the checkpoint again" in str(info.value)
+        assert main(["verify", "-q", str(folder)]) == 1
+        assert "was edited or is corrupt" in capsys.readouterr().err
+        with pytest.raises(CheckpointError, match="was edited or is corrupt"):
+            checkpoint.read_metadata(folder)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, "10"], ids=repr)
+def test_every_entry_point_refuses_a_bad_timeout(tmp_path: Path, timeout: Any) -> None:
+    """``load`` on one process accepted what ``save`` refused; now every entry point checks alike."""
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(2)}, folder, quiet=True)
+    rule = f"timeout={timeout!r} is not a timeout; use a positive, finite number of seconds"
+    calls = {
+        "save": lambda: checkpoint.save({"w": _ramp(2)}, tmp_path / "other", timeout=timeout),
+        "load": lambda: checkpoint.load({"w": torch.zeros(2)}, folder, timeout=timeout),
+        "load-dcp": lambda: checkpoint.load({"w": torch.zeros(2)}, folder, timeout=timeout, from_format="dcp"),
+        "manager": lambda: checkpoint.CheckpointManager(tmp_path / "runs", timeout=timeout),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=re.escape(rule)):
+            call()
+        assert not (tmp_path / "other").exists(), name
