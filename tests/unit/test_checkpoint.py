@@ -20,7 +20,7 @@ import torch
 
 import checkpoint
 import sharded_tensor as st
-from checkpoint import CheckpointError, _codec, _load, _save, _schema, _storage
+from checkpoint import CheckpointError, _codec, _files, _save, _schema, _storage
 from sharding import single_split
 from tests import _metadata_edit as edit
 
@@ -182,7 +182,7 @@ def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 # -- reading only what is needed ------------------------------------------------------------------
 
-class _CountingReader(_load.DataReader):
+class _CountingReader(_files.DataReader):
     log: list[tuple[str, int]] = []
     _header = False  # reading a safetensors header (checked against the metadata), not tensor data
 
@@ -209,7 +209,7 @@ class _CountingReader(_load.DataReader):
         return super().read_many(path, ranges, **kwargs)
 
 
-_copy_mapped = _load._copy_mapped
+_copy_mapped = _files._copy_mapped
 
 
 def _counting_copy_mapped(task, *args):
@@ -230,8 +230,8 @@ def test_load_reads_only_needed_bytes(tmp_path, memory_url, monkeypatch, backend
     checkpoint.save({"w": _sharded(full, _split(*saved))}, path)
     log: list[tuple[str, int]] = []
     monkeypatch.setattr(_CountingReader, "log", log)
-    monkeypatch.setattr(_load, "DataReader", _CountingReader)
-    monkeypatch.setattr(_load, "_copy_mapped", _counting_copy_mapped)
+    monkeypatch.setattr(_files, "DataReader", _CountingReader)
+    monkeypatch.setattr(_files, "_copy_mapped", _counting_copy_mapped)
     out = checkpoint.load({"w": st.zeros(*shape, sharding_spec=_split(*target))}, path)["w"]
     assert torch.equal(_full(out), full)
     read = sum(n for kind, n in log if kind == "read")
@@ -253,7 +253,7 @@ def test_direct_read_into_target_memory(tmp_path, monkeypatch):
     full = _example(torch.float32, (8, 4))
     checkpoint.save({"w": full}, tmp_path)
     copies = []
-    monkeypatch.setattr(_load, "_copy", lambda dest, src: copies.append(1) or dest.copy_(src))
+    monkeypatch.setattr(_files, "_copy", lambda dest, src: copies.append(1) or dest.copy_(src))
     target = torch.zeros(8, 4)
     checkpoint.load({"w": target}, tmp_path)
     assert torch.equal(target, full) and copies == []
