@@ -571,16 +571,25 @@ def _entry_points(folder: Path, out: Path) -> dict[str, Any]:
     return calls
 
 
-@pytest.mark.parametrize("how", ["exec", "dotted-name", "nested"])
-def test_no_entry_point_runs_a_planted_metadata_pickle(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                       how: str) -> None:
+_PAYLOADS = ("exec", "dotted-name", "nested")
+
+
+def test_no_entry_point_runs_a_planted_metadata_pickle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A pickle that writes a marker file, planted as ``.metadata`` in every kind of folder, never
     runs: not by default (no entry point reads ``.metadata`` unless asked for DCP), and not when
-    asked (the restricted unpickler refuses the global before calling it)."""
+    asked (the restricted unpickler refuses the global before calling it). Each folder gets one of
+    three payloads (a builtin, a method of an admitted module, a payload inside DCP's own Metadata);
+    every payload also goes straight to the unpickler."""
+    from checkpoint._dcp_metadata import parse_dcp_metadata
+
     marker = tmp_path / "marker"
+    for how in _PAYLOADS:
+        with pytest.raises(CheckpointError, match="refusing to unpickle"):
+            parse_dcp_metadata(_planted_pickle(marker, how))
+        assert not marker.exists(), how
     kinds = _folder_kinds(tmp_path / "folders")
-    for folder in kinds.values():
-        (folder / ".metadata").write_bytes(_planted_pickle(marker, how))
+    for k, folder in enumerate(kinds.values()):
+        (folder / ".metadata").write_bytes(_planted_pickle(marker, _PAYLOADS[k % len(_PAYLOADS)]))
     out = tmp_path / "out"
 
     for kind, folder in kinds.items():
