@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -576,16 +577,25 @@ def _entry_points(folder: Path, out: Path) -> dict[str, Any]:
     return calls
 
 
-@pytest.mark.parametrize("how", ["exec", "dotted-name", "nested"])
-def test_no_entry_point_runs_a_planted_metadata_pickle(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                       how: str) -> None:
+_PAYLOADS = ("exec", "dotted-name", "nested")
+
+
+def test_no_entry_point_runs_a_planted_metadata_pickle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A pickle that writes a marker file, planted as ``.metadata`` in every kind of folder, never
     runs: not by default (no entry point reads ``.metadata`` unless asked for DCP), and not when
-    asked (the restricted unpickler refuses the global before calling it)."""
+    asked (the restricted unpickler refuses the global before calling it). Each folder gets one of
+    three payloads (a builtin, a method of an admitted module, a payload inside DCP's own Metadata);
+    every payload also goes straight to the unpickler."""
+    from checkpoint._dcp_metadata import parse_dcp_metadata
+
     marker = tmp_path / "marker"
+    for how in _PAYLOADS:
+        with pytest.raises(CheckpointError, match="refusing to unpickle"):
+            parse_dcp_metadata(_planted_pickle(marker, how))
+        assert not marker.exists(), how
     kinds = _folder_kinds(tmp_path / "folders")
-    for folder in kinds.values():
-        (folder / ".metadata").write_bytes(_planted_pickle(marker, how))
+    for k, folder in enumerate(kinds.values()):
+        (folder / ".metadata").write_bytes(_planted_pickle(marker, _PAYLOADS[k % len(_PAYLOADS)]))
     out = tmp_path / "out"
 
     for kind, folder in kinds.items():
@@ -620,3 +630,79 @@ def test_a_dcp_folder_is_read_only_when_named(tmp_path: Path) -> None:
     assert torch.equal(out["w"], state["w"]) and out["epoch"] == 1
     with pytest.raises(ValueError, match="from_format='pickle'"):
         checkpoint.load({"w": torch.zeros(8, 4)}, tmp_path / "dcp", from_format="pickle")  # type: ignore[arg-type]
+
+
+# -- shardkit.json cannot be edited silently; every argument checked alike -------------------------
+
+def test_an_edited_metadata_file_is_refused_by_load_and_verify(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``"step": 5`` changed to 6 used to load silently and pass ``verify``; the content checksum catches it.
+    Re-indenting the file changes no content and still loads."""
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(8, 4), "step": 5}, folder, quiet=True)
+    text = (folder / "shardkit.json").read_text()
+    pretty = json.dumps(json.loads(text), indent=2)
+    (folder / "shardkit.json").write_text(pretty)
+    assert checkpoint.load({"w": torch.zeros(8, 4), "step": 0}, folder)["step"] == 5
+    for edited in (text.replace('"step":5', '"step":6'), text.replace('"checksum":', '"checksum_":')):
+        (folder / "shardkit.json").write_text(edited)
+        with pytest.raises(CheckpointError, match=r"shardkit.json' was edited or is corrupt") as info:
+            checkpoint.load({"w": torch.zeros(8, 4), "step": 0}, folder)
+        assert "save the checkpoint again" in str(info.value)
+        assert main(["verify", "-q", str(folder)]) == 1
+        assert "was edited or is corrupt" in capsys.readouterr().err
+        with pytest.raises(CheckpointError, match="was edited or is corrupt"):
+            checkpoint.read_metadata(folder)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, "10"], ids=repr)
+def test_every_entry_point_refuses_a_bad_timeout(tmp_path: Path, timeout: Any) -> None:
+    """``load`` on one process accepted what ``save`` refused; now every entry point checks alike."""
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(2)}, folder, quiet=True)
+    rule = f"timeout={timeout!r} is not a timeout; use a positive, finite number of seconds"
+    calls = {
+        "save": lambda: checkpoint.save({"w": _ramp(2)}, tmp_path / "other", timeout=timeout),
+        "load": lambda: checkpoint.load({"w": torch.zeros(2)}, folder, timeout=timeout),
+        "load-dcp": lambda: checkpoint.load({"w": torch.zeros(2)}, folder, timeout=timeout, from_format="dcp"),
+        "manager": lambda: checkpoint.CheckpointManager(tmp_path / "runs", timeout=timeout),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=re.escape(rule)):
+            call()
+        assert not (tmp_path / "other").exists(), name
+
+
+def test_crafted_dcp_metadata_made_of_admitted_classes_is_still_refused(tmp_path: Path) -> None:
+    """The restricted unpickler admits DCP's classes; what is built from them is checked too: a data file
+    outside the folder, a chunk outside its tensor, something other than DCP's Metadata, a broken pickle."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from checkpoint._dcp_metadata import parse_dcp_metadata
+
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": _ramp(8, 4)}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    good = (folder / ".metadata").read_bytes()
+    md = parse_dcp_metadata(good)
+    index = next(iter(md.storage_data))
+    md.storage_data[index] = _StorageInfo("../../outside.distcp", 0, 10)
+    with pytest.raises(CheckpointError, match="not a plain file name inside the checkpoint folder"):
+        parse_dcp_metadata(pickle.dumps(md))
+    md = parse_dcp_metadata(good)
+    md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([9, 4])
+    with pytest.raises(CheckpointError, match=r"malformed DCP metadata .* tensor 'w' of size \(8, 4\) has chunk"):
+        parse_dcp_metadata(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="holds a dict, not DCP's Metadata"):
+        parse_dcp_metadata(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(CheckpointError, match="not a readable DCP metadata pickle"):
+        parse_dcp_metadata(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match=r"names the global torch\._utils\._rebuild_tensor_v2"):
+        parse_dcp_metadata(pickle.dumps(torch.ones(2)))
+    # The checks accept what DCP writes: the folder still loads.
+    assert torch.equal(checkpoint.load({"w": None}, folder, from_format="dcp")["w"], _ramp(8, 4))
