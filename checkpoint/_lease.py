@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import posixpath
 import secrets
@@ -39,11 +40,38 @@ from typing import Any
 import fsspec
 
 from ._schema import CheckpointError
-from ._storage import is_local
+from ._storage import is_local, list_names
 
-__all__ = ["LOCK_FILE", "SaveLease"]
+__all__ = ["LOCK_FILE", "LEASE_ENV", "DEFAULT_LEASE_SECONDS", "SaveLease", "claim_abandoned", "lease_seconds"]
 
 LOCK_FILE = "shardkit.lock"
+
+LEASE_ENV = "SHARDKIT_LEASE_SECONDS"
+"""Environment variable: seconds a lease on a file system without locks lasts after its last renewal."""
+
+DEFAULT_LEASE_SECONDS = 30.0
+"""How long a lease on a file system without locks (object stores, ``memory://``) outlives the
+last renewal by its holder, which renews it every third of that while it lives: a save that
+died blocks the next save to its folder for at most this long."""
+
+
+def lease_seconds() -> float:
+    """``$SHARDKIT_LEASE_SECONDS`` if set, else ``DEFAULT_LEASE_SECONDS``.
+
+    Raises:
+        ValueError: the variable is not a positive, finite number of seconds.
+    """
+    text = os.environ.get(LEASE_ENV, "").strip()
+    if not text:
+        return DEFAULT_LEASE_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        msg = f"{LEASE_ENV}={text!r} is not a lease duration; use a positive, finite number of seconds."
+        raise ValueError(msg)
+    return value
 
 
 class SaveLease:
@@ -140,6 +168,12 @@ class SaveLease:
         if self._fd is None:
             self._write("writing")  # renew
 
+    def drop(self) -> None:
+        """Give the lease up without touching the lock file (its folder was removed under it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
     def release(self, *, finished: bool) -> None:
         """Give the lease up. ``finished=False`` leaves it marked ``writing`` (this save's data files
         may remain, for the next save to remove); a finished save with no orphans left removes the file."""
@@ -158,6 +192,38 @@ class SaveLease:
             if self._fd is not None:
                 os.close(self._fd)  # also drops the flock
                 self._fd = None
+
+
+# A save creates its folder and takes the lease at once: a folder without a lease file and
+# without any entry is left alone this long after its last change (a save may be between
+# the two), then it counts as abandoned.
+_UNLEASED_GRACE = 60.0
+
+
+def claim_abandoned(fs: fsspec.AbstractFileSystem, root: str, *, ttl: float) -> SaveLease | None:
+    """The lease of folder ``root`` when no live save can hold it, for removing the folder; else ``None``.
+
+    Proven gone means: the lock file is not locked (local folders: its holder's process
+    exited), or its lease expired (other file systems), or there is no lock file while the
+    folder holds files (a save holds its lease from right after creating the folder until
+    its files are committed or removed). A save that arrives while the folder is being
+    removed finds the lease taken and fails cleanly.
+    """
+    if not list_names(fs, root) and not _older_than(fs, root, _UNLEASED_GRACE):
+        return None
+    try:
+        return SaveLease.acquire(fs, root, secrets.token_hex(4), ttl=ttl)
+    except (CheckpointError, OSError):
+        return None
+
+
+def _older_than(fs: fsspec.AbstractFileSystem, path: str, seconds: float) -> bool:
+    if not is_local(fs):
+        return False  # an empty folder of an object store does not exist; memory:// ones are harmless
+    try:
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime > seconds
+    except OSError:
+        return False
 
 
 def _same_file(fd: int, path: str) -> bool:
