@@ -24,6 +24,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -512,9 +513,10 @@ _arrivals = _Arrivals()
 
 # -- who is gone: _shardkit.liveness ---------------------------------------------------------------
 
+# The default group (by weak reference: holding it would keep it from being freed at exit)
+# and this process's Liveness for it.
 _watch_state: dict[str, Any] = {"world": None, "liveness": None}
 _watch_lock = threading.Lock()
-_members_cache: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
 
 def _watchdog() -> _liveness.Liveness | None:
@@ -524,11 +526,11 @@ def _watchdog() -> _liveness.Liveness | None:
     world_group = dist.group.WORLD
     with _watch_lock:
         current = _watch_state["liveness"]
-        if _watch_state["world"] is world_group:
+        if _watch_state["world"] is not None and _watch_state["world"]() is world_group:
             return current  # type: ignore[no-any-return]
         if current is not None:
             current.stop()
-        _watch_state["world"], _watch_state["liveness"] = world_group, None
+        _watch_state["world"], _watch_state["liveness"] = weakref.ref(world_group), None
         store = _store()
         if store is None or dist.get_world_size() < 2:
             return None
@@ -550,15 +552,9 @@ def _stop_watching() -> None:
 teardown.on_exit(_stop_watching)
 
 
-def _members(group: ProcessGroup) -> tuple[int, ...]:
+def _members(group: ProcessGroup) -> list[int]:
     """The global ranks of ``group``."""
-    key = group if group is not None else dist.group.WORLD
-    cached = _members_cache.get(id(key))
-    if cached is not None and cached[0] is key:
-        return cached[1]
-    ranks = tuple(dist.get_process_group_ranks(key))
-    _members_cache[id(key)] = (key, ranks)
-    return ranks
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
 def _group_rank(group: ProcessGroup, global_rank: int) -> int:
