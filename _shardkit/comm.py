@@ -194,8 +194,11 @@ class PendingExchange:
     def _raise(self) -> None:
         exc = self._first_error
         assert exc is not None
-        ranks = sorted(_global(self._group, p) for p in self._failed)
-        raise _fail(self._what, exc, self._started, self._timeout, ranks) from exc
+        ranks = {_global(self._group, p) for p in self._failed}
+        if not isinstance(exc, _liveness.PeerGone):
+            # A transfer failed on Gloo's own error: name the ranks that are gone too.
+            ranks.update(_gone_ranks(self._group, min(self._deadline - time.monotonic(), _SETTLE_SECONDS)))
+        raise _fail(self._what, exc, self._started, self._timeout, sorted(ranks)) from exc
 
     def _finish(self, works: list[tuple[int | None, Any]]) -> None:
         liveness = _watchdog() if self._bounded else None
@@ -561,6 +564,20 @@ def _group_rank(group: ProcessGroup, global_rank: int) -> int:
     return global_rank if group is None else dist.get_group_rank(group, global_rank)
 
 
+def _gone_ranks(group: ProcessGroup, settle: float) -> list[int]:
+    """Global ranks of ``group`` known to be gone, waiting up to ``settle`` s for the news of one."""
+    liveness = _watchdog()
+    if liveness is None:
+        return []
+    members = _members(group)
+    until = time.monotonic() + settle
+    while True:
+        gone = liveness.gone(members)
+        if gone or time.monotonic() >= until:
+            return gone
+        time.sleep(0.02)
+
+
 def _check_alive(step: str, group: ProcessGroup, limit: float) -> None:
     """Raise ``CollectiveError`` at once when a rank of ``group`` is already known to be gone."""
     liveness = _watchdog()
@@ -671,7 +688,9 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
         raise _fail(step, gone, started, limit, gone.ranks) from None
     except Exception as exc:  # Gloo/NCCL raise RuntimeError or DistBackendError subclasses
         settle = min(max(started + limit - time.monotonic(), 0.0), _SETTLE_SECONDS)
-        ranks = _arrivals.missing(group, count, settle) if count is not None else None
+        # A rank known to be gone is the one to name (it may have died inside the step, after
+        # arriving); else the ranks that never arrived.
+        ranks = _gone_ranks(group, settle) or (_arrivals.missing(group, count, settle) if count is not None else None)
         raise _fail(step, exc, started, limit, ranks) from exc
 
 
