@@ -665,6 +665,14 @@ def _wait_work(work: Any, deadline: float, bounded: bool = True) -> None:
     work.wait(timeout=datetime.timedelta(seconds=remaining))
 
 
+def _future(work: Any) -> Any:
+    """The work's future (Gloo collectives have one), or ``None``: then it is waited on directly."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        return None
+
+
 def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[], Any],
          marked: bool = True) -> None:
     """Post a group-wide collective with ``post()`` and wait for it, within the timeout. Collective."""
@@ -678,9 +686,9 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
         work = post()
         cpu = default_device(group).type == "cpu"
         liveness = _watchdog() if cpu else None
-        if liveness is not None:
+        future = _future(work) if liveness is not None else None
+        if future is not None:
             done = threading.Event()
-            future = work.get_future()
             future.add_done_callback(lambda _: done.set())
             _liveness.wait_until(future.done, done, started + limit, liveness, _members(group))
         _wait_work(work, started + limit, cpu)
