@@ -1,6 +1,6 @@
 """The metadata-first ShardedTensor: creation, resharding, gathering."""
 
-from _shardkit.comm import CommCounter
+from _shardkit.comm import CollectiveError, CommCounter
 
 from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
 from ._dtensor import from_dtensor
@@ -21,7 +21,7 @@ from ._tensor import Shard, ShardedTensor
 from ._visualize import visualize_sharding
 
 __all__ = [
-    "ShardedTensor", "Shard", "CommCounter",
+    "ShardedTensor", "Shard", "CommCounter", "CollectiveError",
     "empty", "zeros", "ones", "full", "rand", "randn", "shard_tensor",
     "visualize_sharding", "from_dtensor",
     "shard_parameter", "shard_model", "optim_state_dict", "load_optim_state_dict", "loss_parallel",
