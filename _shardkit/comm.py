@@ -632,6 +632,14 @@ class CollectiveError(RuntimeError):
         timeout: the seconds this rank was prepared to wait.
         elapsed: the seconds it waited.
 
+    Args:
+        operation: sets ``operation``.
+        reason: sets ``reason``.
+        ranks: sets ``ranks`` (sorted).
+        timeout: sets ``timeout``.
+        elapsed: sets ``elapsed``.
+        detail: the backend's own words, quoted in the message when ``reason`` is ``"error"``.
+
     The process group cannot be used after this error: the job (or at least the group) must
     be restarted, e.g. from the last checkpoint.
     """
