@@ -43,7 +43,7 @@ from sharding.layout import box_slices
 from ._codec import tensor_bytes, tensor_from_bytes
 from ._dcp import is_dcp_checkpoint, load_dcp
 from ._dtensor import dtensor_views
-from ._hf import KeyMap, apply_key_map, find_hf, read_hf_metadata
+from ._hf import KeyMap, apply_key_map, convert_hf_names, find_hf, read_hf_metadata
 from ._progress import progress
 from ._reader import DataReader, RegionCheck, covering
 from ._schema import (
@@ -54,6 +54,7 @@ from ._schema import (
     TensorEntry,
 )
 from ._storage import member, read_metadata_at, resolve
+from ._unfilled import check_filled, mark_filled
 from ._walk import flatten_state_dict
 
 __all__ = ["load"]
@@ -258,7 +259,8 @@ def _targets(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: _comm.ProcessGroup = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
          key_map: KeyMap | None = None, quiet: bool | None = None,
-         timeout: float | None = None, mmap: bool = False) -> dict[str, Any]:
+         timeout: float | None = None, mmap: bool = False,
+         allow_uninitialized: bool = False) -> dict[str, Any]:
     """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
 
     A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
@@ -277,7 +279,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     ``shardkit.json``. Each rank then parses every file's header once and reads only the byte
     ranges of its own blocks, so ``shard_model(model, spec, init=False)`` followed by
     ``load(model.state_dict(), hf_folder)`` never holds the full model anywhere. Such files
-    carry no checksums: their bytes are checked for length only.
+    carry no checksums: their bytes are checked for length only. Names are converted as
+    ``from_pretrained`` converts them (with transformers installed and a ``config.json`` in the
+    folder: older names such as GPT-NeoX's ``embed_out``, the base model's prefix), and a tied
+    weight the folder omits (GPT-2's ``lm_head``) is filled through the name it is tied to.
 
     Args:
         state_dict: the (possibly nested) state_dict to fill, e.g. ``model.state_dict()`` of the
@@ -299,6 +304,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
             crashed or hangs makes the others raise ``CheckpointError`` within this time (at
             once when its connection closes), naming the ranks that did not answer. ``None``:
             the environment variable ``SHARDKIT_TIMEOUT``, else 600 s.
+        allow_uninitialized: parameters that ``shard_model(..., init=False)`` allocated without
+            values and that this load does not fill are an error naming them, whatever
+            ``strict`` says (their memory holds garbage); ``True`` allows it, for a model filled
+            from several sources (the unfilled ones stay refused by a later load until filled).
         mmap: local files only: a target block that lies in one contiguous range of a file
             (whole saved regions, row blocks, the output-feature blocks of a Hugging Face
             weight), with the file's dtype, and that no other tensor shares, is pointed at the
@@ -317,7 +326,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         CheckpointError: the checkpoint is incomplete (no committed metadata), corrupt
             (checksum, truncated or missing file, malformed metadata, unsafe file name), or does
             not match the state_dict (missing/unexpected names under ``strict``, size, dtype);
-            the message names the file and the tensor. A failure on any rank raises on all,
+            the message names the file and the tensor; parameters left uninitialized by
+            ``shard_model(..., init=False)`` that this load would not fill (unless
+            ``allow_uninitialized``). A failure on any rank raises on all,
             as does a rank that does not finish within ``timeout``.
         FileNotFoundError: there is no checkpoint at ``path``.
 
@@ -331,7 +342,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         if is_dcp_checkpoint(path, storage_options):
             load_dcp(views, path, strict=strict, cast=cast)
         else:
-            _load(views, path, storage_options, strict, cast, key_map, quiet, process_group, mmap)
+            _load(views, path, storage_options, strict, cast, key_map, quiet, process_group, mmap,
+                  allow_uninitialized)
         restore()
 
     step = f"checkpoint.load from {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"
@@ -347,13 +359,18 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None,
           strict: bool, cast: bool, key_map: KeyMap | None, quiet: bool | None,
-          process_group: _comm.ProcessGroup, mmap: bool = False) -> None:
+          process_group: _comm.ProcessGroup, mmap: bool = False, allow_uninitialized: bool = False) -> None:
     rank, _ = _comm.rank_and_world(process_group)
     fs, root = resolve(path, storage_options)
     metadata, root, source = _read_source(fs, root, key_map)
     leaves = list(flatten_state_dict(state_dict))
     names = {name for name, *_ in leaves}
-    saved = set(metadata.tensors) | set(metadata.values)
+    tied: set[str] = set()
+    if not source.endswith(METADATA_FILE):  # a Hugging Face checkpoint
+        metadata, tied = convert_hf_names(fs, root, metadata, ((name, value) for name, _, _, value in leaves))
+    saved = set(metadata.tensors) | set(metadata.values) | tied
+    if not allow_uninitialized:  # before strict's report: the more precise one after init=False
+        check_filled(leaves, saved, source)
     if strict:
         missing, unexpected = sorted(names - saved), sorted(saved - names)
         if missing or unexpected:
@@ -361,9 +378,11 @@ def _load(state_dict: dict[str, Any], path: str | os.PathLike[str], storage_opti
                    f"state_dict, not in the checkpoint), unexpected={unexpected} (in the checkpoint, not in "
                    f"the state_dict); pass strict=False to load only what matches.")
             raise CheckpointError(msg, missing=missing, unexpected=unexpected)
+    settle = mark_filled(leaves, saved)
     with DataReader(fs) as reader:
         checks = _FileChecks(reader, metadata, root, enabled=source.endswith(METADATA_FILE))
         _fill(leaves, metadata, source, root, cast, reader, checks, rank, quiet, mmap)
+    settle()
 
 
 def _fill(leaves: list[tuple[str, Any, Any, Any]], metadata: CheckpointMetadata, source: str, root: str,
