@@ -196,7 +196,8 @@ def convert_hf_names(fs: fsspec.AbstractFileSystem, folder: str, metadata: Check
     renamed = apply_key_map(metadata, _renames(model, metadata, values), source=folder)
     tensors = dict(renamed.tensors)
     tied: set[str] = set()
-    links = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    # The ties this model's config makes (transformers 5); _tied_weights_keys lists possible ones only.
+    links = getattr(model, "all_tied_weights_keys", None) or {}
     if isinstance(links, Mapping):
         for target, source in links.items():
             if target in tensors or target not in values or source not in tensors or source not in values:
