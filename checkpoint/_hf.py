@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -185,16 +186,22 @@ def convert_hf_names(fs: fsspec.AbstractFileSystem, folder: str, metadata: Check
     Returns:
         ``(metadata, tied)``: ``metadata`` with renamed tensors, plus an entry for every tied
         target whose tensor is not the memory of the name it is tied to (it is read from that
-        name's bytes); ``tied``: the tied target names that need no data of their own.
+        name's bytes), without the tensors the model class tells ``from_pretrained`` to skip
+        (``_keys_to_ignore_on_load_unexpected``); ``tied``: the tied target names that need
+        no data of their own.
     """
     values = dict(targets)
-    if all(name in metadata.tensors or name in metadata.values for name in values):
+    if (all(name in metadata.tensors or name in metadata.values for name in values)
+            and all(name in values for name in metadata.tensors)):
         return metadata, set()
     model = _meta_model(fs, folder)
     if model is None:
         return metadata, set()
     renamed = apply_key_map(metadata, _renames(model, metadata, values), source=folder)
-    tensors = dict(renamed.tensors)
+    # Tensors from_pretrained skips without a word (old attention-mask buffers of GPT-2, GPT-NeoX).
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    tensors = {name: entry for name, entry in renamed.tensors.items()
+               if name in values or not any(p.search(name) for p in ignored)}
     tied: set[str] = set()
     # The ties this model's config makes (transformers 5); _tied_weights_keys lists possible ones only.
     links = getattr(model, "all_tied_weights_keys", None) or {}
