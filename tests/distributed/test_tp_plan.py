@@ -5,8 +5,9 @@ OPT, DistilBERT and ViT from their block structure, GPT-NeoX with its plan's
 vocabulary-split embedding), one model is sharded with the plan's spec and one with the
 hand-written spec of the docs and tests: logits and the loss are equal bit for bit between
 the two, and logits, loss and every local gradient equal the unsharded model's. Qwen3's plan
-(``replicated_with_grad_allreduce`` for ``q_norm``/``k_norm``) gives logits equal to the
-unsharded model's.
+(``replicated_with_grad_allreduce`` for ``q_norm``/``k_norm``) and OLMo2's (q/k normalized over
+all their split features) give the unsharded logits; their gradients wait for the compute
+engine (strict xfails, so a fix shows).
 """
 
 from __future__ import annotations
@@ -131,7 +132,24 @@ def _plans(rank: int, world: int) -> dict[str, object]:
     model.load_state_dict(ref.state_dict())
     st.shard_model(model, st.tensor_parallel_spec(model, _ranks(world)), src_rank=0)
     tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
-    out["qwen3_logits"] = (model(tokens).logits - ref(tokens).logits).abs().max().item()
+    got, want = model(tokens, labels=tokens), ref(tokens, labels=tokens)
+    got.loss.backward()
+    want.loss.backward()
+    out["qwen3_logits"] = (got.logits - want.logits).abs().max().item()
+    out["qwen3_bad_grads"] = local_grad_mismatches(model, ref, rank)
+
+    # OLMo2: q_norm/k_norm normalize over all of q's (k's) features, which q_proj splits.
+    config = tf.Olmo2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=LAYERS,
+                            vocab_size=VOCAB, intermediate_size=96, max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    ref, model = tf.Olmo2ForCausalLM(config), tf.Olmo2ForCausalLM(config)
+    model.load_state_dict(ref.state_dict())
+    st.shard_model(model, st.tensor_parallel_spec(model, _ranks(world)), src_rank=0)
+    got, want = model(tokens, labels=tokens), ref(tokens, labels=tokens)
+    got.loss.backward()
+    want.loss.backward()
+    out["olmo2_logits"] = (got.logits - want.logits).abs().max().item()
+    out["olmo2_bad_grads"] = local_grad_mismatches(model, ref, rank)
     return out
 
 
@@ -153,6 +171,21 @@ def test_planned_spec_equals_hand_written_and_unsharded(plan_runs, name):
         assert result["sharded"], "the plan split nothing"
 
 
-def test_qwen3_plan_with_replicated_norms(plan_runs):
+def test_qwen3_and_olmo2_plans_give_the_unsharded_logits(plan_runs):
     for out in plan_runs:
         assert out["qwen3_logits"] < 1e-5
+        assert out["olmo2_logits"] < 1e-5
+
+
+@pytest.mark.xfail(strict=True, reason="the compute engine does not sum the partial gradients of parameters kept "
+                                       "whole after a split (transformers' replicated_with_grad_allreduce)")
+def test_qwen3_norm_gradients(plan_runs):
+    for out in plan_runs:
+        assert out["qwen3_bad_grads"] == []
+
+
+@pytest.mark.xfail(strict=True, reason="the compute engine's backward of a mean over a split dimension (OLMo2's "
+                                       "RMSNorm over q_proj's split features) gives wrong gradients")
+def test_olmo2_gradients(plan_runs):
+    for out in plan_runs:
+        assert out["olmo2_bad_grads"] == []
