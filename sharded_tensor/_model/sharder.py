@@ -793,6 +793,7 @@ def _load_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, lo
         if param is None or key not in state_dict:
             continue
         value = state_dict[key]
+        _unfilled.unmark(param)  # load_state_dict fills it (or raises)
         try:
             if attr in sharded:
                 rank, _ = _comm.rank_and_world(sharded[attr].group)

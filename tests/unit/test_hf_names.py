@@ -92,3 +92,17 @@ def test_a_tied_head_shares_the_embedding_and_is_not_read_twice(tmp_path: Path):
     assert model.lm_head.weight is model.transformer.wte.weight
     reference = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
     assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+
+
+def test_parameters_filled_by_load_state_dict_count_as_filled(tmp_path: Path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    checkpoint.save({"1.weight": torch.ones(2, 4)}, tmp_path / "part")
+    with torch.device("meta"):
+        target = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    st.shard_model(target, DevicePlacement("cpu"), init=False)
+    with pytest.raises(checkpoint.CheckpointError, match=r"would leave 3 parameter\(s\) uninitialized: "
+                                                         r"\['0.bias', '0.weight', '1.bias'\]"):
+        checkpoint.load(target.state_dict(), tmp_path / "part", strict=False)
+    target.load_state_dict(model.state_dict())
+    checkpoint.load(target.state_dict(), tmp_path / "part", strict=False)  # the rest is filled now
+    assert torch.equal(target[1].weight, torch.ones(2, 4)) and torch.equal(target[0].weight, model[0].weight)
