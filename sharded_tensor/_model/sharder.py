@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from _shardkit import comm as _comm
+from _shardkit import unfilled as _unfilled
 from _shardkit.memory import empty_for_fill
 from sharding import (
     CompositeShardingSpec,
@@ -623,6 +624,8 @@ def _materialize(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int
                 if entry.new is None:
                     entry.new = _new_param(entry, rank, group, src_rank, default_device,
                                            populate=initializers.init is not False)
+                    if initializers.init is False and entry.source == "init":
+                        _unfilled.mark(entry.new)  # checkpoint.load refuses to leave it so
                     (to_init if entry.source == "init" else others).append((attr, entry))
                 else:
                     others.append((attr, entry))
@@ -792,6 +795,7 @@ def _load_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, lo
         if param is None or key not in state_dict:
             continue
         value = state_dict[key]
+        _unfilled.unmark(param)  # load_state_dict fills it (or raises)
         try:
             if attr in sharded:
                 rank, _ = _comm.rank_and_world(sharded[attr].group)
