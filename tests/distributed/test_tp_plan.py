@@ -6,8 +6,7 @@ vocabulary-split embedding), one model is sharded with the plan's spec and one w
 hand-written spec of the docs and tests: logits and the loss are equal bit for bit between
 the two, and logits, loss and every local gradient equal the unsharded model's. Qwen3's plan
 (``replicated_with_grad_allreduce`` for ``q_norm``/``k_norm``) and OLMo2's (q/k normalized over
-all their split features) give the unsharded logits; their gradients wait for the compute
-engine (strict xfails, so a fix shows).
+all their split features) give the unsharded logits and every gradient.
 """
 
 from __future__ import annotations
@@ -177,15 +176,11 @@ def test_qwen3_and_olmo2_plans_give_the_unsharded_logits(plan_runs):
         assert out["olmo2_logits"] < 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason="the compute engine does not sum the partial gradients of parameters kept "
-                                       "whole after a split (transformers' replicated_with_grad_allreduce)")
 def test_qwen3_norm_gradients(plan_runs):
     for out in plan_runs:
         assert out["qwen3_bad_grads"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="the compute engine's backward of a mean over a split dimension (OLMo2's "
-                                       "RMSNorm over q_proj's split features) gives wrong gradients")
 def test_olmo2_gradients(plan_runs):
     for out in plan_runs:
         assert out["olmo2_bad_grads"] == []
