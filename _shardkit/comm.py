@@ -36,8 +36,8 @@ import torch.distributed as dist
 from . import liveness as _liveness
 from . import teardown  # binds torch's default-group arguments before any group exists; exit hook
 
-__all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
-           "gather_json", "broadcast_json", "all_gather_tensor", "CollectiveError",
+__all__ = ["CommCounter", "rank_and_world", "default_device", "start_exchange", "all_gather_json",
+           "broadcast_json", "all_gather_tensor", "CollectiveError",
            "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT",
            "TIMEOUT_ENV", "LIVENESS_ENV", "resolve_timeout", "operation", "operation_name", "collective"]
 
@@ -151,17 +151,6 @@ def default_device(group: ProcessGroup = None) -> torch.device:
 
 def _global(group: ProcessGroup, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
-def exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
-             group: ProcessGroup = None, *, timeout: float | None = None, what: str = "exchange") -> None:
-    """Send ``sends[peer]`` to each peer and receive into ``recvs[peer]``, all at once.
-
-    Collective over the peers named: the two sides of each transfer must name each other with
-    tensors of equal byte size. Tensors must be contiguous. Raises ``CollectiveError`` naming
-    the peers that did not answer within ``timeout`` (see ``resolve_timeout``) or died.
-    """
-    start_exchange(sends, recvs, group, timeout=timeout, what=what).wait()
 
 
 # Messages travel in pieces of at most this many bytes, so that a sender can put the first
@@ -846,32 +835,6 @@ def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup = None, *, timeo
          marked=bool(_scopes()))
     _record("all_gather", tensor.numel() * tensor.element_size())
     return gathered
-
-
-def gather_json(value: object, dst: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,
-                what: str = "gather") -> list[Any] | None:
-    """Every rank's JSON ``value`` on group rank ``dst`` (in rank order), ``None`` elsewhere. Collective.
-
-    The first step (an all_gather of payload sizes) is also a barrier: it completes only when
-    every rank has arrived, or raises ``CollectiveError`` after ``timeout`` seconds (see
-    ``resolve_timeout``) naming the ranks that never arrived.
-    """
-    if not _initialized():
-        return [json.loads(json.dumps(value))]
-    limit = resolve_timeout(timeout)
-    rank = dist.get_rank(group)
-    payload = _encode_json(value, default_device(group))
-    lengths = _gather_lengths(payload.numel(), group, limit, what)
-    longest = max(lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
-    padded[: payload.numel()] = payload
-    gathered = [torch.empty_like(padded) for _ in lengths] if rank == dst else None
-    _run(what, group, limit,
-         lambda: dist.gather(padded, gathered, dst=_global(group, dst), group=group, async_op=True), marked=False)
-    _record("gather", 8 + (longest if rank != dst else 0))
-    if gathered is None:
-        return None
-    return _decode_json(gathered, lengths)
 
 
 def broadcast_json(value: object, src: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,
