@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -19,3 +20,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _DISTRIBUTED_DIR in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.distributed)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Keep what the run imported and collected out of later garbage collections.
+
+    Tests call ``gc.collect()`` to release memory they measure; with torch, transformers and
+    a thousand collected tests on the heap, each full collection would otherwise walk all of
+    it (most of a second). What exists now lives for the whole run anyway.
+    """
+    del session
+    gc.freeze()

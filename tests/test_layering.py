@@ -12,6 +12,7 @@ from __future__ import annotations
 import __future__
 
 import ast
+import functools
 import importlib
 import sys
 import types
@@ -116,6 +117,7 @@ def _known(path: str, name: str, known: dict[tuple[str, str], str] | None = None
     return any(path == file and _is_banned(name, (module,)) for file, module in entries)
 
 
+@functools.cache
 def _scan(folder: str) -> list[tuple[str, str]]:
     """``(file relative to the root, imported module)`` for every import under ``folder``."""
     found = []

@@ -125,6 +125,7 @@ except checkpoint.CheckpointError as exc:
 """
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_two_jobs_saving_to_one_path_at_once(tmp_path: Path) -> None:
     """Two independent 1-rank processes, released together: at most one commits, the other fails clearly."""
     import subprocess

@@ -408,6 +408,7 @@ def _run_readers(folder: Path, out: Path, changed: str, capsys: pytest.CaptureFi
         assert "Traceback" not in err and err.strip(), err
 
 
+@pytest.mark.slow  # hundreds of examples, each a save and several loads
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(target=st.sampled_from(["metadata", "metadata", "header", "regions", "regions"]),
        path_index=st.integers(0, 10_000),

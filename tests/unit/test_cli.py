@@ -197,6 +197,7 @@ def test_written_files_have_a_normal_file_mode(saved: Path, tmp_path: Path, caps
 
 # -- real subprocesses (started together, so the torch imports overlap) ---------------------------
 
+@pytest.mark.slow  # fresh interpreters
 def test_subprocesses(tmp_path: Path) -> None:
     good = _save(tmp_path / "good")
     bad = _save(tmp_path / "bad")

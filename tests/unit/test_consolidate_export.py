@@ -126,6 +126,7 @@ def test_cli_reports_a_bad_include(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "include=['nothing'] selects none" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_transformers_from_pretrained_accepts_the_export(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16)

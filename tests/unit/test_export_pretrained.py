@@ -20,6 +20,8 @@ import checkpoint  # noqa: E402
 import sharded_tensor as st  # noqa: E402
 from checkpoint._cli import main  # noqa: E402
 
+pytestmark = pytest.mark.slow  # trains transformers models and loads them back through from_pretrained
+
 VOCAB = 96
 TOKENS = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
 

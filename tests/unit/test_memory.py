@@ -13,8 +13,18 @@ from _shardkit import memory as _memory
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _small_heap():  # type: ignore[no-untyped-def]
+    """The heap other tests left (torch, transformers, ...) collected once and frozen, so each
+    test's own collections below walk only what was made since (a few ms, not most of a second)."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(autouse=True)
-def _empty_cache():  # type: ignore[no-untyped-def]
+def _empty_cache(_small_heap):  # type: ignore[no-untyped-def]
     """Each test starts and ends with no freed mappings kept."""
     gc.collect()
     _memory.empty_cache()
@@ -161,6 +171,7 @@ def test_a_forked_child_releases_and_reuses_on_its_own_thread():
     assert _resident(holder[0]) == MiB
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_exit_with_live_buffers_is_quiet():
     import subprocess
     import sys
@@ -209,6 +220,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow  # fresh interpreters
 @pytest.mark.parametrize(("value", "expected"), [
     pytest.param("1", {"mapped": False, "resizable": True, "sole_owner": False, "unshared": False,
                        "sum": 12.0 * MiB, "cached": 0}, id="plain"),
@@ -243,6 +255,7 @@ def test_plain_memory_is_read_at_each_call(monkeypatch: pytest.MonkeyPatch):
     assert not _memory.unshared({0: torch.empty(1)}, 0)  # deep inside a reshard: the safe answer, no error
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_without_the_torch_internals_nothing_counts_as_unshared():
     """A torch without the private reference counts (simulated by removing one): the probe
     disables itself at import, and every tensor is treated as shared (copied, never released)."""
