@@ -9,7 +9,8 @@ from torch import nn
 
 from sharded_tensor._model.sharder import sharded_parameters
 
-__all__ = ["full_grads", "full_mismatches", "full_params", "local_grad_mismatches"]
+__all__ = ["full_grads", "full_mismatches", "full_params", "gathered_grads", "local_grad_mismatches",
+           "relative_errors"]
 
 
 def local_grad_mismatches(model: nn.Module, ref: nn.Module, rank: int) -> list[str]:
@@ -73,3 +74,26 @@ def full_mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Te
         elif not torch.allclose(a, b, rtol=1e-4, atol=1e-6 * scale):
             bad[name] = float((a - b).abs().amax() / b.abs().amax().clamp_min(1e-30))
     return bad
+
+
+def gathered_grads(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient (split ones gathered from all ranks; collective)."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        sharded = sharded_parameters(module)
+        for attr, param in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            out[name] = sharded[attr].wrap(grad, rank).full_tensor() if attr in sharded else grad.clone()
+    return out
+
+
+def relative_errors(got: dict[str, torch.Tensor], ref: nn.Module) -> dict[str, float]:
+    """Per parameter, ``max |got - want| / max |want|`` against ``ref``'s gradients."""
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    errors = {}
+    for name, grad in got.items():
+        want = ref_params[name].grad
+        want = want if want is not None else torch.zeros_like(grad)
+        errors[name] = float((grad - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+    return errors
