@@ -121,19 +121,16 @@ def _bert(ranks: list[str], prefix: str = "bert") -> Spec:
 
 
 def _t5(ranks: list[str]) -> Spec:
-    attn_col, attn_row = ("q", "k", "v"), ("o",)
     c, r = single_split(0, ranks), single_split(1, ranks)
     parts: Spec = {}
     for stack, attentions, ffn in (("encoder", ("layer.0.SelfAttention",), "layer.1"),
                                    ("decoder", ("layer.0.SelfAttention", "layer.1.EncDecAttention"), "layer.2")):
         for block in _layers(f"{stack}.block"):
             for attn in attentions:
-                parts.update({f"{block}.{attn}.{n}": c for n in attn_col})
-                parts.update({f"{block}.{attn}.{n}": r for n in attn_row})
+                parts.update({f"{block}.{attn}.{n}": c for n in ("q", "k", "v")})
+                parts[f"{block}.{attn}.o"] = r
             parts[f"{block}.{ffn}.DenseReluDense.wi"] = c
             parts[f"{block}.{ffn}.DenseReluDense.wo"] = r
-        # The position bias is computed for all heads at once (n_buckets, heads): split it by heads too.
-        parts[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"] = single_split(1, ranks)
     return parts
 
 
@@ -362,7 +359,7 @@ ARCHS = [
     Arch("distilbert", "encoder, padding mask", "others", _distilbert,
          lambda r: _tp(r, "distilbert.transformer.layer", ("attention.q_lin", "attention.k_lin", "attention.v_lin",
                                                            "ffn.lin1"), ("attention.out_lin", "ffn.lin2")), L2),
-    Arch("t5", "encoder-decoder, cross-attention, relative position bias", "others", _t5_model, _t5,
+    Arch("t5", "encoder-decoder, cross-attention, relative position bias (whole)", "others", _t5_model, _t5,
          2 * LAYERS + 3 * LAYERS, inputs="seq2seq"),
     Arch("vit", "vision encoder, patch embedding", "others", _vit,
          lambda r: _tp(r, "vit.layers", ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
