@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -69,6 +70,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from _shardkit import comm as _comm
 
 from .functional import Intervals, copy_to_ranks, gather, scatter
+from .signatures import aten_name, bind
 
 __all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
@@ -279,9 +281,13 @@ def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     raise _Fallback
 
 
+_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ifloordiv__", "__imod__",
+                       "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
 def _in_place(func: Callable[..., Any]) -> bool:
     name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.startswith("__")) or name.startswith("__i")
+    return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_OPERATORS
 
 
 def _first_split(args: tuple[Any, ...]) -> tuple[torch.Tensor, Split]:
@@ -349,24 +355,29 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     raise _Fallback
 
 
+def _named(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name, bound as torch binds them (see ``signatures``)."""
+    bound = bind(func, args, kwargs)
+    if bound is None:
+        raise _Fallback
+    return bound
+
+
 def _transpose(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, split = _first_split(args)
     ndim = x.dim()
-    name = func.__name__
-    if name in ("transpose", "swapaxes", "swapdims"):
-        d0 = _norm(args[1] if len(args) > 1 else kwargs["dim0"], ndim)
-        d1 = _norm(args[2] if len(args) > 2 else kwargs["dim1"], ndim)
-        order = list(range(ndim))
-        order[d0], order[d1] = order[d1], order[d0]
-    elif name == "permute":
-        dims = args[1:] if len(args) > 1 else kwargs["dims"]
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = dims[0]
-        order = [_norm(d, ndim) for d in dims]
-    elif name == "t":
-        order = list(range(ndim))[::-1]
+    name = aten_name(func)
+    order = list(range(ndim))
+    if name == "t":
+        order = order[::-1]
     else:
-        raise _Fallback
+        bound = _named(func, args, kwargs)
+        if name == "permute":
+            order = [_norm(d, ndim) for d in bound["dims"]]
+        else:  # transpose, swapdims (dim0, dim1), swapaxes (axis0, axis1)
+            d0 = _norm(bound["dim0"] if "dim0" in bound else bound["axis0"], ndim)
+            d1 = _norm(bound["dim1"] if "dim1" in bound else bound["axis1"], ndim)
+            order[d0], order[d1] = order[d1], order[d0]
     out = func(*args, **kwargs)
     return tag(out, split.moved(order.index(split.dim)))
 
@@ -427,62 +438,53 @@ def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     return tag(out, split.moved(new + split.dim))
 
 
-def _along_dim(default: int | None) -> Callable[..., Any]:
+def _along_dim(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Ops that work along one dimension (softmax, cat, split, cumsum): fine along any other."""
-    def rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        name = func.__name__
-        first = args[0]
-        if name in ("cat", "concat", "concatenate", "stack"):
-            # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
-            tensors = [t for t in first if not (name != "stack" and t.dim() == 1 and t.numel() == 0)]
-            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-            splits = {split_of(t) for t in tensors}
-            if None in splits or len(splits) != 1:
-                raise _Fallback
-            split = splits.pop()
-            assert split is not None
-            ndim = tensors[0].dim()
-            if name == "stack":
-                d = _norm(dim, ndim + 1)
-                out = func(*args, **kwargs)
-                return tag(out, split.moved(split.dim + (1 if d <= split.dim else 0)))
-            if _norm(dim, ndim) == split.dim:
-                raise _Fallback
-            return tag(func(*args, **kwargs), split)
-        x, split = _first_split(args)
-        if name in ("split", "chunk", "unbind"):
-            index = 2 if name != "unbind" else 1
-            dim = args[index] if len(args) > index else kwargs.get("dim", 0)
-            if _norm(dim, x.dim()) == split.dim:
-                raise _Fallback
-            parts = func(*args, **kwargs)
-            if name == "unbind":
-                moved = split.moved(split.dim - (1 if _norm(dim, x.dim()) < split.dim else 0))
-                return tuple(tag(p, moved) for p in parts)
-            return tuple(tag(p, split) for p in parts)
-        dim = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("dim", default)
-        if dim is None or _norm(dim, x.dim()) == split.dim:
+    name = aten_name(func)
+    bound = _named(func, args, kwargs)
+    if name in ("cat", "concat", "concatenate", "stack"):
+        # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
+        tensors = [t for t in bound["tensors"] if not (name != "stack" and t.dim() == 1 and t.numel() == 0)]
+        dim = bound.get("dim", 0)
+        splits = {split_of(t) for t in tensors}
+        if None in splits or len(splits) != 1 or not isinstance(dim, int):
             raise _Fallback
-        out = func(*args, **kwargs)
-        return tag(out, split)
-    return rule
+        split = splits.pop()
+        assert split is not None
+        ndim = tensors[0].dim()
+        if name == "stack":
+            d = _norm(dim, ndim + 1)
+            out = func(*args, **kwargs)
+            return tag(out, split.moved(split.dim + (1 if d <= split.dim else 0)))
+        if _norm(dim, ndim) == split.dim:
+            raise _Fallback
+        return tag(func(*args, **kwargs), split)
+    x, split = _first_split(args)
+    dim = bound.get("dim")
+    if not isinstance(dim, int) or _norm(dim, x.dim()) == split.dim:
+        raise _Fallback  # along the split, or softmax's legacy implicit dimension
+    if name in ("split", "chunk", "unbind"):
+        parts = func(*args, **kwargs)
+        moved = split.moved(split.dim - 1) if name == "unbind" and _norm(dim, x.dim()) < split.dim else split
+        return tuple(tag(p, moved) for p in parts)
+    return tag(func(*args, **kwargs), split)
 
 
 def _reduce(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """sum / mean / amax / amin / var over dimensions other than the split one."""
+    """sum / mean / amax / amin / var / std / logsumexp over dimensions other than the split one."""
     x, split = _first_split(args)
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    if dims is None or isinstance(dims, torch.Tensor):
-        raise _Fallback
+    bound = _named(func, args, kwargs)
+    dims = bound.get("dim")
+    if dims is None or isinstance(dims, torch.Tensor) or (isinstance(dims, (list, tuple)) and not dims):
+        raise _Fallback  # every dimension (an empty list means every dimension too)
     dims = [dims] if isinstance(dims, int) else list(dims)
     normed = sorted(_norm(d, x.dim()) for d in dims)
     if split.dim in normed:
         raise _Fallback
-    keep = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
     out = func(*args, **kwargs)
     if not isinstance(out, torch.Tensor):
         raise _Fallback
-    shift = 0 if keep else sum(1 for d in normed if d < split.dim)
+    shift = 0 if bound.get("keepdim", False) else sum(1 for d in normed if d < split.dim)
     return tag(out, split.moved(split.dim - shift))
 
 
@@ -532,9 +534,9 @@ def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _linear(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x = args[0]
+    x = _named(func, args, kwargs)["self"]
     split = split_of(x)
-    others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
+    others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor) and a is not x]
     if split is None or split.dim == x.dim() - 1 or any(split_of(t) is not None for t in others):
         raise _Fallback
     args = tuple(_whole(a, split.group) for a in args)
@@ -545,9 +547,10 @@ def _linear(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 def _norm_last(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """layer_norm / rms_norm: normalize over the last dimensions, which must not be split."""
     x, split = _first_split(args)
-    shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+    bound = _named(func, args, kwargs)
+    shape = bound["normalized_shape"]
     count = 1 if isinstance(shape, int) else len(shape)
-    others = [a for a in (*args[2:], *kwargs.values()) if isinstance(a, torch.Tensor)]
+    others = [bound.get(k) for k in ("weight", "bias") if isinstance(bound.get(k), torch.Tensor)]
     if split.dim >= x.dim() - count or any(split_of(t) is not None for t in others):
         raise _Fallback
     args = tuple(_whole(a, split.group) for a in args)
@@ -557,16 +560,19 @@ def _norm_last(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 
 def _sdpa(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """scaled_dot_product_attention with q, k and v split on the same head (batch) dimension."""
-    q, k, v = args[0], args[1], args[2]
+    bound = _named(func, args, kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
     sq, sk, sv = split_of(q), split_of(k), split_of(v)
     if sq is None or sk is None or sv is None or sk != sv or not sq.dim == sk.dim < q.dim() - 2:
         raise _Fallback
     ratio = sq.size // sk.size if sk.size else 0
     if ratio == 0 or sq.size % sk.size or sk.scaled(sq.dim, ratio, 1) != sq:
         raise _Fallback
-    if ratio > 1 and not kwargs.get("enable_gqa", False):
+    if ratio > 1 and not bound["enable_gqa"]:
         raise _Fallback
-    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if len(args) < 3:
+        raise _Fallback  # q, k and v given by name: rare, computed whole
+    mask = bound["attn_mask"]
     if isinstance(mask, torch.Tensor):
         if split_of(mask) is not None:
             raise _Fallback
@@ -587,16 +593,16 @@ def _sdpa(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
 def _cross_entropy(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Cross-entropy over logits split on the class dimension, without gathering them."""
     logits, split = _first_split(args)
-    target = args[1] if len(args) > 1 else kwargs["target"]
+    bound = _named(func, args, kwargs)
+    target = bound["target"]
     class_dim = 1 if logits.dim() > 1 else 0
-    allowed = {"ignore_index", "reduction", "target"}
-    extra = {k for k, v in kwargs.items() if k not in allowed and v is not None
-             and not (k == "label_smoothing" and v == 0.0)}
-    if (split.dim != class_dim or any(a is not None for a in args[2:]) or extra or not isinstance(target, torch.Tensor)
+    plain = all(bound.get(k) is None for k in ("weight", "size_average", "reduce")) \
+        and bound.get("label_smoothing", 0.0) == 0.0
+    if (split.dim != class_dim or not plain or not isinstance(target, torch.Tensor)
             or target.is_floating_point() or split_of(target) is not None or logits.dim() != 2):
         raise _Fallback
-    ignore = kwargs.get("ignore_index", -100)
-    reduction = kwargs.get("reduction", "mean")
+    ignore = bound.get("ignore_index", -100)
+    reduction = bound.get("reduction", "mean")
     losses = _VocabParallelCE.apply(logits, target, split, ignore)
     valid = target != ignore
     if reduction == "none":
@@ -643,18 +649,18 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     packed = _TAGS.get(x)
     if not isinstance(packed, Packed):
         raise _Fallback
-    name = func.__name__
-    index = 2
-    dim = args[index] if len(args) > index else kwargs.get("dim", 0)
-    if _norm(dim, x.dim()) != packed.dim:
+    name = aten_name(func)
+    named = _named(func, args, kwargs)
+    dim = named.get("dim", 0)
+    if not isinstance(dim, int) or _norm(dim, x.dim()) != packed.dim:
         raise _Fallback
     total = packed.size
     if name == "chunk":
-        count = args[1] if len(args) > 1 else kwargs["chunks"]
+        count = named["chunks"]
         step = -(-total // count)
         bounds = [(i, min(i + step, total)) for i in range(0, total, step)]
     else:
-        sizes = args[1] if len(args) > 1 else kwargs["split_size_or_sections"]
+        sizes = named["split_size"]
         if isinstance(sizes, int):
             bounds = [(i, min(i + sizes, total)) for i in range(0, total, sizes)]
         else:
@@ -675,28 +681,22 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
 
 
 _ELEMENTWISE = {
-    "add", "sub", "mul", "div", "true_divide", "neg", "pow", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid",
-    "relu", "gelu", "silu", "mish", "abs", "clamp", "clip", "where", "masked_fill", "float", "half", "bfloat16",
-    "double", "to", "type_as", "contiguous", "clone", "detach", "dropout", "erf", "sin", "cos", "square",
-    "reciprocal", "softplus", "leaky_relu", "elu", "selu", "celu", "hardtanh", "relu6", "hardswish",
-    "hardsigmoid", "logsigmoid", "softsign", "tanhshrink", "rsub", "__rsub__", "__radd__", "__rmul__",
-    "__rtruediv__", "__rdiv__", "__rpow__", "__add__", "__sub__", "__mul__", "__truediv__", "__div__", "__neg__",
-    "__pow__", "add_", "sub_", "mul_", "div_", "__iadd__", "__isub__", "__imul__", "__itruediv__", "relu_",
-    "clamp_", "masked_fill_", "tanh_", "sigmoid_", "exp_", "neg_", "abs_", "sqrt_", "requires_grad_",
-    "fill_", "zero_", "nan_to_num", "lerp", "addcmul", "addcdiv", "maximum", "minimum", "eq", "ne", "lt", "le",
-    "gt", "ge", "logical_not", "logical_and", "logical_or", "isnan", "isinf", "sign", "floor", "ceil", "round",
-    "__and__", "__or__", "__invert__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    # Elementwise for shardkit's purpose though ATen does not tag them pointwise (composites, casts, copies).
+    "where", "masked_fill", "masked_fill_", "true_divide", "rsub", "hardswish", "logsigmoid", "softsign",
+    "tanhshrink", "float", "half", "bfloat16", "double", "to", "type_as", "contiguous", "detach", "dropout",
+    "requires_grad_", "fill_", "zero_", "__rsub__", "__radd__", "__rmul__", "__rtruediv__", "__rdiv__",
+    "__rpow__", "__add__", "__sub__", "__mul__", "__truediv__", "__div__", "__neg__", "__pow__", "__iadd__",
+    "__isub__", "__imul__", "__itruediv__", "__and__", "__or__", "__xor__", "__invert__", "__eq__", "__ne__",
+    "__lt__", "__le__", "__gt__", "__ge__", "__abs__", "__mod__",
 }
 _RESHAPES = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"}
-_RULES: dict[str, Callable[..., Any]] = {
-    **{name: _elementwise for name in _ELEMENTWISE},
+_NAMED_RULES: dict[str, Callable[..., Any]] = {
     **{name: _reshape for name in _RESHAPES},
     **{name: _transpose for name in ("transpose", "swapaxes", "swapdims", "permute", "t")},
-    "__get__": _getter,
     "__getitem__": _getitem,
     "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
-    **{name: _along_dim(None) for name in ("softmax", "log_softmax", "cumsum", "cat", "concat", "concatenate",
-                                           "stack", "split", "chunk", "unbind")},
+    **{name: _along_dim for name in ("softmax", "log_softmax", "cumsum", "cat", "concat", "concatenate",
+                                     "stack", "split", "chunk", "unbind")},
     **{name: _reduce for name in ("sum", "mean", "amax", "amin", "var", "std", "logsumexp")},
     **{name: _matmul for name in ("matmul", "__matmul__", "bmm")},
     "linear": _linear,
@@ -706,11 +706,57 @@ _RULES: dict[str, Callable[..., Any]] = {
 }
 _METADATA = {"size", "dim", "stride", "is_contiguous", "is_floating_point", "is_complex", "element_size",
              "data_ptr", "__len__", "storage_offset", "get_device", "untyped_storage", "__hash__", "__format__",
-             "__repr__", "__str__", "has_names", "_is_view", "is_inference", "__bool__", "register_hook",
+             "__repr__", "__str__", "has_names", "_is_view", "is_inference", "register_hook",
              "register_post_accumulate_grad_hook", "retain_grad", "backward", "__reduce_ex__", "__deepcopy__",
-             "__setstate__", "__dlpack__", "__dlpack_device__"}
+             "__setstate__", "__dlpack__", "__dlpack_device__", "nelement", "numel", "ndimension"}
 _SIDE_EFFECTS = {"copy_", "__setitem__", "index_put_", "scatter_", "scatter_add_", "masked_scatter_", "index_copy_",
                  "index_add_", "index_fill_", "put_", "resize_", "set_", "uniform_", "normal_"}
+
+
+def _pointwise() -> set[str]:
+    """Ops that ATen tags pointwise in every overload taking a tensor first, random ones aside."""
+    names = {n for owner in (torch.Tensor, torch, F) for n in dir(owner) if not n.startswith("_")}
+    found = set()
+    for name in names:
+        try:
+            packet = getattr(torch.ops.aten, name)
+            overloads = [getattr(packet, o) for o in packet.overloads()]
+        except (AttributeError, RuntimeError):
+            continue
+        overloads = [o for o in overloads if o._schema.arguments and o._schema.arguments[0].type.kind() == "TensorType"
+                     and not any(a.name == "out" for a in o._schema.arguments)]
+        if overloads and all(torch.Tag.pointwise in o.tags and torch.Tag.nondeterministic_seeded not in o.tags
+                             for o in overloads):
+            found.add(name)
+    return found - {"equal", "frexp"}  # a bool, a pair: not one tensor of the broadcast shape
+
+
+def _objects(name: str) -> list[Any]:
+    """Every object through which code calls the op ``name``: Tensor method, torch and functional forms."""
+    found = []
+    for owner in (torch.Tensor, torch, F, torch._C._nn, torch.special):
+        obj = getattr(owner, name, None)
+        if obj is not None and callable(obj) and not isinstance(obj, type):
+            found.append(obj)
+    return found
+
+
+@functools.cache
+def _tables() -> tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[Any]]:
+    """Rules, metadata reads and side-effecting ops, keyed by the op objects torch hands the mode.
+
+    Built on the first op inside a region, not at import (reading ATen's op tags takes a while).
+    """
+    rules: dict[Any, Callable[..., Any]] = {}
+    for name in _ELEMENTWISE | _pointwise():
+        for obj in _objects(name):
+            rules[obj] = _elementwise
+    for name, rule in _NAMED_RULES.items():
+        for obj in _objects(name):
+            rules[obj] = rule
+    metadata = frozenset(o for name in _METADATA for o in _objects(name))
+    effects = frozenset(o for name in _SIDE_EFFECTS for o in _objects(name))
+    return rules, metadata, effects
 
 
 def _any_tagged(values: Any) -> bool:
@@ -748,10 +794,11 @@ class _Propagate(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _any_tagged(args) and not _any_tagged(kwargs.values()):
             return func(*args, **kwargs)
+        rules, metadata, effects = _tables()
+        getter = getattr(func, "__name__", "") == "__get__"
+        if func in metadata or (getter and not _reads_values(func)):
+            return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
         flat, spec = tree_flatten((args, kwargs))
-        name = getattr(func, "__name__", "")
-        if (name in _METADATA and name != "__bool__") or (name == "__get__" and not _reads_values(func)):
-            return func(*args, **kwargs)
         owned = next((x for x in flat if isinstance(x, torch.Tensor) and x in _OWNED), None)
         if owned is not None:
             msg = (f"parameter {_OWNED[owned]} is split across ranks, but the model's code uses it directly in "
@@ -761,21 +808,23 @@ class _Propagate(TorchFunctionMode):
             raise RuntimeError(msg)
         if not any(isinstance(x, torch.Tensor) and x in _TAGS for x in flat):
             return func(*args, **kwargs)
-        rule = _RULES.get(name)
+        rule = _getter if getter else rules.get(func)
         if any(isinstance(_TAGS.get(x), Packed) for x in flat if isinstance(x, torch.Tensor)):
-            rule = _split_packed if name in ("split", "chunk") else None
+            rule = _split_packed if aten_name(func) in ("split", "chunk") else None
         if rule is not None:
             try:
                 return rule(func, args, kwargs)
             except _Fallback:
                 pass
-        if name in _SIDE_EFFECTS or (name.endswith("_") and not name.startswith("__") and name not in _ELEMENTWISE) \
-                or kwargs.get("out") is not None:
-            owner = next(x for x in flat if isinstance(x, torch.Tensor) and x in _TAGS)
+        written = kwargs.get("out")
+        if written is None and args and (func in effects or _in_place(func)):
+            written = args[0]
+        if isinstance(written, torch.Tensor) and written in _TAGS:  # a gathered copy would take the write
+            owner = written
             split = _TAGS[owner]
-            msg = (f"in-place op {name!r} on an activation split across ranks along dimension {split.dim} "
-                   f"(shape {tuple(owner.shape)} here, {split.size} in full) cannot be run slice by slice; keep "
-                   f"the layers that produce it whole, or make the op out-of-place.")
+            msg = (f"in-place op {getattr(func, '__name__', func)!r} on an activation split across ranks along "
+                   f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
+                   f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
             raise RuntimeError(msg)
         flat = [to_replicated(x) if isinstance(x, torch.Tensor) and x in _TAGS else x for x in flat]
         args, kwargs = tree_unflatten(flat, spec)
