@@ -72,8 +72,8 @@ class Arch:
 # --- layouts -----------------------------------------------------------------------------------
 
 
-def _layers(prefix: str, layers: int = LAYERS) -> list[str]:
-    return [f"{prefix}.{i}" for i in range(layers)]
+def _layers(prefix: str) -> list[str]:
+    return [f"{prefix}.{i}" for i in range(LAYERS)]
 
 
 def _tp(ranks: list[str], prefix: str, col: tuple[str, ...], row: tuple[str, ...]) -> Spec:
@@ -86,8 +86,8 @@ def _tp(ranks: list[str], prefix: str, col: tuple[str, ...], row: tuple[str, ...
     return parts
 
 
-def _llama_like(ranks: list[str], prefix: str = "model.layers") -> Spec:
-    return _tp(ranks, prefix, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+def _llama_like(ranks: list[str]) -> Spec:
+    return _tp(ranks, "model.layers", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
                                "mlp.up_proj"), ("self_attn.o_proj", "mlp.down_proj"))
 
 
