@@ -329,30 +329,100 @@ def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[in
     return groups
 
 
-def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """view / reshape / flatten / unflatten / (un)squeeze: the split must lead its group."""
-    x, split = _first_split(args)
-    out = func(*args, **kwargs)
-    if not isinstance(out, torch.Tensor):
-        raise _Fallback
-    a, b = list(x.shape), list(out.shape)
+def _moved(a: Sequence[int], b: Sequence[int], split: Split) -> Split | None:
+    """Where ``split`` of a tensor of shape ``a`` lands once it is reshaped to ``b``; ``None`` if not slice-exact.
+
+    The split must be the outermost dimension of its group (the dimensions a reshape merges or
+    cuts together); it then lands on the outermost output dimension that holds whole slices.
+    """
     groups = _groups(a, b) if 0 not in a else None
     if groups is None:
-        raise _Fallback
+        return None
     for gi, gj in groups:
         if split.dim not in gi:
             continue
         if any(a[d] != 1 for d in gi if d < split.dim):
-            raise _Fallback  # the split is not the outermost dimension of its group
+            return None  # the split is not the outermost dimension of its group
         inner_in = math.prod(a[d] for d in gi if d > split.dim)
         for o in gj:  # the outermost output dimension that holds whole slices (constants sit inside)
             moved = split.scaled(o, inner_in, math.prod(b[d] for d in gj if d > o))
             if moved is not None:
-                return tag(out, moved)
+                return moved
             if b[o] != 1:
-                break
+                return None
+        return None
+    return None
+
+
+_VIEWS = {"view", "view_as", "unflatten", "squeeze", "unsqueeze"}  # the others may copy: reshape, flatten
+_RESHAPE_PLANS: dict[tuple[Any, ...], tuple[tuple[int, ...], Split, bool] | None] = {}
+
+
+def _meta(value: Any) -> Any:
+    """A meta tensor of ``value``'s global shape (tensors only)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = list(value.shape)
+    split = split_of(value)
+    if split is not None:
+        shape[split.dim] = split.size
+    return torch.empty(shape, dtype=value.dtype, device="meta")
+
+
+def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor,
+                  split: Split) -> tuple[tuple[int, ...], Split, bool] | None:
+    """This rank's output shape and the output's split, or ``None`` (not slice-exact: gather).
+
+    The sizes a model passes are read first as the unsharded program reads them, against the
+    whole tensor (``view(b, s, num_heads, 3, head_dim)`` with a fixed ``num_heads``), then,
+    failing that, against the local slice (sizes the code took from the slice's own shape).
+    """
+    view = aten_name(func) in _VIEWS
+    rank, _ = _comm.rank_and_world(split.group)
+    whole = list(x.shape)
+    whole[split.dim] = split.size
+    try:
+        shape = list(func(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()}).shape)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        shape = None
+    if shape is not None:
+        moved = _moved(whole, shape, split)
+        if moved is not None:
+            shape[moved.dim] = moved.intervals[rank][1]
+            if math.prod(shape) == x.numel():
+                return tuple(shape), moved, view
+    try:
+        out = func(*args, **kwargs)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return None
+    if not isinstance(out, torch.Tensor):
+        return None
+    moved = _moved(list(x.shape), list(out.shape), split)
+    return None if moved is None else (tuple(out.shape), moved, view)
+
+
+def _shape_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, split_of(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_shape_key(v) for v in value)
+    return value
+
+
+def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """view / reshape / flatten / unflatten / (un)squeeze / view_as, decided once per shapes and split."""
+    x, split = _first_split(args)
+    key = (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
+    try:
+        plan = _RESHAPE_PLANS[key]
+    except KeyError:
+        plan = _RESHAPE_PLANS[key] = _plan_reshape(func, args, kwargs, x, split)
+    except TypeError:  # an unhashable argument
+        plan = _plan_reshape(func, args, kwargs, x, split)
+    if plan is None:
         raise _Fallback
-    raise _Fallback
+    shape, moved, view = plan
+    return tag(x.view(shape) if view else x.reshape(shape), moved)
 
 
 def _named(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -404,7 +474,15 @@ def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     """Basic indexing that leaves the split dimension whole (``x[..., :half]``, ``x[:, None]``)."""
     x, split = _first_split(args)
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
-    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
+    listed = [i for i in index if isinstance(i, (list, torch.Tensor))]
+    if listed:  # one list of positions keeps its place among slices (qkv[:, :, :, [-2]])
+        picked = listed[0]
+        if len(listed) > 1 or any(isinstance(i, int) for i in index) or not (
+                (isinstance(picked, list) and all(type(p) is int for p in picked))
+                or (isinstance(picked, torch.Tensor) and picked.dim() == 1 and picked not in _TAGS
+                    and not picked.is_floating_point() and picked.dtype != torch.bool)):
+            raise _Fallback
+    elif any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
         raise _Fallback
     used = sum(1 for i in index if i is not None and i is not Ellipsis)
     expanded: list[object] = []
@@ -420,7 +498,7 @@ def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
             out_dim += 1
             continue
         if src == split.dim:
-            if i != slice(None):
+            if not (isinstance(i, slice) and i == slice(None)):
                 raise _Fallback
             return tag(func(*args, **kwargs), split.moved(out_dim))
         if not isinstance(i, int):
@@ -430,12 +508,22 @@ def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """expand / broadcast_to / expand_as with the split dimension kept: given its local or its whole size."""
     x, split = _first_split(args)
-    out = func(*args, **kwargs)
-    new = out.dim() - x.dim()
-    if out.shape[new + split.dim] != x.shape[split.dim]:
+    bound = _named(func, args, kwargs)
+    other = bound.get("other")
+    if isinstance(other, torch.Tensor):
+        if split_of(other) is not None:
+            raise _Fallback
+        sizes = list(other.shape)
+    else:
+        sizes = list(bound["size"])
+    new = len(sizes) - x.dim()
+    at = new + split.dim
+    if new < 0 or sizes[at] not in (-1, x.shape[split.dim], split.size):
         raise _Fallback
-    return tag(out, split.moved(new + split.dim))
+    sizes[at] = x.shape[split.dim]
+    return tag(x.expand(sizes), split.moved(at))
 
 
 def _along_dim(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
