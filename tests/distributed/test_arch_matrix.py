@@ -489,20 +489,13 @@ def _matrix(rank: int, world: int, names: list[str], folder: str) -> dict[str, d
 # The current failure of each architecture the engine does not handle yet (strict: a fix turns the
 # test red until its entry goes).
 XFAIL: dict[str, str] = {
-    "olmo2": "exact, but 4 all-gathers per forward: q and k are gathered whole for the norm across heads, "
-             "where a sum of squares all-reduced per norm would do",
-    "stablelm": "RuntimeError: shape '[2, 8, 4, 16]' is invalid for input of size 512",
+    "olmo2": "exact, but 4 all-gathers per forward: the norm across heads (variance = x.pow(2).mean(-1)) gathers "
+             "q and k, where a sum of squares all-reduced per norm would do",
+    "bloom": "exact, but 6 all-gathers per forward: reshape(batch_size * num_heads, -1, head_dim) merges the batch "
+             "with the split heads, so q, k and v are gathered",
     "phi3": "refused at shard time: ValueError: module 'model.layers.0.self_attn.qkv_proj' (Linear): weight "
             "is split into several non-adjacent slices per rank along dimension 0 ... a Linear computes with "
             "one slice per rank",
-    "opt": "exact, but 6 all-gathers per forward: the view to a fixed num_heads gathers q, k and v",
-    "falcon": "RuntimeError: The expanded size of the tensor (1) must match the existing size (2) at "
-              "non-singleton dimension 2.  Target sizes: [2, 8, 1, 2, 16].  Tensor sizes: [2, 8, 2, 1, 16]",
-    "bloom": "RuntimeError: shape '[2, 8, 4, 3, 16]' is invalid for input of size 1536",
-    "t5": "refused at shard time: ValueError: module 'encoder.block.0.layer.1.DenseReluDense.wo' (Linear): "
-          "parameter 'encoder.block.0.layer.1.DenseReluDense.wo.weight' is split across ranks, but the forward of "
-          "module 'encoder.block.0.layer.1.DenseReluDense' (T5DenseActDense) uses it directly (nothing) "
-          "(a read of wo.weight.dtype)",
 }
 
 
@@ -532,7 +525,6 @@ IMPORT_XFAIL: dict[str, str] = {
     "vit": "the file holds vit.encoder.layer.N.attention.attention.query..., the model "
            f"vit.layers.N.attention.q_proj...; {_SKIPPED}",
     "phi3": XFAIL["phi3"],  # refused by shard_model, before any load
-    "t5": XFAIL["t5"],
 }
 
 
