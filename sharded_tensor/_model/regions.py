@@ -371,7 +371,7 @@ def _meta(value: Any) -> Any:
 
 def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor,
                   split: Split) -> tuple[tuple[int, ...], Split, bool] | None:
-    """This rank's output shape and the output's split, or ``None`` (not slice-exact: gather).
+    """The output's global shape and split (and whether it is a view), or ``None`` (not slice-exact: gather).
 
     The sizes a model passes are read first as the unsharded program reads them, against the
     whole tensor (``view(b, s, num_heads, 3, head_dim)`` with a fixed ``num_heads``), then,
@@ -379,6 +379,7 @@ def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     """
     view = aten_name(func) in _VIEWS
     rank, _ = _comm.rank_and_world(split.group)
+    length = split.intervals[rank][1]
     whole = list(x.shape)
     whole[split.dim] = split.size
     try:
@@ -387,10 +388,8 @@ def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         shape = None
     if shape is not None:
         moved = _moved(whole, shape, split)
-        if moved is not None:
-            shape[moved.dim] = moved.intervals[rank][1]
-            if math.prod(shape) == x.numel():
-                return tuple(shape), moved, view
+        if moved is not None and math.prod(shape) // max(moved.size, 1) * moved.intervals[rank][1] == x.numel():
+            return tuple(shape), moved, view
     try:
         out = func(*args, **kwargs)
     except (RuntimeError, ValueError, TypeError, IndexError):
@@ -398,7 +397,11 @@ def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     if not isinstance(out, torch.Tensor):
         return None
     moved = _moved(list(x.shape), list(out.shape), split)
-    return None if moved is None else (tuple(out.shape), moved, view)
+    if moved is None or x.shape[split.dim] != length:
+        return None
+    shape = list(out.shape)
+    shape[moved.dim] = moved.size
+    return tuple(shape), moved, view
 
 
 def _shape_key(value: Any) -> Any:
@@ -422,7 +425,9 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     if plan is None:
         raise _Fallback
     shape, moved, view = plan
-    return tag(x.view(shape) if view else x.reshape(shape), moved)
+    local = list(shape)
+    local[moved.dim] = moved.intervals[_comm.rank_and_world(split.group)[0]][1]
+    return tag(x.view(local) if view else x.reshape(local), moved)
 
 
 def _named(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
