@@ -69,7 +69,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from _shardkit import comm as _comm
 
-from .functional import Intervals, copy_to_ranks, gather, scatter
+from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
 __all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
@@ -573,12 +573,28 @@ def _reduce(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     dims = [dims] if isinstance(dims, int) else list(dims)
     normed = sorted(_norm(d, x.dim()) for d in dims)
     if split.dim in normed:
-        raise _Fallback
+        return _sum_across(aten_name(func), x, split, normed, bound)
     out = func(*args, **kwargs)
     if not isinstance(out, torch.Tensor):
         raise _Fallback
     shift = 0 if bound.get("keepdim", False) else sum(1 for d in normed if d < split.dim)
     return tag(out, split.moved(split.dim - shift))
+
+
+def _sum_across(name: str, x: torch.Tensor, split: Split, dims: list[int], bound: dict[str, Any]) -> torch.Tensor:
+    """sum / mean over dimensions that include the split one: local sums, then one all-reduce.
+
+    The result is whole on every rank; the all-reduce's adjoint is the identity, since its
+    gradient is complete on every rank and each element of every slice enters the sum once.
+    """
+    if name not in ("sum", "mean") or bound.get("dtype") is not None or not x.is_floating_point():
+        raise _Fallback  # amax, var, std, logsumexp: not a plain sum of the slices
+    keepdim = bool(bound.get("keepdim", False))
+    total = reduce_from_ranks(x.sum(dims, keepdim=keepdim), split.group)
+    if name == "mean":
+        count = math.prod(split.size if d == split.dim else x.shape[d] for d in dims)
+        total = total / count
+    return total
 
 
 def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
