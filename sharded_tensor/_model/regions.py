@@ -21,8 +21,7 @@ op, while the code runs:
   whole, concatenation and reductions along other dimensions, batched matmuls, softmax,
   ``scaled_dot_product_attention`` over split heads), or, when no rule applies, gathers the
   full tensor first and runs the op on it. The fallback costs communication, never
-  correctness: every rule is exact, so a wrong number can only come from the model code
-  itself deriving a shape from a constant that assumes the full tensor (see below).
+  correctness. A sum or mean across the split is a local sum and one all-reduce.
 * A consumer whose input is tagged the way it is split takes the slice as it is; the
   region's outputs that are still tagged are gathered, so a region looks replicated-in,
   replicated-out from outside.
@@ -40,11 +39,15 @@ sums the ranks' partial gradients.
 Decisions depend only on shapes and on the split (the same on every rank), so every rank
 takes the same path and the collectives of a fallback always match.
 
-What the code inside a region must do: derive the number of heads from the tensor (``view(*shape,
--1, head_dim)``, as transformers 5 does), not from a constant such as ``num_heads``. A
-``view(..., num_heads, head_dim)`` fails loudly on a slice; ``view(..., num_heads, -1)`` would
-silently use a wrong head size, which :func:`check_head_boundaries` refuses at shard time for
-modules that declare a head size (``head_dim``, ``attention_head_size``, ``head_size``).
+Sizes in the model's code mean what they mean in the unsharded model: a ``view(b, s,
+num_heads, 3, head_dim)`` with a fixed ``num_heads`` (BLOOM), a ``reshape(b, s, embed_dim)``
+(OPT) or an ``expand`` to a whole size is read against the whole tensor and mapped to this
+rank's heads; only sizes that fit the slice and not the whole (taken from the slice's own
+shape) are read as local. Arguments are bound through torch's own signatures
+(``signatures``), so overloads and keyword forms read alike (``x.std(1, True)`` is
+``dim=1, unbiased=True``). A split that cuts a head is refused at shard time by
+:func:`check_head_boundaries` for modules that declare a head size (``head_dim``,
+``attention_head_size``, ``head_size``).
 
 :func:`loss_parallel` opens a region around the caller's own code: the split logits of an
 ``lm_head`` split on the vocabulary then reach ``cross_entropy`` as slices, which computes the
