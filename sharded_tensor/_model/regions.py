@@ -21,8 +21,7 @@ op, while the code runs:
   whole, concatenation and reductions along other dimensions, batched matmuls, softmax,
   ``scaled_dot_product_attention`` over split heads), or, when no rule applies, gathers the
   full tensor first and runs the op on it. The fallback costs communication, never
-  correctness: every rule is exact, so a wrong number can only come from the model code
-  itself deriving a shape from a constant that assumes the full tensor (see below).
+  correctness. A sum or mean across the split is a local sum and one all-reduce.
 * A consumer whose input is tagged the way it is split takes the slice as it is; the
   region's outputs that are still tagged are gathered, so a region looks replicated-in,
   replicated-out from outside.
@@ -40,11 +39,15 @@ sums the ranks' partial gradients.
 Decisions depend only on shapes and on the split (the same on every rank), so every rank
 takes the same path and the collectives of a fallback always match.
 
-What the code inside a region must do: derive the number of heads from the tensor (``view(*shape,
--1, head_dim)``, as transformers 5 does), not from a constant such as ``num_heads``. A
-``view(..., num_heads, head_dim)`` fails loudly on a slice; ``view(..., num_heads, -1)`` would
-silently use a wrong head size, which :func:`check_head_boundaries` refuses at shard time for
-modules that declare a head size (``head_dim``, ``attention_head_size``, ``head_size``).
+Sizes in the model's code mean what they mean in the unsharded model: a ``view(b, s,
+num_heads, 3, head_dim)`` with a fixed ``num_heads`` (BLOOM), a ``reshape(b, s, embed_dim)``
+(OPT) or an ``expand`` to a whole size is read against the whole tensor and mapped to this
+rank's heads; only sizes that fit the slice and not the whole (taken from the slice's own
+shape) are read as local. Arguments are bound through torch's own signatures
+(``signatures``), so overloads and keyword forms read alike (``x.std(1, True)`` is
+``dim=1, unbiased=True``). A split that cuts a head is refused at shard time by
+:func:`check_head_boundaries` for modules that declare a head size (``head_dim``,
+``attention_head_size``, ``head_size``).
 
 :func:`loss_parallel` opens a region around the caller's own code: the split logits of an
 ``lm_head`` split on the vocabulary then reach ``cross_entropy`` as slices, which computes the
@@ -69,7 +72,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from _shardkit import comm as _comm
 
-from .functional import Intervals, copy_to_ranks, gather, scatter
+from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
 __all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
@@ -371,7 +374,7 @@ def _meta(value: Any) -> Any:
 
 def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor,
                   split: Split) -> tuple[tuple[int, ...], Split, bool] | None:
-    """This rank's output shape and the output's split, or ``None`` (not slice-exact: gather).
+    """The output's global shape and split (and whether it is a view), or ``None`` (not slice-exact: gather).
 
     The sizes a model passes are read first as the unsharded program reads them, against the
     whole tensor (``view(b, s, num_heads, 3, head_dim)`` with a fixed ``num_heads``), then,
@@ -379,6 +382,7 @@ def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     """
     view = aten_name(func) in _VIEWS
     rank, _ = _comm.rank_and_world(split.group)
+    length = split.intervals[rank][1]
     whole = list(x.shape)
     whole[split.dim] = split.size
     try:
@@ -387,10 +391,8 @@ def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         shape = None
     if shape is not None:
         moved = _moved(whole, shape, split)
-        if moved is not None:
-            shape[moved.dim] = moved.intervals[rank][1]
-            if math.prod(shape) == x.numel():
-                return tuple(shape), moved, view
+        if moved is not None and math.prod(shape) // max(moved.size, 1) * moved.intervals[rank][1] == x.numel():
+            return tuple(shape), moved, view
     try:
         out = func(*args, **kwargs)
     except (RuntimeError, ValueError, TypeError, IndexError):
@@ -398,7 +400,11 @@ def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     if not isinstance(out, torch.Tensor):
         return None
     moved = _moved(list(x.shape), list(out.shape), split)
-    return None if moved is None else (tuple(out.shape), moved, view)
+    if moved is None or x.shape[split.dim] != length:
+        return None
+    shape = list(out.shape)
+    shape[moved.dim] = moved.size
+    return tuple(shape), moved, view
 
 
 def _shape_key(value: Any) -> Any:
@@ -422,7 +428,9 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     if plan is None:
         raise _Fallback
     shape, moved, view = plan
-    return tag(x.view(shape) if view else x.reshape(shape), moved)
+    local = list(shape)
+    local[moved.dim] = moved.intervals[_comm.rank_and_world(split.group)[0]][1]
+    return tag(x.view(local) if view else x.reshape(local), moved)
 
 
 def _named(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -568,12 +576,28 @@ def _reduce(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     dims = [dims] if isinstance(dims, int) else list(dims)
     normed = sorted(_norm(d, x.dim()) for d in dims)
     if split.dim in normed:
-        raise _Fallback
+        return _sum_across(aten_name(func), x, split, normed, bound)
     out = func(*args, **kwargs)
     if not isinstance(out, torch.Tensor):
         raise _Fallback
     shift = 0 if bound.get("keepdim", False) else sum(1 for d in normed if d < split.dim)
     return tag(out, split.moved(split.dim - shift))
+
+
+def _sum_across(name: str, x: torch.Tensor, split: Split, dims: list[int], bound: dict[str, Any]) -> torch.Tensor:
+    """sum / mean over dimensions that include the split one: local sums, then one all-reduce.
+
+    The result is whole on every rank; the all-reduce's adjoint is the identity, since its
+    gradient is complete on every rank and each element of every slice enters the sum once.
+    """
+    if name not in ("sum", "mean") or bound.get("dtype") is not None or not x.is_floating_point():
+        raise _Fallback  # amax, var, std, logsumexp: not a plain sum of the slices
+    keepdim = bool(bound.get("keepdim", False))
+    total = reduce_from_ranks(x.sum(dims, keepdim=keepdim), split.group)
+    if name == "mean":
+        count = math.prod(split.size if d == split.dim else x.shape[d] for d in dims)
+        total = total / count
+    return total
 
 
 def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
