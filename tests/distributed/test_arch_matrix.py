@@ -10,8 +10,9 @@ features; everything else whole), from rank 0's weights. On every rank:
   (replicated parameters such as norms included: a gradient left as a per-rank partial sum
   shows here);
 * 3 SGD steps give the same losses, the same parameters (gathered) and the same logits;
-* the forward's collectives are counted: one all-reduce per row-parallel projection and no
-  all-gather (every model here has heads that divide the 2 ranks).
+* the forward's collectives are counted: one all-reduce per row-parallel projection (and per
+  statistic over split features, as OLMo2's norms across heads) and no all-gather (every model
+  here has heads that divide the 2 ranks).
 
 Each architecture is also imported as docs/huggingface.md does (``save_pretrained`` on rank 0,
 a meta model sharded with ``init=False``, ``checkpoint.load``): the gathered parameters must
@@ -64,7 +65,7 @@ class Arch:
     group: str
     build: Callable[[], torch.nn.Module]
     spec: Callable[[list[str]], Spec]
-    all_reduces: int  # forward all-reduces: one per row-parallel projection
+    all_reduces: int  # forward all-reduces: one per row-parallel projection or statistic over split features
     inputs: str = "padded"  # "padded" (tokens and an attention mask), "seq2seq" or "pixels"
     register: Callable[[], None] | None = None  # a module registration the model needs, as a user writes it
 
@@ -489,8 +490,6 @@ def _matrix(rank: int, world: int, names: list[str], folder: str) -> dict[str, d
 # The current failure of each architecture the engine does not handle yet (strict: a fix turns the
 # test red until its entry goes).
 XFAIL: dict[str, str] = {
-    "olmo2": "exact, but 4 all-gathers per forward: the norm across heads (variance = x.pow(2).mean(-1)) gathers "
-             "q and k, where a sum of squares all-reduced per norm would do",
     "bloom": "exact, but 6 all-gathers per forward: reshape(batch_size * num_heads, -1, head_dim) merges the batch "
              "with the split heads, so q, k and v are gathered",
     "phi3": "refused at shard time: ValueError: module 'model.layers.0.self_attn.qkv_proj' (Linear): weight "
