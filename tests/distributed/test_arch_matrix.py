@@ -347,7 +347,8 @@ ARCHS = [
     # The norm across all heads needs one statistic (a sum of squares) summed over the ranks: 2 more
     # all-reduces per layer, for q and for k.
     Arch("olmo2", "GQA, qk-norm across heads", "decoders", _olmo2, _llama_like, 2 * L2),
-    Arch("stablelm", "GQA, partial rotary, LayerNorm", "decoders", _stablelm, _llama_like, L2),
+    Arch("stablelm", "GQA, partial rotary, LayerNorm, view to a fixed num_heads", "decoders", _stablelm,
+         _llama_like, L2),
     Arch("granite", "GQA, scaled residuals and logits", "decoders", _granite, _llama_like, L2),
     Arch("mixtral", "GQA, MoE (attention split, experts whole)", "decoders", _mixtral, _attention_only, LAYERS),
     Arch("phi3", "fused qkv and gate/up (packed), GQA", "decoders", _phi3, _phi3_spec, L2),
@@ -359,13 +360,13 @@ ARCHS = [
                        ("attn.out_proj", "mlp.fc_out")), L2),
     Arch("gpt2", "Conv1D fused qkv (packed), learned positions", "others", _gpt2_model, _gpt2, L2,
          register=_register_conv1d),
-    Arch("opt", "learned positions, biases", "others", _opt,
+    Arch("opt", "learned positions, biases, view to a fixed num_heads", "others", _opt,
          lambda r: _tp(r, "model.decoder.layers", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                    "fc1"), ("self_attn.out_proj", "fc2")), L2),
     Arch("falcon", "fused qkv grouped by kv head, GQA, parallel attention+MLP", "others", _falcon,
          lambda r: _tp(r, "transformer.h", ("self_attention.query_key_value", "mlp.dense_h_to_4h"),
                        ("self_attention.dense", "mlp.dense_4h_to_h")), L2, register=_register_falcon_linear),
-    Arch("bloom", "ALiBi, fused qkv per head", "others", _bloom,
+    Arch("bloom", "ALiBi, fused qkv per head, batch and heads merged", "others", _bloom,
          lambda r: _tp(r, "transformer.h", ("self_attention.query_key_value", "mlp.dense_h_to_4h"),
                        ("self_attention.dense", "mlp.dense_4h_to_h")), L2),
     Arch("bert", "encoder, padding mask", "others", _bert_model, _bert, L2),
@@ -405,6 +406,7 @@ def _loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach(), want.detach()
     return float((got - want).abs().max() / (1 + want.abs().max()))
 
 
