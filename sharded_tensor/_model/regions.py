@@ -68,7 +68,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from _shardkit import comm as _comm
 
@@ -128,16 +127,18 @@ class Packed:
         return max((s + n for slices in self.pieces for s, n in slices), default=0)
 
 
-_TAGS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+# A tag lives on the tensor object itself: reading an attribute costs far less per op than a
+# weak dictionary lookup, and it goes away with the tensor just the same.
+_TAG = "_shardkit_split"
 # Local blocks of split parameters -> how to name them in a message. Inside a region, an op
 # that reads one directly (not through its module's registration) would see only this rank's
 # block, so it is refused instead of computing wrong numbers.
-_OWNED: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_OWNED = "_shardkit_owned"
 
 
 def own(parameter: torch.Tensor, label: str) -> None:
     """Mark ``parameter`` as the local block of a split parameter, named ``label`` in messages."""
-    _OWNED[parameter] = label
+    setattr(parameter, _OWNED, label)
 
 
 class _State(threading.local):
@@ -153,14 +154,14 @@ _STATE = _State()
 def split_of(tensor: object) -> Split | None:
     """The (one-slice) split ``tensor`` is tagged with, if any."""
     if isinstance(tensor, torch.Tensor):
-        found = _TAGS.get(tensor)
+        found = getattr(tensor, _TAG, None)
         return found if isinstance(found, Split) else None
     return None
 
 
 def tag(tensor: torch.Tensor, split: Split | Packed) -> torch.Tensor:
     """Mark ``tensor`` as this rank's slice of a logical tensor split as ``split``."""
-    _TAGS[tensor] = split
+    setattr(tensor, _TAG, split)
     return tensor
 
 
@@ -194,7 +195,7 @@ def outside_propagation() -> Iterator[None]:
 
 def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor of a tagged slice (collective); an untagged tensor as it is."""
-    found = _TAGS.get(tensor) if isinstance(tensor, torch.Tensor) else None
+    found = getattr(tensor, _TAG, None) if isinstance(tensor, torch.Tensor) else None
     if found is None:
         return tensor
     if isinstance(found, Split):
@@ -231,7 +232,7 @@ def _whole(tensor: Any, group: _comm.ProcessGroup) -> Any:
     a slice, exact).
     """
     if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or not torch.is_grad_enabled() \
-            or tensor in _TAGS:
+            or hasattr(tensor, _TAG):
         return tensor
     return shared_copy(tensor, group)
 
@@ -265,7 +266,7 @@ def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
             raise _Fallback
         found = aligned
     assert found is not None
-    if isinstance(args[0], torch.Tensor) and args[0] not in _TAGS and _in_place(func):
+    if isinstance(args[0], torch.Tensor) and not hasattr(args[0], _TAG) and _in_place(func):
         raise _Fallback  # a replicated tensor updated in place must receive whole values
     for i, t in tensors:
         if split_of(t) is not None:
@@ -487,7 +488,7 @@ def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         picked = listed[0]
         if len(listed) > 1 or any(isinstance(i, int) for i in index) or not (
                 (isinstance(picked, list) and all(type(p) is int for p in picked))
-                or (isinstance(picked, torch.Tensor) and picked.dim() == 1 and picked not in _TAGS
+                or (isinstance(picked, torch.Tensor) and picked.dim() == 1 and not hasattr(picked, _TAG)
                     and not picked.is_floating_point() and picked.dtype != torch.bool)):
             raise _Fallback
     elif any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
@@ -758,7 +759,7 @@ class _VocabParallelCE(torch.autograd.Function):
 def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``split``/``chunk`` of a packed tensor at its slices' boundaries: one ordinary split per part."""
     x = args[0]
-    packed = _TAGS.get(x)
+    packed = getattr(x, _TAG, None)
     if not isinstance(packed, Packed):
         raise _Fallback
     name = aten_name(func)
@@ -875,15 +876,33 @@ def _any_tagged(values: Any) -> bool:
     """Whether a tagged tensor or a split parameter is among ``values`` or one level down."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            if v in _TAGS or v in _OWNED:
+            if hasattr(v, _TAG) or hasattr(v, _OWNED):
                 return True
         elif isinstance(v, (list, tuple)):
             for x in v:
-                if isinstance(x, (list, tuple, dict)) or (isinstance(x, torch.Tensor) and (x in _TAGS or x in _OWNED)):
+                if isinstance(x, (list, tuple, dict)) or (
+                        isinstance(x, torch.Tensor) and (hasattr(x, _TAG) or hasattr(x, _OWNED))):
                     return True  # deeper structures take the full look
         elif isinstance(v, dict):
             return True
     return False
+
+
+def _shallow_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
+    """The tensors among the arguments and one level down (lists of tensors); ``None`` if nested deeper."""
+    found = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, torch.Tensor):
+                    found.append(x)
+                elif isinstance(x, (list, tuple, dict)):
+                    return None
+        elif isinstance(v, dict):
+            return None
+    return found
 
 
 _VALUE_GETTERS = {"T", "mT", "H", "mH", "real", "imag"}
@@ -910,18 +929,20 @@ class _Propagate(TorchFunctionMode):
         getter = getattr(func, "__name__", "") == "__get__"
         if func in metadata or (getter and not _reads_values(func)):
             return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
-        flat, spec = tree_flatten((args, kwargs))
-        owned = next((x for x in flat if isinstance(x, torch.Tensor) and x in _OWNED), None)
+        flat = _shallow_tensors(args, kwargs)
+        if flat is None:
+            flat = tree_flatten((args, kwargs))[0]
+        owned = next((x for x in flat if isinstance(x, torch.Tensor) and hasattr(x, _OWNED)), None)
         if owned is not None:
-            msg = (f"parameter {_OWNED[owned]} is split across ranks, but the model's code uses it directly in "
-                   f"{_describe(func)} instead of calling its module, so that op would see only this rank's block "
+            msg = (f"parameter {getattr(owned, _OWNED)} is split across ranks, but the model's code uses it directly "
+                   f"in {_describe(func)} instead of calling its module, so that op would see only this rank's block "
                    f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
                    f"its module.")
             raise RuntimeError(msg)
-        if not any(isinstance(x, torch.Tensor) and x in _TAGS for x in flat):
+        if not any(isinstance(x, torch.Tensor) and hasattr(x, _TAG) for x in flat):
             return func(*args, **kwargs)
         rule = _getter if getter else rules.get(func)
-        if any(isinstance(_TAGS.get(x), Packed) for x in flat if isinstance(x, torch.Tensor)):
+        if any(isinstance(getattr(x, _TAG, None), Packed) for x in flat if isinstance(x, torch.Tensor)):
             rule = _split_packed if aten_name(func) in ("split", "chunk") else None
         if rule is not None:
             try:
@@ -931,14 +952,15 @@ class _Propagate(TorchFunctionMode):
         written = kwargs.get("out")
         if written is None and args and (func in effects or _in_place(func)):
             written = args[0]
-        if isinstance(written, torch.Tensor) and written in _TAGS:  # a gathered copy would take the write
+        if isinstance(written, torch.Tensor) and hasattr(written, _TAG):  # a gathered copy would take the write
             owner = written
-            split = _TAGS[owner]
+            split = getattr(owner, _TAG)
             msg = (f"in-place op {getattr(func, '__name__', func)!r} on an activation split across ranks along "
                    f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
                    f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
             raise RuntimeError(msg)
-        flat = [to_replicated(x) if isinstance(x, torch.Tensor) and x in _TAGS else x for x in flat]
+        flat, spec = tree_flatten((args, kwargs))
+        flat = [to_replicated(x) if isinstance(x, torch.Tensor) and hasattr(x, _TAG) else x for x in flat]
         args, kwargs = tree_unflatten(flat, spec)
         return func(*args, **kwargs)
 
