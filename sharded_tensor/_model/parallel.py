@@ -488,6 +488,23 @@ class _Tracer(torch.fx.Tracer):
         return m in self._sharded or super().is_leaf_module(m, module_qualified_name)
 
 
+_METADATA_ATTRS = frozenset({"dtype", "device", "shape", "ndim", "layout", "is_cuda", "is_meta", "is_sparse",
+                             "is_quantized", "requires_grad", "is_leaf"})
+_METADATA_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension", "is_floating_point", "is_complex",
+                               "element_size", "get_device", "is_contiguous"})
+
+
+def _reads_metadata(node: torch.fx.Node) -> bool:
+    """Whether ``node`` only reads what a tensor is (dtype, device, shape), not its values.
+
+    T5's feed-forward casts its input to ``self.wo.weight.dtype``: a split ``wo`` still has
+    the dtype and device of the whole, so such a read is no use of its values.
+    """
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in _METADATA_ATTRS
+    return node.op == "call_method" and node.target in _METADATA_METHODS
+
+
 def _check_direct_uses(graph: torch.fx.Graph, root: nn.Module, root_name: str,
                        split_params: Mapping[str, str]) -> None:
     """Refuse code that reads a split parameter directly (not through its module's forward)."""
@@ -495,7 +512,7 @@ def _check_direct_uses(graph: torch.fx.Graph, root: nn.Module, root_name: str,
         if node.op != "get_attr":
             continue
         full = f"{root_name}.{node.target}" if root_name else str(node.target)
-        if full in split_params:
+        if full in split_params and not all(_reads_metadata(user) for user in node.users):
             users = ", ".join(str(u.format_node()) for u in node.users) or "nothing"
             where = f"module {root_name!r}" if root_name else "the root module"
             msg = (f"{split_params[full]}: parameter {full!r} is split across ranks, but the forward of "

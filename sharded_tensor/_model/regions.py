@@ -21,8 +21,7 @@ op, while the code runs:
   whole, concatenation and reductions along other dimensions, batched matmuls, softmax,
   ``scaled_dot_product_attention`` over split heads), or, when no rule applies, gathers the
   full tensor first and runs the op on it. The fallback costs communication, never
-  correctness: every rule is exact, so a wrong number can only come from the model code
-  itself deriving a shape from a constant that assumes the full tensor (see below).
+  correctness. A sum or mean across the split is a local sum and one all-reduce.
 * A consumer whose input is tagged the way it is split takes the slice as it is; the
   region's outputs that are still tagged are gathered, so a region looks replicated-in,
   replicated-out from outside.
@@ -40,11 +39,15 @@ sums the ranks' partial gradients.
 Decisions depend only on shapes and on the split (the same on every rank), so every rank
 takes the same path and the collectives of a fallback always match.
 
-What the code inside a region must do: derive the number of heads from the tensor (``view(*shape,
--1, head_dim)``, as transformers 5 does), not from a constant such as ``num_heads``. A
-``view(..., num_heads, head_dim)`` fails loudly on a slice; ``view(..., num_heads, -1)`` would
-silently use a wrong head size, which :func:`check_head_boundaries` refuses at shard time for
-modules that declare a head size (``head_dim``, ``attention_head_size``, ``head_size``).
+Sizes in the model's code mean what they mean in the unsharded model: a ``view(b, s,
+num_heads, 3, head_dim)`` with a fixed ``num_heads`` (BLOOM), a ``reshape(b, s, embed_dim)``
+(OPT) or an ``expand`` to a whole size is read against the whole tensor and mapped to this
+rank's heads; only sizes that fit the slice and not the whole (taken from the slice's own
+shape) are read as local. Arguments are bound through torch's own signatures
+(``signatures``), so overloads and keyword forms read alike (``x.std(1, True)`` is
+``dim=1, unbiased=True``). A split that cuts a head is refused at shard time by
+:func:`check_head_boundaries` for modules that declare a head size (``head_dim``,
+``attention_head_size``, ``head_size``).
 
 :func:`loss_parallel` opens a region around the caller's own code: the split logits of an
 ``lm_head`` split on the vocabulary then reach ``cross_entropy`` as slices, which computes the
@@ -62,13 +65,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from _shardkit import comm as _comm
 
-from .functional import Intervals, copy_to_ranks, gather, scatter
+from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
+from .signatures import aten_name, bind
 
 __all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
@@ -123,16 +127,18 @@ class Packed:
         return max((s + n for slices in self.pieces for s, n in slices), default=0)
 
 
-_TAGS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+# A tag lives on the tensor object itself: reading an attribute costs far less per op than a
+# weak dictionary lookup, and it goes away with the tensor just the same.
+_TAG = "_shardkit_split"
 # Local blocks of split parameters -> how to name them in a message. Inside a region, an op
 # that reads one directly (not through its module's registration) would see only this rank's
 # block, so it is refused instead of computing wrong numbers.
-_OWNED: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_OWNED = "_shardkit_owned"
 
 
 def own(parameter: torch.Tensor, label: str) -> None:
     """Mark ``parameter`` as the local block of a split parameter, named ``label`` in messages."""
-    _OWNED[parameter] = label
+    setattr(parameter, _OWNED, label)
 
 
 class _State(threading.local):
@@ -148,14 +154,14 @@ _STATE = _State()
 def split_of(tensor: object) -> Split | None:
     """The (one-slice) split ``tensor`` is tagged with, if any."""
     if isinstance(tensor, torch.Tensor):
-        found = _TAGS.get(tensor)
+        found = getattr(tensor, _TAG, None)
         return found if isinstance(found, Split) else None
     return None
 
 
 def tag(tensor: torch.Tensor, split: Split | Packed) -> torch.Tensor:
     """Mark ``tensor`` as this rank's slice of a logical tensor split as ``split``."""
-    _TAGS[tensor] = split
+    setattr(tensor, _TAG, split)
     return tensor
 
 
@@ -189,7 +195,7 @@ def outside_propagation() -> Iterator[None]:
 
 def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor of a tagged slice (collective); an untagged tensor as it is."""
-    found = _TAGS.get(tensor) if isinstance(tensor, torch.Tensor) else None
+    found = getattr(tensor, _TAG, None) if isinstance(tensor, torch.Tensor) else None
     if found is None:
         return tensor
     if isinstance(found, Split):
@@ -226,7 +232,7 @@ def _whole(tensor: Any, group: _comm.ProcessGroup) -> Any:
     a slice, exact).
     """
     if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or not torch.is_grad_enabled() \
-            or tensor in _TAGS:
+            or hasattr(tensor, _TAG):
         return tensor
     return shared_copy(tensor, group)
 
@@ -260,7 +266,7 @@ def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
             raise _Fallback
         found = aligned
     assert found is not None
-    if isinstance(args[0], torch.Tensor) and args[0] not in _TAGS and _in_place(func):
+    if isinstance(args[0], torch.Tensor) and not hasattr(args[0], _TAG) and _in_place(func):
         raise _Fallback  # a replicated tensor updated in place must receive whole values
     for i, t in tensors:
         if split_of(t) is not None:
@@ -279,9 +285,13 @@ def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     raise _Fallback
 
 
+_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ifloordiv__", "__imod__",
+                       "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
 def _in_place(func: Callable[..., Any]) -> bool:
     name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.startswith("__")) or name.startswith("__i")
+    return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_OPERATORS
 
 
 def _first_split(args: tuple[Any, ...]) -> tuple[torch.Tensor, Split]:
@@ -323,50 +333,130 @@ def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[in
     return groups
 
 
-def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """view / reshape / flatten / unflatten / (un)squeeze: the split must lead its group."""
-    x, split = _first_split(args)
-    out = func(*args, **kwargs)
-    if not isinstance(out, torch.Tensor):
-        raise _Fallback
-    a, b = list(x.shape), list(out.shape)
+def _moved(a: Sequence[int], b: Sequence[int], split: Split) -> Split | None:
+    """Where ``split`` of a tensor of shape ``a`` lands once it is reshaped to ``b``; ``None`` if not slice-exact.
+
+    The split must be the outermost dimension of its group (the dimensions a reshape merges or
+    cuts together); it then lands on the outermost output dimension that holds whole slices.
+    """
     groups = _groups(a, b) if 0 not in a else None
     if groups is None:
-        raise _Fallback
+        return None
     for gi, gj in groups:
         if split.dim not in gi:
             continue
         if any(a[d] != 1 for d in gi if d < split.dim):
-            raise _Fallback  # the split is not the outermost dimension of its group
+            return None  # the split is not the outermost dimension of its group
         inner_in = math.prod(a[d] for d in gi if d > split.dim)
         for o in gj:  # the outermost output dimension that holds whole slices (constants sit inside)
             moved = split.scaled(o, inner_in, math.prod(b[d] for d in gj if d > o))
             if moved is not None:
-                return tag(out, moved)
+                return moved
             if b[o] != 1:
-                break
+                return None
+        return None
+    return None
+
+
+_VIEWS = {"view", "view_as", "unflatten", "squeeze", "unsqueeze"}  # the others may copy: reshape, flatten
+_RESHAPE_PLANS: dict[tuple[Any, ...], tuple[tuple[int, ...], Split, bool] | None] = {}
+
+
+def _meta(value: Any) -> Any:
+    """A meta tensor of ``value``'s global shape (tensors only)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = list(value.shape)
+    split = split_of(value)
+    if split is not None:
+        shape[split.dim] = split.size
+    return torch.empty(shape, dtype=value.dtype, device="meta")
+
+
+def _plan_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor,
+                  split: Split) -> tuple[tuple[int, ...], Split, bool] | None:
+    """The output's global shape and split (and whether it is a view), or ``None`` (not slice-exact: gather).
+
+    The sizes a model passes are read first as the unsharded program reads them, against the
+    whole tensor (``view(b, s, num_heads, 3, head_dim)`` with a fixed ``num_heads``), then,
+    failing that, against the local slice (sizes the code took from the slice's own shape).
+    """
+    view = aten_name(func) in _VIEWS
+    rank, _ = _comm.rank_and_world(split.group)
+    length = split.intervals[rank][1]
+    whole = list(x.shape)
+    whole[split.dim] = split.size
+    try:
+        shape = list(func(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()}).shape)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        shape = None
+    if shape is not None:
+        moved = _moved(whole, shape, split)
+        if moved is not None and math.prod(shape) // max(moved.size, 1) * moved.intervals[rank][1] == x.numel():
+            return tuple(shape), moved, view
+    try:
+        out = func(*args, **kwargs)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return None
+    if not isinstance(out, torch.Tensor):
+        return None
+    moved = _moved(list(x.shape), list(out.shape), split)
+    if moved is None or x.shape[split.dim] != length:
+        return None
+    shape = list(out.shape)
+    shape[moved.dim] = moved.size
+    return tuple(shape), moved, view
+
+
+def _shape_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, split_of(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_shape_key(v) for v in value)
+    return value
+
+
+def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """view / reshape / flatten / unflatten / (un)squeeze / view_as, decided once per shapes and split."""
+    x, split = _first_split(args)
+    key = (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
+    try:
+        plan = _RESHAPE_PLANS[key]
+    except KeyError:
+        plan = _RESHAPE_PLANS[key] = _plan_reshape(func, args, kwargs, x, split)
+    except TypeError:  # an unhashable argument
+        plan = _plan_reshape(func, args, kwargs, x, split)
+    if plan is None:
         raise _Fallback
-    raise _Fallback
+    shape, moved, view = plan
+    local = list(shape)
+    local[moved.dim] = moved.intervals[_comm.rank_and_world(split.group)[0]][1]
+    return tag(x.view(local) if view else x.reshape(local), moved)
+
+
+def _named(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name, bound as torch binds them (see ``signatures``)."""
+    bound = bind(func, args, kwargs)
+    if bound is None:
+        raise _Fallback
+    return bound
 
 
 def _transpose(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, split = _first_split(args)
     ndim = x.dim()
-    name = func.__name__
-    if name in ("transpose", "swapaxes", "swapdims"):
-        d0 = _norm(args[1] if len(args) > 1 else kwargs["dim0"], ndim)
-        d1 = _norm(args[2] if len(args) > 2 else kwargs["dim1"], ndim)
-        order = list(range(ndim))
-        order[d0], order[d1] = order[d1], order[d0]
-    elif name == "permute":
-        dims = args[1:] if len(args) > 1 else kwargs["dims"]
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = dims[0]
-        order = [_norm(d, ndim) for d in dims]
-    elif name == "t":
-        order = list(range(ndim))[::-1]
+    name = aten_name(func)
+    order = list(range(ndim))
+    if name == "t":
+        order = order[::-1]
     else:
-        raise _Fallback
+        bound = _named(func, args, kwargs)
+        if name == "permute":
+            order = [_norm(d, ndim) for d in bound["dims"]]
+        else:  # transpose, swapdims (dim0, dim1), swapaxes (axis0, axis1)
+            d0 = _norm(bound["dim0"] if "dim0" in bound else bound["axis0"], ndim)
+            d1 = _norm(bound["dim1"] if "dim1" in bound else bound["axis1"], ndim)
+            order[d0], order[d1] = order[d1], order[d0]
     out = func(*args, **kwargs)
     return tag(out, split.moved(order.index(split.dim)))
 
@@ -393,7 +483,15 @@ def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     """Basic indexing that leaves the split dimension whole (``x[..., :half]``, ``x[:, None]``)."""
     x, split = _first_split(args)
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
-    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
+    listed = [i for i in index if isinstance(i, (list, torch.Tensor))]
+    if listed:  # one list of positions keeps its place among slices (qkv[:, :, :, [-2]])
+        picked = listed[0]
+        if len(listed) > 1 or any(isinstance(i, int) for i in index) or not (
+                (isinstance(picked, list) and all(type(p) is int for p in picked))
+                or (isinstance(picked, torch.Tensor) and picked.dim() == 1 and not hasattr(picked, _TAG)
+                    and not picked.is_floating_point() and picked.dtype != torch.bool)):
+            raise _Fallback
+    elif any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
         raise _Fallback
     used = sum(1 for i in index if i is not None and i is not Ellipsis)
     expanded: list[object] = []
@@ -409,7 +507,7 @@ def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
             out_dim += 1
             continue
         if src == split.dim:
-            if i != slice(None):
+            if not (isinstance(i, slice) and i == slice(None)):
                 raise _Fallback
             return tag(func(*args, **kwargs), split.moved(out_dim))
         if not isinstance(i, int):
@@ -419,71 +517,88 @@ def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """expand / broadcast_to / expand_as with the split dimension kept: given its local or its whole size."""
     x, split = _first_split(args)
-    out = func(*args, **kwargs)
-    new = out.dim() - x.dim()
-    if out.shape[new + split.dim] != x.shape[split.dim]:
-        raise _Fallback
-    return tag(out, split.moved(new + split.dim))
-
-
-def _along_dim(default: int | None) -> Callable[..., Any]:
-    """Ops that work along one dimension (softmax, cat, split, cumsum): fine along any other."""
-    def rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        name = func.__name__
-        first = args[0]
-        if name in ("cat", "concat", "concatenate", "stack"):
-            # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
-            tensors = [t for t in first if not (name != "stack" and t.dim() == 1 and t.numel() == 0)]
-            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-            splits = {split_of(t) for t in tensors}
-            if None in splits or len(splits) != 1:
-                raise _Fallback
-            split = splits.pop()
-            assert split is not None
-            ndim = tensors[0].dim()
-            if name == "stack":
-                d = _norm(dim, ndim + 1)
-                out = func(*args, **kwargs)
-                return tag(out, split.moved(split.dim + (1 if d <= split.dim else 0)))
-            if _norm(dim, ndim) == split.dim:
-                raise _Fallback
-            return tag(func(*args, **kwargs), split)
-        x, split = _first_split(args)
-        if name in ("split", "chunk", "unbind"):
-            index = 2 if name != "unbind" else 1
-            dim = args[index] if len(args) > index else kwargs.get("dim", 0)
-            if _norm(dim, x.dim()) == split.dim:
-                raise _Fallback
-            parts = func(*args, **kwargs)
-            if name == "unbind":
-                moved = split.moved(split.dim - (1 if _norm(dim, x.dim()) < split.dim else 0))
-                return tuple(tag(p, moved) for p in parts)
-            return tuple(tag(p, split) for p in parts)
-        dim = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("dim", default)
-        if dim is None or _norm(dim, x.dim()) == split.dim:
+    bound = _named(func, args, kwargs)
+    other = bound.get("other")
+    if isinstance(other, torch.Tensor):
+        if split_of(other) is not None:
             raise _Fallback
-        out = func(*args, **kwargs)
-        return tag(out, split)
-    return rule
+        sizes = list(other.shape)
+    else:
+        sizes = list(bound["size"])
+    new = len(sizes) - x.dim()
+    at = new + split.dim
+    if new < 0 or sizes[at] not in (-1, x.shape[split.dim], split.size):
+        raise _Fallback
+    sizes[at] = x.shape[split.dim]
+    return tag(x.expand(sizes), split.moved(at))
+
+
+def _along_dim(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Ops that work along one dimension (softmax, cat, split, cumsum): fine along any other."""
+    name = aten_name(func)
+    bound = _named(func, args, kwargs)
+    if name in ("cat", "concat", "concatenate", "stack"):
+        # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
+        tensors = [t for t in bound["tensors"] if not (name != "stack" and t.dim() == 1 and t.numel() == 0)]
+        dim = bound.get("dim", 0)
+        splits = {split_of(t) for t in tensors}
+        if None in splits or len(splits) != 1 or not isinstance(dim, int):
+            raise _Fallback
+        split = splits.pop()
+        assert split is not None
+        ndim = tensors[0].dim()
+        if name == "stack":
+            d = _norm(dim, ndim + 1)
+            out = func(*args, **kwargs)
+            return tag(out, split.moved(split.dim + (1 if d <= split.dim else 0)))
+        if _norm(dim, ndim) == split.dim:
+            raise _Fallback
+        return tag(func(*args, **kwargs), split)
+    x, split = _first_split(args)
+    dim = bound.get("dim")
+    if not isinstance(dim, int) or _norm(dim, x.dim()) == split.dim:
+        raise _Fallback  # along the split, or softmax's legacy implicit dimension
+    if name in ("split", "chunk", "unbind"):
+        parts = func(*args, **kwargs)
+        moved = split.moved(split.dim - 1) if name == "unbind" and _norm(dim, x.dim()) < split.dim else split
+        return tuple(tag(p, moved) for p in parts)
+    return tag(func(*args, **kwargs), split)
 
 
 def _reduce(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """sum / mean / amax / amin / var over dimensions other than the split one."""
+    """sum / mean / amax / amin / var / std / logsumexp over dimensions other than the split one."""
     x, split = _first_split(args)
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    if dims is None or isinstance(dims, torch.Tensor):
-        raise _Fallback
+    bound = _named(func, args, kwargs)
+    dims = bound.get("dim")
+    if dims is None or isinstance(dims, torch.Tensor) or (isinstance(dims, (list, tuple)) and not dims):
+        raise _Fallback  # every dimension (an empty list means every dimension too)
     dims = [dims] if isinstance(dims, int) else list(dims)
     normed = sorted(_norm(d, x.dim()) for d in dims)
     if split.dim in normed:
-        raise _Fallback
-    keep = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+        return _sum_across(aten_name(func), x, split, normed, bound)
     out = func(*args, **kwargs)
     if not isinstance(out, torch.Tensor):
         raise _Fallback
-    shift = 0 if keep else sum(1 for d in normed if d < split.dim)
+    shift = 0 if bound.get("keepdim", False) else sum(1 for d in normed if d < split.dim)
     return tag(out, split.moved(split.dim - shift))
+
+
+def _sum_across(name: str, x: torch.Tensor, split: Split, dims: list[int], bound: dict[str, Any]) -> torch.Tensor:
+    """sum / mean over dimensions that include the split one: local sums, then one all-reduce.
+
+    The result is whole on every rank; the all-reduce's adjoint is the identity, since its
+    gradient is complete on every rank and each element of every slice enters the sum once.
+    """
+    if name not in ("sum", "mean") or bound.get("dtype") is not None or not x.is_floating_point():
+        raise _Fallback  # amax, var, std, logsumexp: not a plain sum of the slices
+    keepdim = bool(bound.get("keepdim", False))
+    total = reduce_from_ranks(x.sum(dims, keepdim=keepdim), split.group)
+    if name == "mean":
+        count = math.prod(split.size if d == split.dim else x.shape[d] for d in dims)
+        total = total / count
+    return total
 
 
 def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -532,9 +647,9 @@ def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _linear(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x = args[0]
+    x = _named(func, args, kwargs)["self"]
     split = split_of(x)
-    others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
+    others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor) and a is not x]
     if split is None or split.dim == x.dim() - 1 or any(split_of(t) is not None for t in others):
         raise _Fallback
     args = tuple(_whole(a, split.group) for a in args)
@@ -545,9 +660,10 @@ def _linear(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 def _norm_last(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """layer_norm / rms_norm: normalize over the last dimensions, which must not be split."""
     x, split = _first_split(args)
-    shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+    bound = _named(func, args, kwargs)
+    shape = bound["normalized_shape"]
     count = 1 if isinstance(shape, int) else len(shape)
-    others = [a for a in (*args[2:], *kwargs.values()) if isinstance(a, torch.Tensor)]
+    others = [bound.get(k) for k in ("weight", "bias") if isinstance(bound.get(k), torch.Tensor)]
     if split.dim >= x.dim() - count or any(split_of(t) is not None for t in others):
         raise _Fallback
     args = tuple(_whole(a, split.group) for a in args)
@@ -557,16 +673,19 @@ def _norm_last(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 
 def _sdpa(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """scaled_dot_product_attention with q, k and v split on the same head (batch) dimension."""
-    q, k, v = args[0], args[1], args[2]
+    bound = _named(func, args, kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
     sq, sk, sv = split_of(q), split_of(k), split_of(v)
     if sq is None or sk is None or sv is None or sk != sv or not sq.dim == sk.dim < q.dim() - 2:
         raise _Fallback
     ratio = sq.size // sk.size if sk.size else 0
     if ratio == 0 or sq.size % sk.size or sk.scaled(sq.dim, ratio, 1) != sq:
         raise _Fallback
-    if ratio > 1 and not kwargs.get("enable_gqa", False):
+    if ratio > 1 and not bound["enable_gqa"]:
         raise _Fallback
-    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if len(args) < 3:
+        raise _Fallback  # q, k and v given by name: rare, computed whole
+    mask = bound["attn_mask"]
     if isinstance(mask, torch.Tensor):
         if split_of(mask) is not None:
             raise _Fallback
@@ -587,16 +706,16 @@ def _sdpa(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
 def _cross_entropy(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Cross-entropy over logits split on the class dimension, without gathering them."""
     logits, split = _first_split(args)
-    target = args[1] if len(args) > 1 else kwargs["target"]
+    bound = _named(func, args, kwargs)
+    target = bound["target"]
     class_dim = 1 if logits.dim() > 1 else 0
-    allowed = {"ignore_index", "reduction", "target"}
-    extra = {k for k, v in kwargs.items() if k not in allowed and v is not None
-             and not (k == "label_smoothing" and v == 0.0)}
-    if (split.dim != class_dim or any(a is not None for a in args[2:]) or extra or not isinstance(target, torch.Tensor)
+    plain = all(bound.get(k) is None for k in ("weight", "size_average", "reduce")) \
+        and bound.get("label_smoothing", 0.0) == 0.0
+    if (split.dim != class_dim or not plain or not isinstance(target, torch.Tensor)
             or target.is_floating_point() or split_of(target) is not None or logits.dim() != 2):
         raise _Fallback
-    ignore = kwargs.get("ignore_index", -100)
-    reduction = kwargs.get("reduction", "mean")
+    ignore = bound.get("ignore_index", -100)
+    reduction = bound.get("reduction", "mean")
     losses = _VocabParallelCE.apply(logits, target, split, ignore)
     valid = target != ignore
     if reduction == "none":
@@ -640,21 +759,21 @@ class _VocabParallelCE(torch.autograd.Function):
 def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``split``/``chunk`` of a packed tensor at its slices' boundaries: one ordinary split per part."""
     x = args[0]
-    packed = _TAGS.get(x)
+    packed = getattr(x, _TAG, None)
     if not isinstance(packed, Packed):
         raise _Fallback
-    name = func.__name__
-    index = 2
-    dim = args[index] if len(args) > index else kwargs.get("dim", 0)
-    if _norm(dim, x.dim()) != packed.dim:
+    name = aten_name(func)
+    named = _named(func, args, kwargs)
+    dim = named.get("dim", 0)
+    if not isinstance(dim, int) or _norm(dim, x.dim()) != packed.dim:
         raise _Fallback
     total = packed.size
     if name == "chunk":
-        count = args[1] if len(args) > 1 else kwargs["chunks"]
+        count = named["chunks"]
         step = -(-total // count)
         bounds = [(i, min(i + step, total)) for i in range(0, total, step)]
     else:
-        sizes = args[1] if len(args) > 1 else kwargs["split_size_or_sections"]
+        sizes = named["split_size"]
         if isinstance(sizes, int):
             bounds = [(i, min(i + sizes, total)) for i in range(0, total, sizes)]
         else:
@@ -675,28 +794,22 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
 
 
 _ELEMENTWISE = {
-    "add", "sub", "mul", "div", "true_divide", "neg", "pow", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid",
-    "relu", "gelu", "silu", "mish", "abs", "clamp", "clip", "where", "masked_fill", "float", "half", "bfloat16",
-    "double", "to", "type_as", "contiguous", "clone", "detach", "dropout", "erf", "sin", "cos", "square",
-    "reciprocal", "softplus", "leaky_relu", "elu", "selu", "celu", "hardtanh", "relu6", "hardswish",
-    "hardsigmoid", "logsigmoid", "softsign", "tanhshrink", "rsub", "__rsub__", "__radd__", "__rmul__",
-    "__rtruediv__", "__rdiv__", "__rpow__", "__add__", "__sub__", "__mul__", "__truediv__", "__div__", "__neg__",
-    "__pow__", "add_", "sub_", "mul_", "div_", "__iadd__", "__isub__", "__imul__", "__itruediv__", "relu_",
-    "clamp_", "masked_fill_", "tanh_", "sigmoid_", "exp_", "neg_", "abs_", "sqrt_", "requires_grad_",
-    "fill_", "zero_", "nan_to_num", "lerp", "addcmul", "addcdiv", "maximum", "minimum", "eq", "ne", "lt", "le",
-    "gt", "ge", "logical_not", "logical_and", "logical_or", "isnan", "isinf", "sign", "floor", "ceil", "round",
-    "__and__", "__or__", "__invert__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    # Elementwise for shardkit's purpose though ATen does not tag them pointwise (composites, casts, copies).
+    "where", "masked_fill", "masked_fill_", "true_divide", "rsub", "hardswish", "logsigmoid", "softsign",
+    "tanhshrink", "float", "half", "bfloat16", "double", "to", "type_as", "contiguous", "detach", "dropout",
+    "requires_grad_", "fill_", "zero_", "__rsub__", "__radd__", "__rmul__", "__rtruediv__", "__rdiv__",
+    "__rpow__", "__add__", "__sub__", "__mul__", "__truediv__", "__div__", "__neg__", "__pow__", "__iadd__",
+    "__isub__", "__imul__", "__itruediv__", "__and__", "__or__", "__xor__", "__invert__", "__eq__", "__ne__",
+    "__lt__", "__le__", "__gt__", "__ge__", "__abs__", "__mod__",
 }
 _RESHAPES = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"}
-_RULES: dict[str, Callable[..., Any]] = {
-    **{name: _elementwise for name in _ELEMENTWISE},
+_NAMED_RULES: dict[str, Callable[..., Any]] = {
     **{name: _reshape for name in _RESHAPES},
     **{name: _transpose for name in ("transpose", "swapaxes", "swapdims", "permute", "t")},
-    "__get__": _getter,
     "__getitem__": _getitem,
     "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
-    **{name: _along_dim(None) for name in ("softmax", "log_softmax", "cumsum", "cat", "concat", "concatenate",
-                                           "stack", "split", "chunk", "unbind")},
+    **{name: _along_dim for name in ("softmax", "log_softmax", "cumsum", "cat", "concat", "concatenate",
+                                     "stack", "split", "chunk", "unbind")},
     **{name: _reduce for name in ("sum", "mean", "amax", "amin", "var", "std", "logsumexp")},
     **{name: _matmul for name in ("matmul", "__matmul__", "bmm")},
     "linear": _linear,
@@ -706,26 +819,90 @@ _RULES: dict[str, Callable[..., Any]] = {
 }
 _METADATA = {"size", "dim", "stride", "is_contiguous", "is_floating_point", "is_complex", "element_size",
              "data_ptr", "__len__", "storage_offset", "get_device", "untyped_storage", "__hash__", "__format__",
-             "__repr__", "__str__", "has_names", "_is_view", "is_inference", "__bool__", "register_hook",
+             "__repr__", "__str__", "has_names", "_is_view", "is_inference", "register_hook",
              "register_post_accumulate_grad_hook", "retain_grad", "backward", "__reduce_ex__", "__deepcopy__",
-             "__setstate__", "__dlpack__", "__dlpack_device__"}
+             "__setstate__", "__dlpack__", "__dlpack_device__", "nelement", "numel", "ndimension"}
 _SIDE_EFFECTS = {"copy_", "__setitem__", "index_put_", "scatter_", "scatter_add_", "masked_scatter_", "index_copy_",
                  "index_add_", "index_fill_", "put_", "resize_", "set_", "uniform_", "normal_"}
+
+
+def _pointwise() -> set[str]:
+    """Ops that ATen tags pointwise in every overload taking a tensor first, random ones aside."""
+    names = {n for owner in (torch.Tensor, torch, F) for n in dir(owner) if not n.startswith("_")}
+    found = set()
+    for name in names:
+        try:
+            packet = getattr(torch.ops.aten, name)
+            overloads = [getattr(packet, o) for o in packet.overloads()]
+        except (AttributeError, RuntimeError):
+            continue
+        overloads = [o for o in overloads if o._schema.arguments and o._schema.arguments[0].type.kind() == "TensorType"
+                     and not any(a.name == "out" for a in o._schema.arguments)]
+        if overloads and all(torch.Tag.pointwise in o.tags and torch.Tag.nondeterministic_seeded not in o.tags
+                             for o in overloads):
+            found.add(name)
+    return found - {"equal", "frexp"}  # a bool, a pair: not one tensor of the broadcast shape
+
+
+def _objects(name: str) -> list[Any]:
+    """Every object through which code calls the op ``name``: Tensor method, torch and functional forms."""
+    found = []
+    for owner in (torch.Tensor, torch, F, torch._C._nn, torch.special):
+        obj = getattr(owner, name, None)
+        if obj is not None and callable(obj) and not isinstance(obj, type):
+            found.append(obj)
+    return found
+
+
+@functools.cache
+def _tables() -> tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[Any]]:
+    """Rules, metadata reads and side-effecting ops, keyed by the op objects torch hands the mode.
+
+    Built on the first op inside a region, not at import (reading ATen's op tags takes a while).
+    """
+    rules: dict[Any, Callable[..., Any]] = {}
+    for name in _ELEMENTWISE | _pointwise():
+        for obj in _objects(name):
+            rules[obj] = _elementwise
+    for name, rule in _NAMED_RULES.items():
+        for obj in _objects(name):
+            rules[obj] = rule
+    metadata = frozenset(o for name in _METADATA for o in _objects(name))
+    effects = frozenset(o for name in _SIDE_EFFECTS for o in _objects(name))
+    return rules, metadata, effects
 
 
 def _any_tagged(values: Any) -> bool:
     """Whether a tagged tensor or a split parameter is among ``values`` or one level down."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            if v in _TAGS or v in _OWNED:
+            if hasattr(v, _TAG) or hasattr(v, _OWNED):
                 return True
         elif isinstance(v, (list, tuple)):
             for x in v:
-                if isinstance(x, (list, tuple, dict)) or (isinstance(x, torch.Tensor) and (x in _TAGS or x in _OWNED)):
+                if isinstance(x, (list, tuple, dict)) or (
+                        isinstance(x, torch.Tensor) and (hasattr(x, _TAG) or hasattr(x, _OWNED))):
                     return True  # deeper structures take the full look
         elif isinstance(v, dict):
             return True
     return False
+
+
+def _shallow_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
+    """The tensors among the arguments and one level down (lists of tensors); ``None`` if nested deeper."""
+    found = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, torch.Tensor):
+                    found.append(x)
+                elif isinstance(x, (list, tuple, dict)):
+                    return None
+        elif isinstance(v, dict):
+            return None
+    return found
 
 
 _VALUE_GETTERS = {"T", "mT", "H", "mH", "real", "imag"}
@@ -748,36 +925,42 @@ class _Propagate(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _any_tagged(args) and not _any_tagged(kwargs.values()):
             return func(*args, **kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        name = getattr(func, "__name__", "")
-        if (name in _METADATA and name != "__bool__") or (name == "__get__" and not _reads_values(func)):
-            return func(*args, **kwargs)
-        owned = next((x for x in flat if isinstance(x, torch.Tensor) and x in _OWNED), None)
+        rules, metadata, effects = _tables()
+        getter = getattr(func, "__name__", "") == "__get__"
+        if func in metadata or (getter and not _reads_values(func)):
+            return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
+        flat = _shallow_tensors(args, kwargs)
+        if flat is None:
+            flat = tree_flatten((args, kwargs))[0]
+        owned = next((x for x in flat if isinstance(x, torch.Tensor) and hasattr(x, _OWNED)), None)
         if owned is not None:
-            msg = (f"parameter {_OWNED[owned]} is split across ranks, but the model's code uses it directly in "
-                   f"{_describe(func)} instead of calling its module, so that op would see only this rank's block "
+            msg = (f"parameter {getattr(owned, _OWNED)} is split across ranks, but the model's code uses it directly "
+                   f"in {_describe(func)} instead of calling its module, so that op would see only this rank's block "
                    f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
                    f"its module.")
             raise RuntimeError(msg)
-        if not any(isinstance(x, torch.Tensor) and x in _TAGS for x in flat):
+        if not any(isinstance(x, torch.Tensor) and hasattr(x, _TAG) for x in flat):
             return func(*args, **kwargs)
-        rule = _RULES.get(name)
-        if any(isinstance(_TAGS.get(x), Packed) for x in flat if isinstance(x, torch.Tensor)):
-            rule = _split_packed if name in ("split", "chunk") else None
+        rule = _getter if getter else rules.get(func)
+        if any(isinstance(getattr(x, _TAG, None), Packed) for x in flat if isinstance(x, torch.Tensor)):
+            rule = _split_packed if aten_name(func) in ("split", "chunk") else None
         if rule is not None:
             try:
                 return rule(func, args, kwargs)
             except _Fallback:
                 pass
-        if name in _SIDE_EFFECTS or (name.endswith("_") and not name.startswith("__") and name not in _ELEMENTWISE) \
-                or kwargs.get("out") is not None:
-            owner = next(x for x in flat if isinstance(x, torch.Tensor) and x in _TAGS)
-            split = _TAGS[owner]
-            msg = (f"in-place op {name!r} on an activation split across ranks along dimension {split.dim} "
-                   f"(shape {tuple(owner.shape)} here, {split.size} in full) cannot be run slice by slice; keep "
-                   f"the layers that produce it whole, or make the op out-of-place.")
+        written = kwargs.get("out")
+        if written is None and args and (func in effects or _in_place(func)):
+            written = args[0]
+        if isinstance(written, torch.Tensor) and hasattr(written, _TAG):  # a gathered copy would take the write
+            owner = written
+            split = getattr(owner, _TAG)
+            msg = (f"in-place op {getattr(func, '__name__', func)!r} on an activation split across ranks along "
+                   f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
+                   f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
             raise RuntimeError(msg)
-        flat = [to_replicated(x) if isinstance(x, torch.Tensor) and x in _TAGS else x for x in flat]
+        flat, spec = tree_flatten((args, kwargs))
+        flat = [to_replicated(x) if isinstance(x, torch.Tensor) and hasattr(x, _TAG) else x for x in flat]
         args, kwargs = tree_unflatten(flat, spec)
         return func(*args, **kwargs)
 

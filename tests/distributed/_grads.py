@@ -1,13 +1,16 @@
-"""Compare a sharded model's local gradients with an unsharded reference's."""
+"""Compare a sharded model's gradients and parameters with an unsharded reference's."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from sharded_tensor._model.sharder import sharded_parameters
 
-__all__ = ["local_grad_mismatches"]
+__all__ = ["full_grads", "full_mismatches", "full_params", "gathered_grads", "local_grad_mismatches",
+           "relative_errors"]
 
 
 def local_grad_mismatches(model: nn.Module, ref: nn.Module, rank: int) -> list[str]:
@@ -28,6 +31,51 @@ def local_grad_mismatches(model: nn.Module, ref: nn.Module, rank: int) -> list[s
     return bad
 
 
+def _full(model: nn.Module, rank: int, grad: bool) -> dict[str, torch.Tensor]:
+    # Collective for split parameters: every rank walks the parameters in the same order.
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # a tied parameter once, under its first name (as named_parameters does)
+    for mod_name, module in model.named_modules():
+        sharded = sharded_parameters(module)
+        for attr, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            value = param.grad if grad else param.detach()
+            if value is None:
+                msg = f"{name} has no gradient"
+                raise AssertionError(msg)
+            out[name] = sharded[attr].wrap(value, rank).full_tensor() if attr in sharded else value.clone()
+    return out
+
+
+def full_grads(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient by name, split ones gathered (collective)."""
+    return _full(model, rank, grad=True)
+
+
+def full_params(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """Every parameter's whole value by name, split ones gathered (collective)."""
+    return _full(model, rank, grad=False)
+
+
+def full_mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor | None]) -> dict[str, float]:
+    """``{name: relative difference}`` of the tensors that differ beyond float rounding, or a missing one."""
+    bad = {}
+    for name in sorted(set(got) | set(want)):
+        a, b = got.get(name), want.get(name)
+        if a is None or b is None:
+            bad[name] = float("inf")
+            continue
+        scale = 1 + float(b.abs().amax())  # float noise grows with the values
+        if a.shape != b.shape:
+            bad[name] = float("inf")
+        elif not torch.allclose(a, b, rtol=1e-4, atol=1e-6 * scale):
+            bad[name] = float((a - b).abs().amax() / b.abs().amax().clamp_min(1e-30))
+    return bad
+
+
 def gathered_grads(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     """Every parameter's full gradient (split ones gathered from all ranks; collective)."""
     out = {}
@@ -41,11 +89,15 @@ def gathered_grads(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
 
 
 def relative_errors(got: dict[str, torch.Tensor], ref: nn.Module) -> dict[str, float]:
-    """Per parameter, ``max |got - want| / max |want|`` against ``ref``'s gradients."""
+    """Per parameter, ``max |got - want| / max |want|`` against ``ref``'s gradients.
+
+    A gradient that is zero in exact arithmetic (a key bias under softmax) is float noise, so
+    the scale is at least 1e-4.
+    """
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     errors = {}
     for name, grad in got.items():
         want = ref_params[name].grad
         want = want if want is not None else torch.zeros_like(grad)
-        errors[name] = float((grad - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+        errors[name] = float((grad - want).abs().max()) / max(float(want.abs().max()), 1e-4)
     return errors

@@ -3,8 +3,9 @@
 Qwen3 and Gemma3 normalize each head over ``head_dim`` with one weight shared by all heads
 (whole on every rank, applied to this rank's heads only: its gradient is a sum over ranks);
 OLMo2 normalizes q and k over all heads at once (a mean across the split). One spawn checks,
-for each, on every rank: logits, every parameter's gradient (split ones gathered), and the
-logits after 3 SGD steps.
+for each, on every rank: logits, every parameter's gradient (split ones gathered), the logits
+after 3 SGD steps, and that no activation is gathered (OLMo2's mean across heads is a local
+sum and an all-reduce).
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ def _run(rank: int, world: int) -> dict[str, object]:
         model = _model(arch)
         model.load_state_dict(ref.state_dict())
         st.shard_model(model, _spec(world), src_rank=0)
-        got, want = model(x, labels=x), ref(x, labels=x)
+        with st.CommCounter() as comm:
+            got = model(x, labels=x)
+        want = ref(x, labels=x)
+        out[f"{arch}_comm"] = dict(comm.counts)
         out[f"{arch}_logits"] = _relative(got.logits.detach(), want.logits.detach())
         got.loss.backward()
         want.loss.backward()
@@ -95,3 +99,10 @@ def test_qk_norm_decoder_equals_unsharded(runs, arch):
         assert any("q_norm" in name for name in grads)
         assert {name: e for name, e in grads.items() if e > 1e-4} == {}
         assert out[f"{arch}_trained"] < 1e-4
+
+
+def test_norms_across_heads_need_no_gather(runs):
+    # Qwen3/Gemma3 normalize within a head; OLMo2's mean over all heads is a local sum and one all-reduce
+    for out in runs:
+        assert out["qwen3_comm"] == out["gemma3_comm"] == {"all_reduce": 2 * LAYERS}
+        assert out["olmo2_comm"] == {"all_reduce": 4 * LAYERS}

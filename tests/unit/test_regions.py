@@ -51,6 +51,19 @@ def _tagged(shape, dim, intervals=TWO):  # type: ignore[no-untyped-def]
     pytest.param(lambda x: F.layer_norm(x, (4,)), (3, 4), 1, None, id="layer-norm-split-dim-falls-back"),
     pytest.param(lambda x: x[:, :, None].expand(2, 4, 3, 5).reshape(2, 12, 5), (2, 4, 5), 1,
                  Split(1, ((0, 12), (12, 12))), id="repeat-kv"),
+    # arguments bound through torch's own signatures: overloads, keywords, bools that are not dims
+    pytest.param(lambda x: x.std(2, True), (2, 4, 3), 1, Split(1, TWO), id="std-legacy-dim-unbiased"),
+    pytest.param(lambda x: x.var(False), (2, 4, 3), 1, None, id="var-unbiased-only-reduces-all"),
+    pytest.param(lambda x: x.std(dim=2, correction=0, keepdim=True), (2, 4, 3), 1, Split(1, TWO), id="std-keywords"),
+    pytest.param(lambda x: torch.var(x, 0, True, True), (2, 4, 3), 1, Split(1, TWO), id="var-keepdim-positional"),
+    pytest.param(lambda x: x.amax(-1, True), (2, 4, 3), 1, Split(1, TWO), id="amax-keepdim-positional"),
+    pytest.param(lambda x: x.sum(dim=[]), (2, 4, 3), 1, None, id="sum-empty-dims-reduces-all"),
+    pytest.param(lambda x: torch.transpose(x, dim0=1, dim1=2), (2, 4, 3), 1, Split(2, TWO), id="transpose-keywords"),
+    pytest.param(lambda x: x.swapaxes(0, 1), (2, 4, 3), 1, Split(0, TWO), id="swapaxes"),
+    pytest.param(lambda x: F.softmax(x, dim=-1), (2, 4, 3), 1, Split(1, TWO), id="softmax-keyword"),
+    pytest.param(lambda x: torch.cat([x, x], dim=2), (2, 4, 3), 1, Split(1, TWO), id="cat-keyword"),
+    pytest.param(lambda x: x.split(1, -1)[1], (2, 4, 3), 1, Split(1, TWO), id="split-positional-dim"),
+    pytest.param(lambda x: torch.split(x, [1, 2], dim=2)[0], (2, 4, 3), 1, Split(1, TWO), id="split-sections"),
 ])
 def test_split_propagation(fn, shape, dim, expected):
     out = _run(fn, _tagged(shape, dim))

@@ -1,0 +1,202 @@
+"""Every propagation rule proven by values, forward and backward, on ranks simulated in one process.
+
+Hypothesis draws a shape, a split (uneven slices over 2 or 3 ranks), an op and its arguments.
+Each simulated rank is a thread holding its slice; ``_shardkit.comm``'s rank, all-reduce and
+all-gather are served by a shared in-process exchange, so the rules, their fallbacks and the
+adjoints of every placement transition (gather, scatter, ``copy_to_ranks``) run unchanged.
+Each rank then checks against the op on the whole tensor: the output (gathered) is the
+unsharded output, its split input's gradient is its slice of the unsharded gradient, and every
+replicated input (a weight) holds the complete unsharded gradient on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hs  # noqa: E402
+
+from _shardkit import comm as _comm  # noqa: E402
+from sharded_tensor._model import regions as _regions  # noqa: E402
+
+
+class _Ranks:
+    """Ranks as threads of one process, with the collectives ``_comm`` offers the engine."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=5)
+        self.slots: list[Any] = [None] * world
+        self.local = threading.local()
+
+    def rank_and_world(self, group: Any = None) -> tuple[int, int]:
+        return self.local.rank, self.world
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[self.local.rank] = tensor.detach().clone()
+        self.barrier.wait()
+        everyone = list(self.slots)
+        self.barrier.wait()
+        return everyone
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any = None, *, op: str = "sum", **_: Any) -> torch.Tensor:
+        everyone = self._exchange(tensor)
+        total = everyone[0].clone()
+        for other in everyone[1:]:
+            total = torch.maximum(total, other) if op == "max" else total + other
+        with torch.no_grad():
+            tensor.copy_(total)
+        return tensor
+
+    def all_gather_tensor(self, tensor: torch.Tensor, group: Any = None, **_: Any) -> list[torch.Tensor]:
+        return self._exchange(tensor)
+
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+        results: list[Any] = [None] * self.world
+        errors: list[BaseException] = []
+
+        def main(rank: int) -> None:
+            self.local.rank = rank
+            try:
+                results[rank] = fn(rank)
+            except BaseException as exc:  # noqa: BLE001 - reported below, after every thread ends
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=main, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+@contextlib.contextmanager
+def _simulated(world: int) -> Iterator[_Ranks]:
+    """``_comm`` serving ``world`` ranks as threads of this process, for the ``with`` block."""
+    ranks = _Ranks(world)
+    names = ("rank_and_world", "all_reduce", "all_gather_tensor")
+    saved = {name: getattr(_comm, name) for name in names}
+    for name in names:
+        setattr(_comm, name, getattr(ranks, name))
+    try:
+        yield ranks
+    finally:
+        for name, value in saved.items():
+            setattr(_comm, name, value)
+
+
+# -- the ops: each gets the split input x and a replicated weight w, and returns one tensor ---------
+
+def _weight_last(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[-1],)
+
+
+OPS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[tuple[int, ...], Any], tuple[int, ...] | None]]] = {
+    # name: (op(x, w, p), weight shape from (x shape, p) or None)
+    "mul-weight": (lambda x, w, p: x * w, lambda s, p: _weight_last(s)),
+    "add-scalar-weight": (lambda x, w, p: x + w, lambda s, p: ()),
+    "silu-gate": (lambda x, w, p: F.silu(x) * x - 1.0, lambda s, p: None),
+    "where": (lambda x, w, p: torch.where(x > 0, x, w), lambda s, p: _weight_last(s)),
+    "rms-norm-last": (lambda x, w, p: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)),
+                      lambda s, p: _weight_last(s)),
+    "sum": (lambda x, w, p: x.sum(p["dim"], keepdim=p["keepdim"]), lambda s, p: None),
+    "mean-keyword": (lambda x, w, p: x.mean(dim=p["dim"], keepdim=p["keepdim"]), lambda s, p: None),
+    "amax": (lambda x, w, p: x.amax(p["dim"], p["keepdim"]), lambda s, p: None),
+    "std-legacy": (lambda x, w, p: x.std(p["dim"], True), lambda s, p: None),
+    "var-unbiased-only": (lambda x, w, p: x.var(False).expand(3), lambda s, p: None),
+    "var-correction": (lambda x, w, p: torch.var(x, dim=p["dim"], correction=0, keepdim=p["keepdim"]),
+                       lambda s, p: None),
+    "softmax": (lambda x, w, p: x.softmax(p["dim"]), lambda s, p: None),
+    "log-softmax-functional": (lambda x, w, p: F.log_softmax(x, dim=p["dim"]), lambda s, p: None),
+    "cumsum": (lambda x, w, p: x.cumsum(p["dim"]), lambda s, p: None),
+    "transpose": (lambda x, w, p: x.transpose(p["dim"], p["other"]) * 1.0, lambda s, p: None),
+    "permute": (lambda x, w, p: x.permute(*p["perm"]) * 1.0, lambda s, p: None),
+    "flatten": (lambda x, w, p: x.flatten(min(p["dim"], p["other"]), max(p["dim"], p["other"])),
+                lambda s, p: None),
+    "reshape-flat": (lambda x, w, p: x.reshape(-1), lambda s, p: None),
+    "view-global-sizes": (lambda x, w, p: x.contiguous().view(p["global"]), lambda s, p: None),
+    "unsqueeze-expand": (lambda x, w, p: x.unsqueeze(0).expand(2, *p["global"]), lambda s, p: None),
+    "getitem-slice": (lambda x, w, p: x[..., :1], lambda s, p: None),
+    "getitem-list": (lambda x, w, p: x[..., [0]], lambda s, p: None),
+    "cat": (lambda x, w, p: torch.cat([x, 2 * x], dim=p["dim"]), lambda s, p: None),
+    "stack": (lambda x, w, p: torch.stack([x, -x], p["dim"]), lambda s, p: None),
+    "chunk": (lambda x, w, p: x.chunk(2, p["dim"])[0] * 1.0, lambda s, p: None),
+    "matmul-weight": (lambda x, w, p: x @ w, lambda s, p: (s[-1], 3)),
+    "linear": (lambda x, w, p: F.linear(x, w), lambda s, p: (2, s[-1])),
+    "layer-norm": (lambda x, w, p: F.layer_norm(x, (p["global"][-1],), w), lambda s, p: _weight_last(s)),
+    "batched-matmul-self": (lambda x, w, p: x @ x.transpose(-1, -2), lambda s, p: None),
+    "sdpa": (lambda x, w, p: F.scaled_dot_product_attention(x, x * 0.5, x), lambda s, p: None),
+}
+
+
+@hs.composite
+def _cases(draw: Any) -> dict[str, Any]:
+    name = draw(hs.sampled_from(sorted(OPS)))
+    ndim = 4 if name == "sdpa" else draw(hs.integers(2, 4))
+    world = draw(hs.integers(2, 3))
+    split_dim = draw(hs.integers(0, ndim - 3 if name == "sdpa" else ndim - 1))
+    shape = [draw(hs.integers(1, 4)) for _ in range(ndim)]
+    lengths = [draw(hs.integers(1, 3)) for _ in range(world)]
+    shape[split_dim] = sum(lengths)
+    starts = [sum(lengths[:r]) for r in range(world)]
+    dim = draw(hs.integers(-ndim, ndim - 1))
+    perm = draw(hs.permutations(range(ndim)))
+    params = {"dim": dim, "other": draw(hs.integers(0, ndim - 1)), "keepdim": draw(hs.booleans()),
+              "perm": list(perm), "global": list(shape)}
+    if name == "stack":
+        params["dim"] = draw(hs.integers(0, ndim))
+    return {"name": name, "shape": tuple(shape), "split": split_dim, "world": world,
+            "intervals": tuple(zip(starts, lengths)), "params": params, "seed": draw(hs.integers(0, 2**16))}
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(case=_cases())
+def test_rule_on_slices_equals_op_on_the_whole(case):
+    op, weight_shape = OPS[case["name"]]
+    p = case["params"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    x = torch.randn(case["shape"], generator=gen, dtype=torch.float64)
+    wshape = weight_shape(case["shape"], p)
+    w = torch.randn(wshape, generator=gen, dtype=torch.float64) if wshape is not None else torch.zeros(())
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    try:
+        want = op(xs, ws, p)
+    except (RuntimeError, IndexError, ValueError):
+        return  # not a valid call on the whole tensor either
+    upstream = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    (want * upstream).sum().backward()
+    dim, intervals = case["split"], case["intervals"]
+
+    def rank_fn(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        start, length = intervals[rank]
+        local = x.narrow(dim, start, length).clone().requires_grad_()
+        weight = w.clone().requires_grad_()
+        tagged = _regions.tag(local.view_as(local), _regions.Split(dim, intervals))
+        with _regions._region():
+            out = op(tagged, weight, p)
+        out = _regions.to_replicated(out)  # as a region's outputs leave it
+        (out * upstream).sum().backward()
+        return out.detach(), local.grad, weight.grad
+
+    with _simulated(case["world"]) as ranks:
+        results = ranks.run(rank_fn)
+    for rank, (out, local_grad, weight_grad) in enumerate(results):
+        start, length = intervals[rank]
+        torch.testing.assert_close(out, want.detach(), rtol=1e-9, atol=1e-9, msg=f"output on rank {rank}")
+        want_local = xs.grad.narrow(dim, start, length)
+        got_local = local_grad if local_grad is not None else torch.zeros_like(want_local)
+        torch.testing.assert_close(got_local, want_local, rtol=1e-9, atol=1e-9, msg=f"input grad on rank {rank}")
+        if wshape is not None and ws.grad is not None:
+            got_w = weight_grad if weight_grad is not None else torch.zeros_like(ws.grad)
+            torch.testing.assert_close(got_w, ws.grad, rtol=1e-9, atol=1e-9, msg=f"weight grad on rank {rank}")
