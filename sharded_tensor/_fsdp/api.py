@@ -97,7 +97,7 @@ def _refuse(module: nn.Module, params: Sequence[tuple[str, nn.Parameter, list[tu
                f"then the root).")
         raise ValueError(msg)
     for name, param, owners in params:
-        if id(param) in _replaced:
+        if param in _replaced:
             msg = (f"parameter {name!r} is shared with {_replaced[param]}, which is fully sharded on its own; a "
                    f"parameter shared (tied) across units cannot be gathered by both. Apply fully_shard to a module "
                    f"that holds every use of it (e.g. leave the tied modules to the root).")
@@ -211,7 +211,7 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
                                                      owner.register_load_state_dict_pre_hook(_load_hook))
         _replaced[param] = label
         local.append(new)
-    _guard.retire((pname, param) for pname, param, _ in params)
+    _guard.retire(((pname, param) for pname, param, _ in params), by="fully_shard")
     unit = Unit(module, type(module).__name__, plan, local, [owners for _, _, owners in params], group=group,
                 group_rank=group_rank, reshard_after_forward=reshard_after_forward,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype)
