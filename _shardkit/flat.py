@@ -24,7 +24,7 @@ from . import comm
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["PendingCollective", "start_all_gather", "start_reduce_scatter", "partition_group"]
+__all__ = ["PendingCollective", "start_all_gather", "start_reduce_scatter", "partition_group", "group_ranks"]
 
 
 class PendingCollective:
@@ -140,3 +140,12 @@ def partition_group(partition: Sequence[Sequence[int]], rank: int) -> comm.Proce
             return group
     msg = f"rank {rank} is in no part of the partition {[list(p) for p in key]}."
     raise ValueError(msg)
+
+
+def group_ranks(group: comm.ProcessGroup) -> list[int]:
+    """The global ranks of ``group`` in group-rank order (the world for ``None`` or no process group)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return [0]
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))

@@ -22,17 +22,35 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from _shardkit import comm as _comm
 from _shardkit import flat as _flat
+from sharding import EnumerableShardingSpec, RemoteDevice, ShardMetadata
 
 from .._model import guard as _guard
 from .._model.parallel import classify
 from .._model.sharder import ShardedParameter, _load_hook, _state_dict_hook, sharded_parameters
-from .plan import partition, plan_unit, shard_spec
+from .plan import FlatParam, partition, plan_unit, shard_spec
 from .unit import Unit, unit_of
 
 __all__ = ["fully_shard", "no_sync"]
 
 # Original parameter object -> the unit (by label) that replaced it, to refuse tied parameters across units.
 _replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The local parameters fully_shard created (to tell them from those shard_model split) -> the global
+# ranks of the tensor-parallel group of the model they belong to, or None.
+_ours: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _tensor_parallel(module: nn.Module) -> list[int] | None:
+    """The global ranks of the tensor-parallel group of ``module``'s parameters, if ``shard_model`` split any."""
+    for sub in module.modules():
+        for attr, sp in sharded_parameters(sub).items():
+            param = sub._parameters.get(attr)
+            if param is None:
+                continue
+            if param not in _ours:
+                return _flat.group_ranks(sp.group)
+            if _ours[param] is not None:
+                return list(_ours[param])
+    return None
 
 
 def _check_arguments(module: object, ranks: object, reshard_after_forward: object, param_dtype: object,
@@ -102,15 +120,56 @@ def _refuse(module: nn.Module, params: Sequence[tuple[str, nn.Parameter, list[tu
                    f"parameter shared (tied) across units cannot be gathered by both. Apply fully_shard to a module "
                    f"that holds every use of it (e.g. leave the tied modules to the root).")
             raise ValueError(msg)
+        if param in _ours:
+            msg = (f"parameter {name!r} is already fully sharded (by an enclosing fully_shard); apply fully_shard "
+                   f"to submodules before their parent.")
+            raise ValueError(msg)
         for owner, attr in owners:
-            if attr in sharded_parameters(owner):
-                msg = (f"parameter {name!r} is already sharded (by shard_model or an enclosing fully_shard); apply "
-                       f"fully_shard to submodules before their parent, and to a model that is not tensor-parallel.")
+            sp = sharded_parameters(owner).get(attr)
+            if sp is None:
+                continue
+            if sp.group is None:
+                msg = (f"parameter {name!r} is split by shard_model over the whole world, which leaves no "
+                       f"data-parallel ranks; shard_model over a tensor-parallel group (process_group=) to combine "
+                       f"it with fully_shard.")
+                raise ValueError(msg)
+            if sp.layout.pieces is not None or any(box is None for box in sp.layout.boxes):
+                msg = (f"parameter {name!r}: its tensor-parallel layout ({sp.layout.describe()}) is not one block "
+                       f"on every rank of its group, which fully_shard cannot split further; give every rank one "
+                       f"block of it.")
                 raise ValueError(msg)
         if param.is_meta:
             msg = (f"parameter {name!r} is on the meta device; fully_shard shards real values. Build the model "
                    f"with real weights (the same on every rank, e.g. under torch.manual_seed), or load them first.")
             raise ValueError(msg)
+
+
+def _data_parallel_groups(tp_of: Sequence[list[int] | None], world: int) -> list[list[int]]:
+    """Each rank's data-parallel group on a tensor-parallel model: the ranks at its place in the other groups."""
+    if any(t is None for t in tp_of):
+        missing = [r for r, t in enumerate(tp_of) if t is None]
+        msg = (f"ranks {missing} see no tensor-parallel parameter under the module while the others do; shard the "
+               f"same model with shard_model on every rank, or pass ranks=.")
+        raise ValueError(msg)
+    place = [t.index(r) for r, t in enumerate(tp_of)]  # type: ignore[union-attr]
+    return [[w for w in range(world) if place[w] == place[r]] for r in range(world)]
+
+
+def _composed_spec(tp_sp: ShardedParameter, tp_of: Sequence[list[int] | None], parts: Sequence[Sequence[int]],
+                   device: torch.device, name: str) -> EnumerableShardingSpec:
+    """Every global rank's block of a parameter ``shard_model`` split, the block's rows split over its group."""
+    shards = []
+    for part in parts:
+        for group_rank, rank in enumerate(part):
+            ranks = tp_of[rank]
+            assert ranks is not None
+            box = tp_sp.layout.boxes[ranks.index(rank)]
+            assert box is not None  # refused before
+            offsets, sizes = box
+            rows = FlatParam(name, tuple(sizes), -(-sizes[0] // len(part)), 0).rows_of(group_rank)
+            shards.append(ShardMetadata((offsets[0] + rows[0], *offsets[1:]), (rows[1], *sizes[1:]),
+                                        RemoteDevice.of(rank, device)))
+    return EnumerableShardingSpec(shards)
 
 
 @_comm.collective("st.fully_shard")
@@ -171,38 +230,52 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
     rank, world = _comm.rank_and_world(None)
     requested = _check_arguments(module, ranks, reshard_after_forward, param_dtype, reduce_dtype)
     params = _collect(module)
+    # A parameter shard_model split (tensor parallel) is split further: its local block, by rows.
+    tensor_parallel = [sharded_parameters(owners[0][0]).get(owners[0][1]) for _, _, owners in params]
+    tp_ranks = _tensor_parallel(module)
     names = [(name, tuple(p.shape)) for name, p, _ in params]
+    global_shapes = [list(sp.layout.global_shape) if sp is not None else list(p.shape)
+                     for (_, p, _), sp in zip(params, tensor_parallel)]
 
     def check() -> dict[str, object]:
         _check_ranks(requested, world, rank)
         _refuse(module, params)
         plan_unit(names, 1)  # refuses 0-d parameters
-        return {"ranks": requested, "params": [[n, list(s), str(p.dtype)] for (n, s), (_, p, _) in
-                                               zip(names, params)]}
+        return {"ranks": requested, "tp": tp_ranks,
+                "params": [[n, s, str(p.dtype)] for (n, _), s, (_, p, _) in zip(names, global_shapes, params)]}
 
     _, everyone = _comm.agree("st.fully_shard", check, None, share=lambda v: v, error=ValueError)
-    parts = partition([e["ranks"] for e in everyone], world)
-    mine = next(p for p in parts if rank in p)
     for other, entry in enumerate(everyone):
         if entry["params"] != everyone[0]["params"]:
             diff = [a for a, b in zip(everyone[0]["params"], entry["params"]) if a != b][:3]
             msg = (f"fully_shard must be given the same module on every rank, but ranks 0 and {other} differ "
                    f"(parameters, shapes or dtypes; first differences on rank 0: {diff}).")
             raise ValueError(msg)
+    requested_all = [e["ranks"] for e in everyone]
+    tp_of = [e["tp"] for e in everyone]
+    if all(r is None for r in requested_all) and any(t is not None for t in tp_of):
+        requested_all = _data_parallel_groups(tp_of, world)
+    parts = partition(requested_all, world)
+    mine = next(p for p in parts if rank in p)
     group = _flat.partition_group(parts, rank)
     group_rank = mine.index(rank)
     plan = plan_unit(names, len(mine))
     local: list[nn.Parameter] = []
     label = f"another fully sharded {type(module).__name__}"
-    for (pname, param, owners), flat in zip(params, plan.params):
+    for (pname, param, owners), flat, tp_sp in zip(params, plan.params, tensor_parallel):
         start, length = flat.rows_of(group_rank)
         with torch.no_grad():
             shard = param.detach()[start:start + length].clone()
         new = nn.Parameter(shard, requires_grad=param.requires_grad)
-        spec = shard_spec(parts, flat.shape, param.device)
-        metadata = spec.build_metadata(flat.shape, param.dtype, world_size=world)
+        if tp_sp is None:
+            spec = shard_spec(parts, flat.shape, param.device)
+        else:
+            spec = _composed_spec(tp_sp, tp_of, parts, param.device, pname)
+        shape = tuple(global_shapes[len(local)])
+        metadata = spec.build_metadata(shape, param.dtype, world_size=world)
         sp = ShardedParameter(classify(pname, metadata, world), spec, None)
         _guard.remember(new, sp)
+        _ours[new] = tp_ranks
         for owner, attr in owners:
             owner._parameters[attr] = new
             owner.__dict__.setdefault("_shardkit_params", {})[attr] = sp

@@ -246,6 +246,7 @@ class Unit:
                     self.accumulated[plan.full_slice(flat)].add_(grad.reshape(-1))
             self.reshard()
             return
+        root.complete_reductions()  # at most one reduction in flight: bounded memory
         had = [g is not None for g in grads]
         held, self.accumulated = self.accumulated, None
         if held is not None:  # what earlier micro-batches left counts for every parameter
@@ -260,7 +261,6 @@ class Unit:
             for flat in plan.params:
                 _pack(segments, flat, held[plan.full_slice(flat)], add=True)
         out = torch.empty(plan.segment, dtype=self.reduce_dtype, device=send.device)
-        root.complete_reductions()  # at most one reduction in flight: bounded memory
         pending = _flat.start_reduce_scatter(out, send, self.group,
                                              what=f"fully_shard reduce-scatter of {self.label}")
         root._reductions.append((self, pending, out, had, send))

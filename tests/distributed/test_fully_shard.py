@@ -354,7 +354,7 @@ def test_fully_shard_trains_like_one_process_on_the_whole_batch() -> None:
         errors = res["errors"]
         expected = {
             "twice": "ValueError: this Sequential is already fully sharded",
-            "parent_first": "ValueError: parameter 'weight' is already sharded",
+            "parent_first": "ValueError: parameter 'weight' is already fully sharded",
             "not_dividing": "ValueError: the data-parallel groups [[0, 1], [2]] have different sizes [1, 2]",
             "not_including": f"ValueError: ranks={[r for r in range(world) if r != rank]} does not include this",
             "outside": "ValueError: ranks=[0, 1, 2, 3] names ranks [3] outside the world of 3",

@@ -5,13 +5,19 @@ layer's 3 rows leave one rank without any) and AdamW, the training state from
 ``st.get_state_dict`` (the transformers Llama trains in ``test_fully_shard``):
 
 1. one process (a plain model) trains 2 steps on the whole batch and saves;
-2. 4 fully sharded ranks load it (every tensor of model and optimizer state equal to the
+2. 4 ranks, fully sharded within {0, 1} and {2, 3} (``ranks=``) with gradients averaged
+   across the two groups by ``st.all_reduce_grads``, load it (bit for bit), train 1 step on
+   a quarter of the batch each (within 1e-6 of one process) and save; one process loads that
+   bit for bit;
+3. the same on 4 ranks as 2 x 2: tensor parallel within {0, 1} and {2, 3} (``shard_model``),
+   fully sharded over {0, 2} and {1, 3} (the default ``ranks`` of a tensor-parallel model);
+4. 4 fully sharded ranks load it (every tensor of model and optimizer state equal to the
    saved one, bit for bit, on every rank), train 2 steps on a quarter of the batch each
    and save; loading it into a bfloat16 model raises ``CheckpointError`` naming the dtypes;
-3. one process loads that checkpoint into a plain model: bit for bit what the 4 ranks held,
+5. one process loads that checkpoint into a plain model: bit for bit what the 4 ranks held,
    and within 1e-6 of one process trained 4 steps without interruption; ``consolidate``
    writes the same values;
-4. 2 fully sharded ranks load it (bit for bit again), ``collect_state_dict`` gives the same
+6. 2 fully sharded ranks load it (bit for bit again), ``collect_state_dict`` gives the same
    full tensors, train 1 step on half the batch each and save; one process loads that:
    bit for bit what the 2 ranks held, within 1e-6 of the uninterrupted 5-step run.
 """
@@ -41,11 +47,11 @@ def _mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
                          nn.Linear(2, 3)).to(dtype)
 
 
-def _sharded(dtype: torch.dtype = torch.float32) -> nn.Module:
+def _sharded(dtype: torch.dtype = torch.float32, ranks: list[int] | None = None) -> nn.Module:
     model = _mlp(dtype)
-    st.fully_shard(model[0])
-    st.fully_shard(model[2])
-    return st.fully_shard(model)
+    st.fully_shard(model[0], ranks)
+    st.fully_shard(model[2], ranks)
+    return st.fully_shard(model, ranks)
 
 
 def _optim(model: nn.Module) -> torch.optim.Optimizer:
@@ -94,7 +100,54 @@ def _load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> dict[str
     return _flat_state(st.get_state_dict(model, optim))
 
 
+def _hybrid(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
+    """Fully sharded within {0, 1} and {2, 3}, replicated across them: load, one step, save."""
+    import torch.distributed as dist
+
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    model = _sharded(ranks=[0, 1] if rank < 2 else [2, 3])
+    optim = _optim(model)
+    loaded = _load(model, optim, src)
+    x, y = _batch(2)
+    optim.zero_grad()
+    F.mse_loss(model(x[rank:rank + 1]), y[rank:rank + 1]).backward()
+    st.all_reduce_grads(model, replicas[rank % 2])  # average over the replicas too: the whole batch
+    optim.step()
+    checkpoint.save(st.get_state_dict(model, optim), dst)
+    return {"loaded": loaded, "after": _flat_state(st.get_state_dict(model, optim)),
+            "local": [tuple(p.shape) for p in model.parameters()]}
+
+
+def _two_by_two(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
+    """Tensor parallel within {0, 1} and {2, 3} (shard_model), fully sharded over {0, 2} and {1, 3}."""
+    import torch.distributed as dist
+
+    from sharding import composite, single_split
+
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = _mlp()
+    ranks = ["rank:0/cpu", "rank:1/cpu"]
+    spec = composite(**{"0": single_split(0, ranks), "2.3.weight": single_split(1, ranks)})
+    st.shard_model(model, spec, process_group=tp_groups[rank // 2])
+    tp_local = tuple(model[0].weight.shape)
+    st.fully_shard(model[0])  # ranks=None: the data-parallel groups of a tensor-parallel model
+    st.fully_shard(model[2])
+    st.fully_shard(model)
+    optim = _optim(model)
+    loaded = _load(model, optim, src)
+    x, y = _batch(2)
+    rows = slice(rank // 2 * 2, rank // 2 * 2 + 2)  # a tensor-parallel group shares its half of the batch
+    optim.zero_grad()
+    F.mse_loss(model(x[rows]), y[rows]).backward()
+    optim.step()
+    checkpoint.save(st.get_state_dict(model, optim), dst)
+    return {"loaded": loaded, "after": _flat_state(st.get_state_dict(model, optim)), "tp_local": tp_local,
+            "local": [tuple(p.shape) for p in model.parameters()]}
+
+
 def _on_four(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
+    hybrid = _hybrid(rank, world, src, dst + "-hybrid")
+    two_by_two = _two_by_two(rank, world, src, dst + "-2x2")
     model = _sharded()
     optim = _optim(model)
     loaded = _load(model, optim, src)
@@ -108,7 +161,7 @@ def _on_four(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
         mismatch = str(exc)
     local = [tuple(p.shape) for p in model.parameters()]
     return {"loaded": loaded, "losses": losses, "after": _flat_state(st.get_state_dict(model, optim)),
-            "mismatch": mismatch, "local": local}
+            "mismatch": mismatch, "local": local, "hybrid": hybrid, "2x2": two_by_two}
 
 
 def _on_two(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
@@ -141,7 +194,9 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
     plain = str(tmp_path / "plain")
     checkpoint.save(st.get_state_dict(ref, ref_optim), plain)
     saved = _flat_state(st.get_state_dict(ref, ref_optim))
-    ref_losses = _steps(ref, ref_optim, range(2, 4))
+    ref_losses = _steps(ref, ref_optim, range(2, 3))
+    after_three = _flat_state(st.get_state_dict(ref, ref_optim))
+    ref_losses += _steps(ref, ref_optim, range(3, 4))
     after_four = _flat_state(st.get_state_dict(ref, ref_optim))
     ref_losses += _steps(ref, ref_optim, range(4, 5))
     after_five = _flat_state(st.get_state_dict(ref, ref_optim))
@@ -155,6 +210,32 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
             assert _rel(value, after_four[name]) <= 1e-6, (rank, name, _rel(value, after_four[name]))
         _assert_equal(res["after"], results[0]["after"], f"rank {rank} of 4 against rank 0")
         assert "has dtype torch.float32, but the state_dict's has torch.bfloat16" in res["mismatch"], res["mismatch"]
+    # Fully sharded in groups {0, 1} and {2, 3}: the same loads and the whole batch's step.
+    for rank, res in enumerate(results):
+        hybrid = res["hybrid"]
+        _assert_equal(hybrid["loaded"], saved, f"rank {rank} of 2 x 2 after loading the one-process checkpoint")
+        for name, value in hybrid["after"].items():
+            assert _rel(value, after_three[name]) <= 1e-6, (rank, name, _rel(value, after_three[name]))
+        assert hybrid["local"][0] == ((4, 5) if rank % 2 == 0 else (3, 5))  # 7 rows over 2 ranks
+    model = _mlp()
+    optim = _optim(model)
+    _assert_equal(_load(model, optim, four + "-hybrid"), results[0]["hybrid"]["after"],
+                  "one process loading the 2 x 2 checkpoint")
+
+    # Tensor parallel 2 x fully sharded 2: the same loads, the whole batch's step, one checkpoint.
+    for rank, res in enumerate(results):
+        grid = res["2x2"]
+        _assert_equal(grid["loaded"], saved, f"rank {rank} of 2 x 2 (tensor parallel) after loading")
+        for name, value in grid["after"].items():
+            assert _rel(value, after_three[name]) <= 1e-6, (rank, name, _rel(value, after_three[name]))
+        # model[0].weight (7, 5): tensor-parallel blocks of 4 and 3 rows, each split over 2 ranks by rows.
+        assert grid["tp_local"] == ((4, 5) if rank % 2 == 0 else (3, 5))
+        assert grid["local"][0] == [(2, 5), (2, 5), (2, 5), (1, 5)][rank]
+    model = _mlp()
+    optim = _optim(model)
+    _assert_equal(_load(model, optim, four + "-2x2"), results[0]["2x2"]["after"],
+                  "one process loading the 2 x 2 (tensor parallel) checkpoint")
+
     # The last layer's (3, 2) weight split on dim 0 over 4 ranks like torch.chunk: 1/1/1/0 rows.
     assert [res["local"][-2] for res in results] == [(1, 2), (1, 2), (1, 2), (0, 2)]
     # The mean over ranks of their losses is the whole batch's loss.
