@@ -290,7 +290,8 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     module.__dict__["_shardkit_fsdp"] = unit
     unit.handles = [module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True),
-                    module.register_forward_hook(unit.post_forward, with_kwargs=True)]
+                    # Also after a forward that raised: the slots get the local rows back.
+                    module.register_forward_hook(unit.post_forward, with_kwargs=True, always_call=True)]
     return module
 
 

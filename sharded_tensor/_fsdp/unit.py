@@ -178,7 +178,7 @@ class Unit:
     def pre_forward(self, module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         root = _active.root
-        if root is None:
+        if root is None or root is self or self not in root.order:  # (a root left over by a failed forward)
             root = self
             _active.root = self
             if not self.order:
