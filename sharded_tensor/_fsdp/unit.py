@@ -238,13 +238,15 @@ class Unit:
         """Reduce the unit's gradients (or hold them while not syncing), then free its parameters."""
         plan = self.plan
         root = self.root or self
+        # The gathered parameters are no longer needed (the gradients do not refer to them): free
+        # them before the reduction's buffers are allocated.
+        self.reshard()
         if not self.sync:
             if self.accumulated is None:
                 self.accumulated = torch.zeros(plan.flat_numel, dtype=self.reduce_dtype, device=self.unsharded.device)
             for flat, grad in zip(plan.params, grads):
                 if grad is not None:
                     self.accumulated[plan.full_slice(flat)].add_(grad.reshape(-1))
-            self.reshard()
             return
         root.complete_reductions()  # at most one reduction in flight: bounded memory
         had = [g is not None for g in grads]
@@ -264,7 +266,6 @@ class Unit:
         pending = _flat.start_reduce_scatter(out, send, self.group,
                                              what=f"fully_shard reduce-scatter of {self.label}")
         root._reductions.append((self, pending, out, had, send))
-        self.reshard()
 
     def complete_reductions(self) -> None:
         """Wait for posted reduce-scatters and add the averaged gradients to the local shards."""
