@@ -4,6 +4,7 @@ from _shardkit.comm import CollectiveError, CommCounter
 
 from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
 from ._dtensor import from_dtensor
+from ._fsdp.api import fully_shard, no_sync
 from ._model import attention as _attention  # noqa: F401 - registers nn.MultiheadAttention
 from ._model.dfunction import DFunction, LayoutDecision, register_layout_rule
 from ._model.optim import load_optim_state_dict, optim_state_dict
@@ -30,4 +31,5 @@ __all__ = [
     "ShardedModule", "ShardedCall", "ParamLayout", "register_sharded_module",
     "DFunction", "LayoutDecision", "register_layout_rule",
     "clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads",
+    "fully_shard", "no_sync",
 ]

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["remember", "retire", "layout_of", "check_optimizer"]
 
 _layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()   # new parameter -> ShardedParameter
-_retired: WeakIdKeyDictionary = WeakIdKeyDictionary()   # replaced parameter -> its name in the model
+_retired: WeakIdKeyDictionary = WeakIdKeyDictionary()   # replaced parameter -> (its name, what replaced it)
 _hook_handle: Any = None
 
 
@@ -49,11 +49,11 @@ def layout_of(param: torch.Tensor) -> ShardedParameter | None:
     return found
 
 
-def retire(replaced: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Record parameters that ``shard_model`` replaced (``(name, old parameter)`` pairs)."""
+def retire(replaced: Iterable[tuple[str, torch.Tensor]], by: str = "shard_model") -> None:
+    """Record parameters that ``shard_model`` (or ``by``) replaced (``(name, old parameter)`` pairs)."""
     global _hook_handle
     for name, param in replaced:
-        _retired[param] = name
+        _retired[param] = (name, by)
     if _hook_handle is None and len(_retired):
         _hook_handle = register_optimizer_step_pre_hook(_step_pre_hook)
 
@@ -68,17 +68,18 @@ def check_optimizer(optim: torch.optim.Optimizer) -> None:
     stale = []
     for group in optim.param_groups:
         for param in group["params"]:
-            name = _retired.get(param)
-            if name is not None:
-                stale.append((name, param))
+            found = _retired.get(param)
+            if found is not None:
+                stale.append((found, param))
     if not stale:
         return
     shown = ", ".join(f"{name!r} ({'meta' if p.is_meta else p.device.type} {tuple(p.shape)})"
-                      for name, p in stale[:4])
+                      for (name, _), p in stale[:4])
+    by = stale[0][0][1]
     more = f" and {len(stale) - 4} more" if len(stale) > 4 else ""
     msg = (f"{type(optim).__name__}.step(): this optimizer holds {len(stale)} parameter(s) that "
-           f"st.shard_model replaced, {shown}{more}; it was created before shard_model and would update "
-           f"tensors the model no longer uses. Create the optimizer after shard_model, from the sharded "
+           f"st.{by} replaced, {shown}{more}; it was created before {by} and would update "
+           f"tensors the model no longer uses. Create the optimizer after {by}, from the sharded "
            f"model: optim = {type(optim).__name__}(model.parameters(), ...).")
     raise RuntimeError(msg)
 

@@ -1,0 +1,225 @@
+"""Fully sharded data parallel: shardkit's ``st.fully_shard`` against FSDP2's ``fully_shard``.
+
+The same transformers Llama (each decoder layer, then the model, fully sharded over every
+rank), the same global batch split over the ranks, AdamW, fp32, on Gloo. Each side runs in
+fresh processes of its own (memory figures need them), one after the other in the same
+run, for each world size. Reported per side and world size:
+
+* the median step time (forward with labels, backward, AdamW step; the slowest rank's),
+  with its range, and the ratio shardkit / FSDP2;
+* peak RSS growth per rank during the timed steps (over the resident size before them);
+* bytes each rank holds between steps: parameters, gradients and optimizer state (plus any
+  gathered parameters still held), and one N-th of the unsharded total for comparison;
+* bytes each rank puts on the wire per step, counted at the collectives with one rule for
+  both sides (ring algorithms: an all-gather sends (N - 1) shards, a reduce-scatter
+  (N - 1) pieces, an all-reduce 2 (N - 1) / N of the tensor); shardkit's from
+  ``CommCounter``, FSDP2's from its calls to ``all_gather_single`` / ``reduce_scatter_single`` /
+  ``all_reduce``;
+* the mean over ranks of the first step's loss (the two sides must agree).
+
+    python scripts/bench/fully_shard.py            # hidden 1024, intermediate 2816, 4 layers, vocab 32000
+    python scripts/bench/fully_shard.py --small    # a quick look (hidden 256, vocab 4096, seq 64)
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# After the repository root: bench/checkpoint.py is not the package.
+sys.path.append(str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _harness import PeakGrowth, machine, proc_status, run_fresh  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _config(args: Any) -> Any:
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                       num_key_value_heads=args.heads, max_position_embeddings=args.seq, use_cache=False,
+                       attn_implementation="sdpa")
+
+
+class _Wire:
+    """Bytes FSDP2 puts on the wire, counted at torch.distributed's collectives (same rule as CommCounter)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.bytes: dict[str, int] = {}
+        self.counts: dict[str, int] = {}
+        self.active = False
+        for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+            original = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        signature = inspect.signature(original)
+        first, second = list(signature.parameters)[:2]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                given = signature.bind(*args, **kwargs).arguments
+                out, inp = given[first], given.get(second)
+                if name == "all_gather_single":
+                    n = (self.world - 1) * inp.numel() * inp.element_size()
+                elif name == "reduce_scatter_single":
+                    n = (self.world - 1) * out.numel() * out.element_size()
+                else:
+                    n = 2 * (self.world - 1) * out.numel() // self.world * out.element_size()
+                self.bytes[name] = self.bytes.get(name, 0) + n
+                self.counts[name] = self.counts.get(name, 0) + 1
+            return original(*args, **kwargs)
+        return call
+
+
+def _held(model: Any, optim: Any) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state, plus gathered parameters still held."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            total += grad.numel() * grad.element_size()
+    for state in optim.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    from sharded_tensor._fsdp.unit import unit_of  # a benchmark may look inside
+
+    for module in model.modules():
+        unit = unit_of(module)
+        if unit is not None:
+            total += unit.unsharded.untyped_storage().nbytes()
+    return total
+
+
+def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
+    from transformers import LlamaForCausalLM
+
+    import sharded_tensor as st
+
+    config = _config(args)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    unsharded = sum(p.numel() * p.element_size() for p in model.parameters())
+    wire = None
+    if side == "shardkit":
+        for layer in model.model.layers:
+            st.fully_shard(layer)
+        st.fully_shard(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wire = _Wire(world)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    per = args.batch // world
+    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)[rank * per:(rank + 1) * per]
+               for _ in range(args.steps + 1)]
+
+    def step(batch: torch.Tensor) -> float:
+        optim.zero_grad(set_to_none=True)
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        optim.step()
+        return float(loss)
+
+    first = step(batches[0])  # warm-up; creates the optimizer state
+    held = _held(model, optim)
+    times: list[float] = []
+    comm_bytes, comm_counts = 0, {}
+    with PeakGrowth() as peak:
+        rss_before = proc_status("VmRSS")
+        for i, batch in enumerate(batches[1:]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if i == 0 and side == "shardkit":
+                with st.CommCounter() as comm:
+                    step(batch)
+                comm_bytes, comm_counts = comm.bytes_sent, dict(comm.counts)
+            elif i == 0:
+                assert wire is not None
+                wire.active = True
+                step(batch)
+                wire.active = False
+                comm_bytes, comm_counts = sum(wire.bytes.values()), dict(wire.counts)
+            else:
+                step(batch)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(float(elapsed))
+    loss = torch.tensor([first], dtype=torch.float64)
+    dist.all_reduce(loss)
+    return {"times": times, "peak_growth": peak.growth, "rss_before": rss_before, "held": held,
+            "unsharded": unsharded, "wire_bytes": comm_bytes, "collectives": comm_counts,
+            "first_loss": float(loss) / world}
+
+
+def _summary(results: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    times = results[0]["times"]
+    return {
+        "step_seconds_median": round(statistics.median(times), 3),
+        "step_seconds_range": [round(min(times), 3), round(max(times), 3)],
+        "peak_rss_growth_mib_per_rank": [round(r["peak_growth"] / MiB) for r in results],
+        "held_mib_per_rank": [round(r["held"] / MiB, 1) for r in results],
+        # parameters, gradients and the two AdamW moments, unsharded, over the world
+        "unsharded_over_world_mib": round(4 * results[0]["unsharded"] / world / MiB, 1),
+        "wire_mib_per_step_per_rank": [round(r["wire_bytes"] / MiB, 1) for r in results],
+        "collectives_per_step": results[0]["collectives"],
+        "first_loss": results[0]["first_loss"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up step")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--small", action="store_true", help="hidden 256, intermediate 704, vocab 4096, seq 64")
+    args = parser.parse_args()
+    if args.small:
+        args.hidden, args.intermediate, args.vocab, args.seq = 256, 704, 4096, 64
+    report: dict[str, Any] = {
+        "benchmark": "fully_shard", "machine": machine(),
+        "model": {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
+                  "heads": args.heads, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
+                  "dtype": "float32", "optimizer": "AdamW"},
+        "timed_steps": args.steps, "worlds": {},
+    }
+    for world in args.worlds:
+        sides = {}
+        for side in ("shardkit", "fsdp2"):
+            results = run_fresh(_rank, world, args, side, what=f"{side} on {world} ranks")
+            sides[side] = _summary(results, world)
+        sk, f2 = sides["shardkit"], sides["fsdp2"]
+        sides["step_time_ratio_shardkit_over_fsdp2"] = round(sk["step_seconds_median"] / f2["step_seconds_median"], 3)
+        sides["first_loss_relative_difference"] = abs(sk["first_loss"] - f2["first_loss"]) / abs(f2["first_loss"])
+        report["worlds"][str(world)] = sides
+        print(json.dumps({str(world): sides}), file=sys.stderr, flush=True)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

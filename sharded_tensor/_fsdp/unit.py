@@ -1,0 +1,315 @@
+"""The runtime of a fully sharded unit: gather before compute, free after, reduce gradients.
+
+One ``Unit`` per ``fully_shard`` call. Its module's parameters are, between steps, this
+rank's rows of each parameter (ordinary ``nn.Parameter`` s the optimizer steps). Around
+the module's forward:
+
+* pre-forward: the unit's parameters are gathered (one all-gather of the flat segments,
+  or the one already posted by a prefetch), the next unit's gather is posted, and the
+  module's parameter slots are pointed at the whole parameters, outputs of ``_Unshard``;
+* post-forward: the slots get the local shards back, and the unsharded buffer's storage
+  is released (``reshard_after_forward``). Autograd keeps views of that buffer, so before
+  the unit's backward the same storage is filled again (pre-backward hook on the unit's
+  outputs), with the version counter preserved: the data is what forward saw;
+* post-backward: ``_Unshard.backward`` receives the gradients of all the unit's whole
+  parameters at once; they are packed into one buffer and reduce-scattered (posted, waited
+  for when the next one is posted or at the end of backward), averaged over the ranks and
+  added to the local shards' ``.grad``.
+
+The root unit (the outermost one running forward) keeps its parameters after forward, since
+backward needs them first, and at the end of backward (a callback queued on the autograd
+engine) completes every reduction and frees every unit's gathered parameters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter as _preserve_version
+from torch.utils import _pytree as pytree
+
+from _shardkit import flat as _flat
+
+from .plan import FlatParam, UnitPlan
+
+__all__ = ["Unit", "unit_of"]
+
+_ATTR = "_shardkit_fsdp"
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit ``module`` is the root of, if ``fully_shard`` was applied to it."""
+    unit: Unit | None = module.__dict__.get(_ATTR)
+    return unit
+
+
+class _Active(threading.local):
+    root: Unit | None = None
+
+
+_active = _Active()
+
+
+class _Unshard(torch.autograd.Function):
+    """Hands the unit's whole parameters to forward; its backward is the unit's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: Unit, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)
+        return tuple(unit.full_views())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        ctx.unit.post_backward(grads)
+        # The local shards' gradients are set when the reduce-scatter completes, not here.
+        return (None,) * (len(grads) + 1)
+
+
+class Unit:
+    """One communication unit: a module's parameters (outside nested units), fully sharded."""
+
+    def __init__(self, module: nn.Module, name: str, plan: UnitPlan, local: Sequence[nn.Parameter],
+                 owners: Sequence[Sequence[tuple[nn.Module, str]]], *, group: Any, group_rank: int,
+                 reshard_after_forward: bool, param_dtype: torch.dtype | None,
+                 reduce_dtype: torch.dtype | None) -> None:
+        self.module = module
+        self.name = name
+        self.plan = plan
+        self.local = list(local)
+        self.owners = [list(o) for o in owners]
+        self.group = group
+        self.group_rank = group_rank
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype
+        dtypes = {p.dtype for p in self.local}
+        master = next(iter(dtypes)) if len(dtypes) == 1 else torch.get_default_dtype()
+        self.compute_dtype = param_dtype or master
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        device = self.local[0].device if self.local else torch.device("cpu")
+        self.unsharded = torch.empty(plan.flat_numel, dtype=self.compute_dtype, device=device)
+        self._release()
+        self.state = "sharded"  # "sharded" -> "gathering" -> "unsharded"
+        self._pending: _flat.PendingCollective | None = None
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._versions: list[int] = []
+        self.sync = True
+        self.accumulated: torch.Tensor | None = None  # whole gradients held while not syncing
+        self.order: list[Unit] = []  # for a root: every unit below it, itself first
+        self.root: Unit | None = None  # while running: the root of the current forward / backward
+        # (unit, reduce-scatter in flight, its output, which gradients it carries, its input kept alive)
+        self._reductions: list[tuple[Unit, _flat.PendingCollective, torch.Tensor, list[bool], torch.Tensor]] = []
+        self._callback_queued = False
+        self.handles: list[Any] = []
+
+    # -- the unsharded buffer --------------------------------------------------------------------
+
+    def _release(self) -> None:
+        self.unsharded.untyped_storage().resize_(0)
+
+    def full_views(self) -> list[torch.Tensor]:
+        return [self.unsharded[self.plan.full_slice(p)].view(p.shape) for p in self.plan.params]
+
+    def start_gather(self) -> None:
+        """Post the all-gather of this unit's parameters unless they are gathered or on their way."""
+        if self.state != "sharded" or not self.plan.params:
+            if not self.plan.params:
+                self.state = "unsharded"
+            return
+        plan = self.plan
+        send = torch.empty(plan.segment, dtype=self.compute_dtype, device=self.unsharded.device)
+        with torch.no_grad():
+            for param, flat in zip(self.local, plan.params):
+                _, length = flat.rows_of(self.group_rank)
+                piece = send[flat.offset:flat.offset + flat.padded]
+                piece[:length * flat.row].copy_(param.reshape(-1))
+                piece[length * flat.row:].zero_()
+        gathered = torch.empty(plan.flat_numel, dtype=self.compute_dtype, device=send.device)
+        self._pending = _flat.start_all_gather(gathered, send, self.group,
+                                               what=f"fully_shard all-gather of {self.label}")
+        self._buffers = (send, gathered)
+        self._versions = [p._version for p in self.local]
+        self.state = "gathering"
+
+    def wait_gather(self) -> None:
+        """Make the whole parameters available in the unsharded buffer (gathering now if needed)."""
+        if self.state == "unsharded" and self._versions != [p._version for p in self.local]:
+            self.reshard()  # the shards changed since they were gathered (an optimizer step, a load)
+        self.start_gather()
+        if self.state != "gathering":
+            return
+        assert self._pending is not None and self._buffers is not None
+        self._pending.wait()
+        _, gathered = self._buffers
+        plan = self.plan
+        self.unsharded.untyped_storage().resize_(plan.flat_numel * self.unsharded.element_size())
+        segments = gathered.view(plan.world, plan.segment)
+        # Autograd holds views of this buffer from forward; the data put back is the data they saw.
+        with torch.no_grad(), _preserve_version(self.unsharded):
+            for flat in plan.params:
+                start = plan.world * flat.offset
+                self.unsharded[start:start + plan.world * flat.padded].view(plan.world, flat.padded).copy_(
+                    segments[:, flat.offset:flat.offset + flat.padded])
+        self._pending = None
+        self._buffers = None
+        self.state = "unsharded"
+
+    def reshard(self) -> None:
+        """Free the gathered parameters (a gather still in flight is completed first)."""
+        if self.state == "gathering":
+            assert self._pending is not None
+            self._pending.wait()
+            self._pending = None
+            self._buffers = None
+        elif self.state == "unsharded":
+            self._release()
+        self.state = "sharded"
+
+    @property
+    def label(self) -> str:
+        return f"the fully sharded {self.name}"
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        root = _active.root
+        if root is None or root is self or self not in root.order:  # (a root left over by a failed forward)
+            root = self
+            _active.root = self
+            if not self.order:
+                self.order = [u for m in module.modules() if (u := unit_of(m)) is not None]
+        self.root = root
+        self.wait_gather()
+        order = root.order
+        if self in order:
+            following = order[order.index(self) + 1:]
+            if following:
+                following[0].start_gather()  # prefetch: it travels while this unit computes
+        if self.plan.params:
+            needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.local)
+            fulls = _Unshard.apply(self, *self.local) if needs_grad else tuple(self.full_views())
+            for full, param, owners in zip(fulls, self.local, self.owners):
+                if not param.requires_grad:
+                    full = full.detach()
+                for owner, attr in owners:
+                    owner._parameters[attr] = full
+        if self.param_dtype is not None:
+            args, kwargs = _cast((args, kwargs), self.param_dtype)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        for param, owners in zip(self.local, self.owners):
+            for owner, attr in owners:
+                owner._parameters[attr] = param
+        root = self.root
+        is_root = root is self
+        if is_root:
+            _active.root = None
+        tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+        if not is_root and self.reshard_after_forward:
+            self.reshard()
+        elif is_root and not tensors:
+            for unit in self.order:  # no backward follows
+                unit.reshard()
+        return output
+
+    # -- backward ----------------------------------------------------------------------------------
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        root = self.root or self
+        if not root._callback_queued:
+            root._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root.finish_backward)
+        self.wait_gather()
+        order = root.order
+        if self in order:
+            earlier = [u for u in order[:order.index(self)] if u.state == "sharded" and u.plan.params]
+            if earlier:
+                earlier[-1].start_gather()
+
+    def post_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Reduce the unit's gradients (or hold them while not syncing), then free its parameters."""
+        plan = self.plan
+        root = self.root or self
+        # The gathered parameters are no longer needed (the gradients do not refer to them): free
+        # them before the reduction's buffers are allocated.
+        self.reshard()
+        if not self.sync:
+            if self.accumulated is None:
+                self.accumulated = torch.zeros(plan.flat_numel, dtype=self.reduce_dtype, device=self.unsharded.device)
+            for flat, grad in zip(plan.params, grads):
+                if grad is not None:
+                    self.accumulated[plan.full_slice(flat)].add_(grad.reshape(-1))
+            return
+        root.complete_reductions()  # at most one reduction in flight: bounded memory
+        had = [g is not None for g in grads]
+        held, self.accumulated = self.accumulated, None
+        if held is not None:  # what earlier micro-batches left counts for every parameter
+            had = [True] * len(had)
+        # Even with no gradient here the reduce-scatter runs: the other ranks may have some.
+        send = torch.zeros(plan.flat_numel, dtype=self.reduce_dtype, device=self.unsharded.device)
+        segments = send.view(plan.world, plan.segment)
+        for flat, grad in zip(plan.params, grads):
+            if grad is not None:
+                _pack(segments, flat, grad.reshape(-1), add=False)
+        if held is not None:
+            for flat in plan.params:
+                _pack(segments, flat, held[plan.full_slice(flat)], add=True)
+        out = torch.empty(plan.segment, dtype=self.reduce_dtype, device=send.device)
+        pending = _flat.start_reduce_scatter(out, send, self.group,
+                                             what=f"fully_shard reduce-scatter of {self.label}")
+        root._reductions.append((self, pending, out, had, send))
+
+    def complete_reductions(self) -> None:
+        """Wait for posted reduce-scatters and add the averaged gradients to the local shards."""
+        reductions, self._reductions = self._reductions, []
+        for unit, pending, out, had, _send in reductions:
+            pending.wait()
+            unit._assign(out, had)
+
+    def _assign(self, out: torch.Tensor, had: list[bool]) -> None:
+        plan = self.plan
+        with torch.no_grad():
+            for param, flat, present in zip(self.local, plan.params, had):
+                if not present or not param.requires_grad:
+                    continue
+                _, length = flat.rows_of(self.group_rank)
+                grad = torch.div(out[flat.offset:flat.offset + length * flat.row], plan.world)
+                grad = grad.view(flat.local_shape(self.group_rank)).to(param.dtype)
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+
+    def finish_backward(self) -> None:
+        """End of backward (root only): complete every reduction, free every unit's parameters."""
+        self._callback_queued = False
+        self.complete_reductions()
+        for unit in self.order:
+            unit.reshard()
+
+
+def _pack(segments: torch.Tensor, flat: FlatParam, values: torch.Tensor, *, add: bool) -> None:
+    """Write (or add) a whole parameter's ``values`` into its place in every rank's segment."""
+    for group_rank in range(segments.shape[0]):
+        start, length = flat.rows_of(group_rank)
+        if length:
+            piece = segments[group_rank, flat.offset:flat.offset + length * flat.row]
+            part = values[start * flat.row:(start + length) * flat.row]
+            piece.add_(part) if add else piece.copy_(part)
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+    return pytree.tree_map(cast, tree)
+

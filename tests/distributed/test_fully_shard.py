@@ -1,0 +1,369 @@
+"""``st.fully_shard`` on real Gloo ranks, against one process training on the whole batch.
+
+One spawn of 3 ranks (so that every split is uneven and a trailing rank may hold no rows)
+checks on every rank:
+
+* an MLP with uneven sizes (blocks fully sharded, then the root) and a tiny transformers
+  Llama (each decoder layer, then the model), trained 5 steps with SGD (momentum) and with
+  AdamW on a third of the batch each, give the losses and the parameters of one process
+  trained on the whole batch, within 1e-6 relative; ``model.parameters()`` are the local rows;
+* communication: one all-gather per unit in forward, one more per resharded unit in
+  backward, one reduce-scatter per unit, with the bytes of the flat buffers; the next
+  unit's gather is posted before a unit computes (prefetch); between steps no unit holds
+  gathered parameters;
+* ``st.clip_grad_norm_`` gives torch's norm and clipped update on the whole model;
+* gradient accumulation: 2 micro-batches, the first under ``st.no_sync`` (no
+  reduce-scatter), give the whole batch's step; without ``no_sync`` too;
+* mixed precision: compute in bfloat16 (the layers see bfloat16 weights), master shards,
+  gradients and AdamW state in float32, reduction in float32; close to the float32 run;
+* errors, identical on every rank and leaving the group usable: a module fully sharded
+  twice, a parent before its child, ranks that do not divide the world, that leave this
+  rank out or name ranks outside it, a parameter tied across units, meta parameters, and an
+  optimizer built before ``fully_shard`` (refused at ``step``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sharded_tensor as st
+from tests.distributed._launch import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+BATCH, STEPS, TOL = 6, 5, 1e-6
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.GELU(),
+                         nn.Sequential(nn.Linear(7, 11), nn.LayerNorm(11), nn.Tanh(), nn.Linear(11, 2)),
+                         nn.Linear(2, 3))
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+                         use_cache=False, attention_dropout=0.0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _shard_mlp(model: nn.Module, **kwargs: object) -> nn.Module:
+    st.fully_shard(model[0], **kwargs)  # type: ignore[arg-type]
+    st.fully_shard(model[2], **kwargs)  # type: ignore[arg-type]
+    return st.fully_shard(model, **kwargs)  # type: ignore[arg-type]
+
+
+def _shard_llama(model: nn.Module, **kwargs: object) -> nn.Module:
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        st.fully_shard(layer, **kwargs)  # type: ignore[arg-type]
+    return st.fully_shard(model, **kwargs)  # type: ignore[arg-type]
+
+
+def _data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    if kind == "mlp":
+        return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
+    tokens = torch.randint(0, 37, (BATCH, 9), generator=g)
+    return tokens, tokens
+
+
+def _loss(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if kind == "mlp":
+        return F.mse_loss(model(x), y)
+    return model(input_ids=x, labels=y).loss  # type: ignore[no-any-return]
+
+
+def _optim(name: str, params: object) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)  # type: ignore[arg-type]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||``: a few elements where Adam's ``g / (sqrt(v) + eps)`` meets a gradient near
+    ``eps`` turn last-bit differences of the whole-batch sum into larger ones, element by element."""
+    if not b.double().norm() > 0:
+        return float((a.double() - b.double()).norm())
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient (fully sharded ones gathered), by name."""
+    from sharded_tensor._model.guard import layout_of
+
+    out = {}
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    for name, p in model.named_parameters():
+        layout = layout_of(p)
+        out[name] = layout.wrap(p.grad, rank).full_tensor() if layout is not None else p.grad.clone()
+    return out
+
+
+def _train(kind: str, model: nn.Module, optim: torch.optim.Optimizer, rows: slice, *, clip: float | None = None,
+           micro: int = 1, no_sync: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    losses, norms = [], []
+    first: dict[str, torch.Tensor] = {}
+    for step in range(STEPS):
+        x, y = _data(kind, step)
+        x, y = x[rows], y[rows]
+        optim.zero_grad()
+        total = 0.0
+        pieces = list(zip(x.chunk(micro), y.chunk(micro)))
+        for i, (xi, yi) in enumerate(pieces):
+            ctx = st.no_sync(model) if no_sync and i < len(pieces) - 1 else _Null()
+            with ctx:
+                loss = _loss(kind, model, xi, yi) / micro
+                loss.backward()
+            total += loss.item()
+        if step == 0:
+            first = _full_grads(model)
+        if clip is not None:
+            norms.append(float(st.clip_grad_norm_(model, clip)))
+        optim.step()
+        losses.append(total)
+    return losses, norms, first
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _compare(rank: int, world: int, kind: str, optim_name: str, **kwargs: object) -> dict[str, float]:
+    """Relative differences of the fully sharded run from the whole-batch run."""
+    build = _mlp if kind == "mlp" else _llama
+    shard = _shard_mlp if kind == "mlp" else _shard_llama
+    ref = build()
+    ref_optim = _optim(optim_name, ref.parameters())
+    clip = kwargs.pop("clip", None)
+    micro = int(kwargs.pop("micro", 1))  # type: ignore[call-overload]
+    no_sync = bool(kwargs.pop("no_sync", False))
+    ref_losses, ref_norms = [], []
+    for step in range(STEPS):
+        x, y = _data(kind, step)
+        ref_optim.zero_grad()
+        loss = _loss(kind, ref, x, y)
+        loss.backward()
+        if step == 0:
+            ref_first = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        if clip is not None:
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))  # type: ignore[arg-type]
+        ref_optim.step()
+        ref_losses.append(loss.item())
+    model = shard(build(), **kwargs)
+    optim = _optim(optim_name, model.parameters())
+    per = BATCH // world
+    losses, norms, first = _train(kind, model, optim, slice(rank * per, (rank + 1) * per), clip=clip,  # type: ignore[arg-type]
+                           micro=micro, no_sync=no_sync)
+    # Losses are per-rank means; their average over ranks is the whole batch's.
+    mean_losses = torch.tensor(losses, dtype=torch.float64)
+    torch.distributed.all_reduce(mean_losses)
+    out = {"loss": max(abs(a / world - b) / abs(b) for a, b in zip(mean_losses.tolist(), ref_losses))}
+    for name, grad in first.items():
+        out[f"grad {name}"] = _rel(grad, ref_first[name])
+    if clip is not None:
+        out["norm"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+    state, ref_state = model.state_dict(), ref.state_dict()
+    for name, value in state.items():
+        full = value.full_tensor() if isinstance(value, st.ShardedTensor) else value
+        out[name] = _rel(full, ref_state[name])
+    # The optimizer state is laid out like the parameters too.
+    for name, entry in st.optim_state_dict(model, optim)["state"].items():
+        ref_param = dict(ref.named_parameters())[name]
+        ref_entry = ref_optim.state[ref_param]
+        for key, value in entry.items():
+            if isinstance(value, st.ShardedTensor):
+                out[f"optim {name} {key}"] = _rel(value.full_tensor(), ref_entry[key])
+    return out
+
+
+class _Watch:
+    """Records, at each unit's forward, whether the next unit's gather was already posted."""
+
+    def __init__(self, units: list) -> None:  # type: ignore[type-arg]
+        self.units = units
+        self.prefetched: list[bool] = []
+        self.dtypes: list[torch.dtype] = []
+
+    def __call__(self, module: nn.Module, args: object) -> None:
+        from sharded_tensor._fsdp.unit import unit_of
+
+        unit = unit_of(module)
+        if unit in self.units:
+            i = self.units.index(unit)
+            if i + 1 < len(self.units):
+                self.prefetched.append(self.units[i + 1].state != "sharded")
+        # What the unit's modules see now: its parameters as compute gets them.
+        self.dtypes.extend(getattr(owner, attr).dtype for owners in unit.owners for owner, attr in owners)
+
+
+def _mechanics(rank: int, world: int) -> dict[str, object]:
+    from sharded_tensor._fsdp.unit import unit_of
+
+    out: dict[str, object] = {}
+    model = _shard_mlp(_mlp())
+    units = [u for m in model.modules() if (u := unit_of(m)) is not None]
+    out["local_shapes"] = [tuple(p.shape) for p in model.parameters()]
+    out["param_types"] = sorted({type(p).__name__ for p in model.parameters()})
+    watch = _Watch(units)
+    for unit in units:
+        unit.module.register_forward_pre_hook(watch)  # runs after the unit's own pre-hook
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data("mlp", 0)
+    with st.CommCounter() as comm:
+        F.mse_loss(model(x[:2]), y[:2]).backward()
+    optim.step()
+    out["counts"] = dict(comm.counts)
+    out["bytes"] = dict(comm.bytes_by_op)
+    out["segments"] = [u.plan.segment for u in units]
+    out["prefetched"] = watch.prefetched
+    out["held_after_step"] = [u.unsharded.untyped_storage().nbytes() for u in units]
+    out["states_after_step"] = [u.state for u in units]
+    out["grad_shapes_match"] = all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    # A forward without grad frees everything too.
+    with torch.no_grad():
+        model(x)
+    out["held_after_no_grad"] = [u.unsharded.untyped_storage().nbytes() for u in units]
+
+    # Mixed precision: bfloat16 compute, float32 masters, gradients and optimizer state.
+    mixed = _shard_mlp(_mlp(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mixed_units = [u for m in mixed.modules() if (u := unit_of(m)) is not None]
+    watch = _Watch(mixed_units)
+    for unit in mixed_units:
+        unit.module.register_forward_pre_hook(watch)
+    adam = torch.optim.AdamW(mixed.parameters(), lr=0.01)
+    per = BATCH // world
+    mixed_out = mixed(x[rank * per:(rank + 1) * per])
+    mixed_loss = F.mse_loss(mixed_out, y[rank * per:(rank + 1) * per])
+    with st.CommCounter() as comm:
+        mixed_loss.backward()
+    adam.step()
+    ref = _mlp()
+    ref_loss = F.mse_loss(ref(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+    out["mixed_compute_dtypes"] = sorted({str(d) for d in watch.dtypes})
+    out["mixed_output_dtype"] = str(mixed_out.dtype)
+    out["mixed_loss_rel"] = abs(mixed_loss.item() - ref_loss.item()) / ref_loss.item()
+    out["mixed_master_dtypes"] = sorted({str(p.dtype) for p in mixed.parameters()})
+    out["mixed_grad_dtypes"] = sorted({str(p.grad.dtype) for p in mixed.parameters() if p.grad is not None})
+    out["mixed_state_dtypes"] = sorted({str(v.dtype) for s in adam.state.values() for k, v in s.items()
+                                        if k != "step"})
+    out["mixed_reduce_bytes"] = comm.bytes_by_op["reduce_scatter"]
+    out["mixed_reduce_elems"] = sum((world - 1) * u.plan.segment for u in mixed_units)
+    return out
+
+
+def _errors(rank: int, world: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+
+    def attempt(key: str, fn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn()
+        except (ValueError, TypeError, RuntimeError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[key] = "no error"
+
+    model = _shard_mlp(_mlp())
+    attempt("twice", lambda: st.fully_shard(model))
+    child_after = _mlp()
+    st.fully_shard(child_after)
+    attempt("parent_first", lambda: st.fully_shard(child_after[0]))
+    attempt("not_dividing", lambda: st.fully_shard(_mlp(), [0, 1] if rank < 2 else [2]))
+    attempt("not_including", lambda: st.fully_shard(_mlp(), [r for r in range(world) if r != rank]))
+    attempt("outside", lambda: st.fully_shard(_mlp(), list(range(world + 1))))
+    attempt("dtype", lambda: st.fully_shard(_mlp(), param_dtype=torch.int8))
+    tied = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 6, bias=False))
+    tied[1].weight = tied[0].weight
+    st.fully_shard(tied[0])
+    attempt("tied", lambda: st.fully_shard(tied))
+    with torch.device("meta"):
+        meta = nn.Linear(3, 4)
+    attempt("meta", lambda: st.fully_shard(meta))
+    early = _mlp()
+    optim = torch.optim.SGD(early.parameters(), lr=0.1)
+    _shard_mlp(early)
+    F.mse_loss(early(torch.ones(2, 5)), torch.zeros(2, 3)).backward()
+    attempt("optimizer_before", optim.step)
+    # The group still works after all of these.
+    out["after"] = str(F.mse_loss(model(torch.ones(2, 5)), torch.zeros(2, 3)).item() > 0)
+    return out
+
+
+def _check(rank: int, world: int) -> dict[str, object]:
+    results: dict[str, object] = {}
+    for kind in ("mlp", "llama"):
+        for optim_name in ("sgd", "adamw"):
+            results[f"{kind} {optim_name}"] = _compare(rank, world, kind, optim_name)
+    results["clip"] = _compare(rank, world, "mlp", "adamw", clip=0.05)
+    results["no_sync"] = _compare(rank, world, "llama", "adamw", micro=2, no_sync=True)
+    results["accumulate"] = _compare(rank, world, "mlp", "sgd", micro=2)
+    results["keep_after_forward"] = _compare(rank, world, "llama", "sgd", reshard_after_forward=False)
+    results["mechanics"] = _mechanics(rank, world)
+    results["errors"] = _errors(rank, world)
+    return results
+
+
+def test_fully_shard_trains_like_one_process_on_the_whole_batch() -> None:
+    pytest.importorskip("transformers")
+    world = 3
+    results = run_distributed(_check, world, timeout=600)
+    for rank, res in enumerate(results):
+        for key in ("mlp sgd", "mlp adamw", "llama sgd", "llama adamw", "clip", "no_sync", "accumulate",
+                    "keep_after_forward"):
+            diffs = res[key]
+            bad = {k: v for k, v in diffs.items() if not v <= TOL}
+            assert not bad, f"rank {rank} {key}: {bad}"
+            assert len(diffs) > 3
+        assert "norm" in res["clip"]
+        mech = res["mechanics"]
+        # (5, 7) etc. split on dim 0 over 3 ranks like torch.chunk: 3/3/1 rows of the first weight.
+        rows = {0: [3, 3, 1], 1: [4, 4, 3], 2: [1, 1, 0]}  # 7 rows; 11 rows; 2 rows
+        assert mech["local_shapes"][0] == (rows[0][rank], 5)
+        assert mech["local_shapes"][2] == (rows[1][rank], 7)
+        assert mech["local_shapes"][4] == (rows[1][rank],)
+        assert mech["local_shapes"][6] == (rows[2][rank], 11)
+        assert mech["param_types"] == ["Parameter"]
+        units = len(mech["segments"])
+        assert units == 3
+        # Forward gathers every unit, backward the two non-root units again; one reduce-scatter each.
+        assert mech["counts"] == {"all_gather": 2 * units - 1, "reduce_scatter": units}, mech["counts"]
+        root, *blocks = mech["segments"]
+        gathered = root + 2 * sum(blocks)
+        assert mech["bytes"]["all_gather"] == (world - 1) * gathered * 4
+        assert mech["bytes"]["reduce_scatter"] == (world - 1) * sum(mech["segments"]) * 4
+        assert mech["prefetched"] == [True] * 4, mech["prefetched"]  # two forwards, two prefetches each
+        assert mech["held_after_step"] == [0, 0, 0] and mech["states_after_step"] == ["sharded"] * 3
+        assert mech["held_after_no_grad"] == [0, 0, 0]
+        assert mech["grad_shapes_match"]
+        assert mech["mixed_compute_dtypes"] == ["torch.bfloat16"]
+        assert mech["mixed_output_dtype"] == "torch.bfloat16"
+        assert mech["mixed_loss_rel"] < 3e-2
+        assert mech["mixed_master_dtypes"] == mech["mixed_grad_dtypes"] == ["torch.float32"]
+        assert mech["mixed_state_dtypes"] == ["torch.float32"]
+        assert mech["mixed_reduce_bytes"] == mech["mixed_reduce_elems"] * 4
+        errors = res["errors"]
+        expected = {
+            "twice": "ValueError: this Sequential is already fully sharded",
+            "parent_first": "ValueError: parameter 'weight' is already fully sharded",
+            "not_dividing": "ValueError: the data-parallel groups [[0, 1], [2]] have different sizes [1, 2]",
+            "not_including": f"ValueError: ranks={[r for r in range(world) if r != rank]} does not include this",
+            "outside": "ValueError: ranks=[0, 1, 2, 3] names ranks [3] outside the world of 3",
+            "dtype": "TypeError: param_dtype must be a floating-point torch.dtype",
+            "tied": "ValueError: parameter '1.weight' is shared with another fully sharded Embedding",
+            "meta": "ValueError: parameter 'weight' is on the meta device",
+            "optimizer_before": ("RuntimeError: SGD.step(): this optimizer holds 10 parameter(s) that "
+                                 "st.fully_shard replaced"),
+        }
+        for key, start in expected.items():
+            assert errors[key].startswith(start), (rank, key, errors[key])
+        assert errors["after"] == "True"
