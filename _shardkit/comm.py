@@ -739,6 +739,7 @@ def agree(step: str, fn: Callable[[], T], group: ProcessGroup = None, *, timeout
     Returns ``(result, shared)``: this rank's result and every rank's shared value, in group
     rank order (``None`` entries without ``share``).
     """
+    resolve_timeout(timeout)  # a bad timeout is refused before any work, in a world of one too
     result: Any = None
     failure: BaseException | None = None
     shared: object = None

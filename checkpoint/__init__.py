@@ -3,7 +3,7 @@
 from ._async import AsyncSaveHandle, async_save
 from ._collect import collect_state_dict
 from ._consolidate import consolidate
-from ._dcp import convert
+from ._convert import convert
 from ._load import load
 from ._manager import CheckpointManager
 from ._save import save

@@ -15,13 +15,10 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from ._codec import check_header_entry
 from ._consolidate import consolidate_files, parse_size
-from ._dcp import convert
-from ._progress import progress
-from ._reader import DataReader, truncated_error
+from ._convert import convert_to
 from ._schema import CheckpointError, CheckpointMetadata, TensorEntry
-from ._storage import member, read_metadata_at, resolve
+from ._sources import open_source
 
 __all__ = ["main", "verify", "tensor_layout"]
 
@@ -41,6 +38,7 @@ examples:
   %(prog)s convert --from dcp dcp-ckpt ckpt
   %(prog)s convert --from dcp --to safetensors dcp-ckpt model.safetensors
   %(prog)s convert --to dcp ckpt dcp-ckpt
+  %(prog)s convert hf-model ckpt
 
 exit status: 0 success, 1 invalid or unreadable checkpoint, 2 usage error."""
 
@@ -129,16 +127,21 @@ def _parser() -> argparse.ArgumentParser:
     conv = commands.add_parser(
         "convert", parents=[common], help="convert between shardkit checkpoints and torch.distributed.checkpoint (DCP) folders",
         description="Convert a DCP folder (written by torch.distributed.checkpoint.save) into a shardkit checkpoint "
-                    "or one .safetensors file, or a shardkit checkpoint into a DCP folder that dcp.load reads. "
-                    "Runs in one process; the whole checkpoint passes through memory once. Reading a DCP folder "
-                    "unpickles its .metadata file (DCP's format): convert only DCP folders you trust. shardkit's "
-                    "own format never uses pickle.")
+                    "or one .safetensors file, a Hugging Face checkpoint into a shardkit checkpoint or a DCP "
+                    "folder, or a shardkit checkpoint into a DCP folder that dcp.load reads. The defaults are "
+                    "checkpoint.convert's: SRC's format is inferred (shardkit or Hugging Face; never DCP), and "
+                    "DST is a DCP folder for a shardkit SRC, a shardkit checkpoint otherwise. "
+                    "Runs in one process; the whole checkpoint passes through memory once. A folder is read as DCP "
+                    "only with --from dcp: DCP's .metadata file is a pickle, read with a restricted unpickler "
+                    "that admits DCP's own metadata classes only and refuses any other global before calling it. "
+                    "shardkit's own format never uses pickle, and nothing else is ever unpickled.")
     conv.add_argument("path", metavar="SRC", help="source folder (a DCP folder must be local)")
     conv.add_argument("output", metavar="DST", help="destination folder, or .safetensors file with --to safetensors")
-    conv.add_argument("--from", dest="from_format", choices=("shardkit", "dcp"), default="shardkit",
-                      help="format of SRC (default: shardkit)")
+    conv.add_argument("--from", dest="from_format", choices=("shardkit", "huggingface", "dcp"), default=None,
+                      help="format of SRC (default: inferred from its files, shardkit or huggingface; a DCP "
+                           "folder must be named with --from dcp)")
     conv.add_argument("--to", dest="to_format", choices=("shardkit", "dcp", "safetensors"), default=None,
-                      help="format of DST (default: shardkit when --from dcp, else dcp)")
+                      help="format of DST (default: dcp for a shardkit SRC, else shardkit)")
     return parser
 
 
@@ -152,9 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             return _verify_cmd(args.path, options, quiet=args.quiet, out=sys.stdout)
         if args.command == "convert":
-            to_format = args.to_format or ("shardkit" if args.from_format == "dcp" else "dcp")
-            convert(args.path, args.output, from_format=args.from_format, to_format=to_format)
-            print(f"wrote {args.output} ({to_format})", file=sys.stdout)
+            written = convert_to(args.path, args.output, from_format=args.from_format, to_format=args.to_format)
+            print(f"wrote {args.output} ({written})", file=sys.stdout)
             return 0
         return _consolidate_cmd(args.path, args.output, args.max_shard_size, options, quiet=args.quiet,
                                 include=args.include, strip_prefix=args.strip_prefix, out=sys.stdout)
@@ -231,8 +233,8 @@ def _describe(path: str, metadata: CheckpointMetadata) -> dict[str, Any]:
 
 
 def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextIO, width: int | None = None) -> int:
-    fs, root = resolve(path, options)
-    info = _describe(path, read_metadata_at(fs, root))
+    with open_source(path, storage_options=options) as source:
+        info = _describe(path, source.describe())
     if as_json:
         print(json.dumps(info, indent=2), file=out)
         return 0
@@ -278,66 +280,16 @@ def verify(path: str, *, storage_options: Mapping[str, Any] | None = None, quiet
            ) -> tuple[CheckpointMetadata, list[str]]:
     """Re-read a whole checkpoint; return its metadata and every problem found (empty if valid).
 
+    A shardkit checkpoint (every data file's size and header, every chunk checksum) or a
+    Hugging Face one (headers and sizes: its files carry no checksums), told apart by their
+    files like ``load`` does; never a DCP folder (its metadata is a pickle).
+
     Raises ``CheckpointError`` only when the metadata itself is missing or malformed (nothing
     else can be checked then). Each problem is a ``CheckpointError`` message naming the file
     and, where one is involved, the tensor.
     """
-    fs, root = resolve(path, storage_options)
-    metadata = read_metadata_at(fs, root)
-    problems: list[str] = []
-    by_file: dict[str, list[str]] = {}
-    for name, entry in metadata.tensors.items():
-        for shard in entry.shards:
-            if name not in by_file.setdefault(shard.file, []):
-                by_file[shard.file].append(name)
-    bad_files: set[str] = set()
-    with DataReader(fs) as reader:
-        for file, expected in sorted(metadata.files.items()):
-            try:
-                _check_file(reader, root, file, expected, by_file.get(file, []), metadata)
-            except _Unreadable as exc:
-                problems.append(str(exc))
-                bad_files.add(file)
-            except CheckpointError as exc:
-                problems.append(str(exc))
-        regions = sorted(((shard.file, shard.byte_range[0], name, shard)
-                          for name, entry in metadata.tensors.items() for shard in entry.shards
-                          if shard.numel > 0 and shard.file not in bad_files), key=lambda r: r[:2])
-        scratch = memoryview(bytearray(16 << 20))
-        with progress(sum(r[3].nbytes for r in regions), "verify", quiet=quiet) as bar:
-            for file, _, name, shard in regions:
-                try:
-                    for piece in reader.region_pieces(member(root, file), shard, scratch, tensor=name):
-                        bar.update(len(piece))
-                except CheckpointError as exc:
-                    problems.append(str(exc))
-    return metadata, problems
-
-
-class _Unreadable(CheckpointError):
-    """A data file whose regions cannot be read at all (missing or truncated): they are not checked one by one."""
-
-
-def _check_file(reader: DataReader, root: str, file: str, expected: int, tensors: list[str],
-                metadata: CheckpointMetadata) -> None:
-    """Check that data file ``file`` has the recorded size and a safetensors header matching the metadata."""
-    path = member(root, file)
-    try:
-        actual = reader.size(path, tensors=tensors)
-    except CheckpointError as exc:
-        raise _Unreadable(str(exc)) from exc
-    if actual < expected:
-        raise _Unreadable(str(truncated_error(path, tensors, 0, expected, actual)))
-    if actual > expected:
-        msg = (f"data file {path!r} has {actual} bytes but the metadata records {expected}: it is longer than "
-               f"recorded (restore it or save the checkpoint again).")
-        raise CheckpointError(msg)
-    header, data_start, _ = reader.read_header(path, tensors=tensors)
-    for name in tensors:
-        entry = metadata.tensors[name]
-        for shard in entry.shards:
-            if shard.file == file:
-                check_header_entry(header, data_start, shard, entry.dtype, file=path, tensor=name)
+    with open_source(path, storage_options=storage_options) as source:
+        return source.describe(), source.verify(quiet=quiet)
 
 
 def _verify_cmd(path: str, options: Mapping[str, Any], *, quiet: bool, out: TextIO) -> int:

@@ -78,7 +78,7 @@ class CheckpointManager:
         self.best_mode = best_mode
         self._group = process_group
         self._options = storage_options
-        self._timeout = timeout
+        self._timeout = None if timeout is None else _comm.resolve_timeout(timeout)  # refused here, as save does
         self._fs, self._root = resolve(root, storage_options)
         self._handle: AsyncSaveHandle | None = None
         self._writing: int | None = None

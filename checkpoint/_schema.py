@@ -1,4 +1,4 @@
-"""The metadata of a checkpoint (format version 1): the JSON model of ``shardkit.json`` and its validation.
+"""The metadata of a checkpoint: the JSON model of ``shardkit.json`` (format version 4) and its validation.
 
 A checkpoint is a folder (local or any fsspec URL)::
 
@@ -21,6 +21,9 @@ A checkpoint is a folder (local or any fsspec URL)::
           "checksum": "crc32c:1a2b3c4d"}, ...]}},
      "values": {"epoch": 3, "optim.param_groups": [{"lr": 0.1}]}}
 
+(The layout above is version 1's; version 3 stores a tensor's regions as columns, see
+``_regions``, and version 4 adds ``"checksum"``, the SHA-256 of the file's own canonical
+content, checked by every reader: an edited file is refused, a re-indented one is not.)
 Names are dotted paths of the (possibly nested) state_dict. The saved regions of a tensor
 tile it exactly once (replicated regions are written once). A region's data is its block of
 the global tensor in row-major (C) order, little-endian, as in safetensors. The full
@@ -31,6 +34,7 @@ specification is ``docs/format.md``. This module is pure (no file system): the v
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -62,12 +66,15 @@ from ._regions import (
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
     "CheckpointError", "CheckpointMetadata", "TensorEntry", "SavedShard", "RegionTable", "parse_metadata",
-    "metadata_from_data", "metadata_text", "check_file_name",
+    "metadata_from_data", "metadata_text", "content_checksum", "CONTENT_CHECKSUM", "check_file_name",
     "dtype_from_name", "dtype_from_code", "dtype_name", "safetensors_dtype",
 ]
 
 FORMAT_NAME = "shardkit-checkpoint"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+CONTENT_CHECKSUM = "checksum"
+"""Key of ``shardkit.json``'s checksum of its own canonical content (from format version 4)."""
+_CONTENT_ALGORITHM = "sha256"
 METADATA_FILE = "shardkit.json"
 _GENERATION = re.compile(r"^[0-9a-f]{1,64}$")
 
@@ -230,13 +237,15 @@ class CheckpointMetadata:
     version: int = FORMAT_VERSION
 
     def to_data(self) -> dict[str, Any]:
-        """The JSON data of ``shardkit.json``, in the current format version."""
+        """The JSON data of ``shardkit.json``, in the current format version, its checksum last."""
         files = FileList.of(self.files)
-        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": self.generation,
+        data = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": self.generation,
                 "world_size": self.world_size,
                 "files": [{"name": name, "bytes": n} for name, n in self.files.items()],
                 "tensors": {name: entry.to_dict(name, files) for name, entry in self.tensors.items()},
                 "values": dict(self.values)}
+        data[CONTENT_CHECKSUM] = content_checksum(data)
+        return data
 
     def to_json(self) -> str:
         """The text of ``shardkit.json``, in the current format version."""
@@ -281,6 +290,34 @@ def metadata_text(data: Mapping[str, Any]) -> str:
     return json.dumps(data, separators=(",", ":"))
 
 
+def content_checksum(data: Mapping[str, Any]) -> str:
+    """``"sha256:<hex>"`` of the canonical JSON of ``data`` without its ``"checksum"`` key.
+
+    Canonical: keys sorted, no spaces, ASCII only (``json.dumps(..., sort_keys=True,
+    separators=(",", ":"))``), so the checksum depends on the content, never on how the
+    file is laid out: a re-indented file still matches, an edited value never does.
+    """
+    content = {key: value for key, value in data.items() if key != CONTENT_CHECKSUM}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{_CONTENT_ALGORITHM}:{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+def _check_content(data: Mapping[str, Any], source: str) -> None:
+    """Refuse a version-4 ``shardkit.json`` whose recorded checksum is not its content's."""
+    recorded = data.get(CONTENT_CHECKSUM)
+    if not isinstance(recorded, str) or not re.fullmatch(rf"{_CONTENT_ALGORITHM}:[0-9a-f]{{64}}", recorded):
+        msg = (f"checkpoint metadata {source!r} was edited or is corrupt: its {CONTENT_CHECKSUM!r} field is "
+               f"{recorded!r}, not \"{_CONTENT_ALGORITHM}:<64 hex digits>\" (format version {data.get('version')} "
+               f"records the checksum of its own content); restore the file or save the checkpoint again.")
+        raise CheckpointError(msg)
+    actual = content_checksum(data)
+    if actual != recorded:
+        msg = (f"checkpoint metadata {source!r} was edited or is corrupt: its content has checksum {actual}, but "
+               f"the file records {recorded}. shardkit.json must not be changed after a save (a changed value, "
+               f"size or name would load silently otherwise); restore the file or save the checkpoint again.")
+        raise CheckpointError(msg)
+
+
 def metadata_from_data(data: object, *, source: str = "?") -> CheckpointMetadata:
     """``parse_metadata`` of the JSON data itself (``data`` as ``json.loads`` returns it), as fully checked."""
     with cyclic_gc_paused():
@@ -308,6 +345,8 @@ def _from_data(data: object, source: str) -> CheckpointMetadata:
         msg = (f"checkpoint metadata {source!r} has format version {version}, newer than the version "
                f"{FORMAT_VERSION} this shardkit reads; upgrade shardkit to load it.")
         raise CheckpointError(msg)
+    if version >= 4:
+        _check_content(data, source)
     generation = data.get("generation")
     if not isinstance(generation, str) or not _GENERATION.match(generation):
         raise _fail(source, "generation", f"expected a lowercase hex string, got {generation!r}")

@@ -130,6 +130,11 @@ def read_metadata_at(fs: fsspec.AbstractFileSystem, root: str) -> CheckpointMeta
                    f"or is still running); save it again.")
             raise CheckpointError(msg)
         msg = f"no shardkit checkpoint at {root!r}: {source!r} does not exist."
+        if ".metadata" in leftovers:
+            # Never read here: DCP's .metadata is a pickle, opened only when the caller asks for DCP.
+            msg += (" The folder holds a '.metadata' file, as a torch.distributed.checkpoint (DCP) folder does; "
+                    "DCP folders are read only when named: checkpoint.load(..., from_format='dcp'), "
+                    "checkpoint.convert(..., from_format='dcp') or the command line's convert --from dcp.")
         raise FileNotFoundError(msg)
     return parse_metadata(text, source=source)
 

@@ -17,6 +17,7 @@ reads any of 2, 4, 8 and 16), so an edit may put any value in them::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -28,7 +29,8 @@ import torch
 
 __all__ = ["OFFSET_DIGITS", "FILE_DIGITS", "CRC_DIGITS", "Region", "read", "write", "decode", "encode", "regions",
            "file_names", "file_entry", "itemsize", "grid_cells", "blocks", "chunk_counts", "region", "all_regions",
-           "explicit", "set_region", "drop_region", "shift_file", "default_key", "widen"]
+           "explicit", "set_region", "drop_region", "shift_file", "default_key", "widen",
+           "seal"]
 
 OFFSET_DIGITS = 16  # "grid", "offsets", "dims", "start" after ``read``: 16 hex digits per value
 FILE_DIGITS = 16  # "file" after ``read``
@@ -70,9 +72,19 @@ def widen(raw: dict[str, Any], digits: int = 16) -> None:
     raw["digits"] = digits
 
 
-def write(folder: str | Path, md: dict[str, Any]) -> None:
-    """Write ``md`` as ``folder/shardkit.json``."""
+def write(folder: str | Path, md: dict[str, Any], *, reseal: bool = True) -> None:
+    """Write ``md`` as ``folder/shardkit.json``, with the checksum of its new content (version 4 on)
+    unless ``reseal=False``: a test of a defence behind the checksum edits as a writer would."""
+    if reseal and md.get("version", 0) >= 4:
+        md = {**md, "checksum": seal(md)}
     (Path(folder) / "shardkit.json").write_text(json.dumps(md))
+
+
+def seal(md: dict[str, Any]) -> str:
+    """The ``"checksum"`` a version-4 ``shardkit.json`` holding ``md`` records (docs/format.md)."""
+    content = {k: v for k, v in md.items() if k != "checksum"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 # -- hex columns ------------------------------------------------------------------------------------

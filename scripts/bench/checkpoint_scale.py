@@ -23,7 +23,7 @@ plus smaller ones for the metadata size. For each it measures:
 - ``metadata_bytes``: the size of ``shardkit.json`` and its bytes per region, at several
   scales. Goal: linear in regions (constant bytes per region).
 - ``load_planning``: what ``checkpoint.load`` does per tensor to find the saved regions its
-  own shard needs (``_load._plan_tensor``, on entries parsed from ``shardkit.json`` as a
+  own shard needs (``_files._plan_tensor``, on entries parsed from ``shardkit.json`` as a
   loading rank has them), for a fixed local shard of 4 rows while the saved layout has 1 to
   4096 regions per tensor. Goal: independent of the regions it does not read. The parse
   (linear in regions: every rank reads the whole file) is reported beside it.
@@ -65,7 +65,7 @@ from _harness import machine
 
 import sharded_tensor as st
 from checkpoint._chunks import CHUNK_BYTES, chunk_count, encode_chunks
-from checkpoint._load import _plan_tensor
+from checkpoint._files import _plan_tensor
 from checkpoint._save import _assemble, _commit, _Plan
 from checkpoint._schema import METADATA_FILE, CheckpointMetadata, SavedShard, TensorEntry, parse_metadata
 from checkpoint._storage import data_file_name

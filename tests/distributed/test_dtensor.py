@@ -328,7 +328,7 @@ def _phase_dcp_import(rank: int, world: int, root: str) -> dict | None:
     st.shard_model(model, composite(**{"0": single_split(0, ranks), "3": single_split(0, ranks)}), seed=3)
     optim = _optim(model)
     state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 0}
-    checkpoint.load(state, f"{root}/dcp")  # detected as DCP from the folder
+    checkpoint.load(state, f"{root}/dcp", from_format="dcp")  # a DCP folder is read only when named
     st.load_optim_state_dict(model, optim, state["optim"])
     assert state["step"] == 2 and state["optim"]["param_groups"][0]["lr"] == 1e-2
     return _snapshot(checkpoint.collect_state_dict(state))

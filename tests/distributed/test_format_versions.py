@@ -68,8 +68,8 @@ def _load_both(root: str) -> list[str]:
 
 
 def test_older_versions_load_into_two_ranks(tmp_path: Path) -> None:
-    for version in ("v1", "v2"):
+    for version in ("v1", "v2", "v3"):
         for name in ("one_rank", "two_ranks"):
             shutil.copytree(DATA / version / name, tmp_path / version / name)
-    results = run_distributed(_load_all, 2, str(tmp_path), ["v1", "v2"])
-    assert results == [[f"{v}/{n}" for v in ("v1", "v2") for n in ("one_rank", "two_ranks")]] * 2
+    results = run_distributed(_load_all, 2, str(tmp_path), ["v1", "v2", "v3"])
+    assert results == [[f"{v}/{n}" for v in ("v1", "v2", "v3") for n in ("one_rank", "two_ranks")]] * 2

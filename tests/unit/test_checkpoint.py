@@ -20,7 +20,7 @@ import torch
 
 import checkpoint
 import sharded_tensor as st
-from checkpoint import CheckpointError, _codec, _load, _save, _schema, _storage
+from checkpoint import CheckpointError, _codec, _files, _save, _schema, _storage
 from sharding import single_split
 from tests import _metadata_edit as edit
 
@@ -122,7 +122,8 @@ def test_files_are_plain_safetensors_and_json_without_pickle(tmp_path):
     names = sorted(os.listdir(tmp_path / "ck"))
     assert names[-1] == "shardkit.json" and all(n.endswith(".safetensors") for n in names[:-1]), names
     meta = json.loads((tmp_path / "ck" / "shardkit.json").read_text())  # plain JSON
-    assert meta["format"] == "shardkit-checkpoint" and meta["version"] == 3
+    assert meta["format"] == "shardkit-checkpoint" and meta["version"] == 4
+    assert meta["checksum"] == edit.seal(meta)  # the checksum of its own content
     assert edit.file_names(meta) == names[:-1]
     saved = {name: edit.all_regions(meta, name) for name in meta["tensors"]}
     assert sum(len(r) for r in saved.values()) == 3  # w in two regions, b in one
@@ -181,7 +182,7 @@ def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 # -- reading only what is needed ------------------------------------------------------------------
 
-class _CountingReader(_load.DataReader):
+class _CountingReader(_files.DataReader):
     log: list[tuple[str, int]] = []
     _header = False  # reading a safetensors header (checked against the metadata), not tensor data
 
@@ -208,7 +209,7 @@ class _CountingReader(_load.DataReader):
         return super().read_many(path, ranges, **kwargs)
 
 
-_copy_mapped = _load._copy_mapped
+_copy_mapped = _files._copy_mapped
 
 
 def _counting_copy_mapped(task, *args):
@@ -229,8 +230,8 @@ def test_load_reads_only_needed_bytes(tmp_path, memory_url, monkeypatch, backend
     checkpoint.save({"w": _sharded(full, _split(*saved))}, path)
     log: list[tuple[str, int]] = []
     monkeypatch.setattr(_CountingReader, "log", log)
-    monkeypatch.setattr(_load, "DataReader", _CountingReader)
-    monkeypatch.setattr(_load, "_copy_mapped", _counting_copy_mapped)
+    monkeypatch.setattr(_files, "DataReader", _CountingReader)
+    monkeypatch.setattr(_files, "_copy_mapped", _counting_copy_mapped)
     out = checkpoint.load({"w": st.zeros(*shape, sharding_spec=_split(*target))}, path)["w"]
     assert torch.equal(_full(out), full)
     read = sum(n for kind, n in log if kind == "read")
@@ -252,7 +253,7 @@ def test_direct_read_into_target_memory(tmp_path, monkeypatch):
     full = _example(torch.float32, (8, 4))
     checkpoint.save({"w": full}, tmp_path)
     copies = []
-    monkeypatch.setattr(_load, "_copy", lambda dest, src: copies.append(1) or dest.copy_(src))
+    monkeypatch.setattr(_files, "_copy", lambda dest, src: copies.append(1) or dest.copy_(src))
     target = torch.zeros(8, 4)
     checkpoint.load({"w": target}, tmp_path)
     assert torch.equal(target, full) and copies == []
@@ -292,7 +293,7 @@ def test_flipped_checksum_digit_names_file_and_tensor(tmp_path):
     at = edit.CRC_DIGITS * sum(edit.chunk_counts(meta, "w")[:1]) + 5  # a digit of region 1's first chunk
     digits[at] = "0" if digits[at] != "0" else "1"
     regions["crc32c"] = "".join(digits)
-    (path / "shardkit.json").write_text(json.dumps(meta))
+    edit.write(path, meta)  # resealed: the chunk checksum itself must catch it
     target = _target()
     with pytest.raises(CheckpointError, match=rf"checksum mismatch in '.*{shard.file}' for tensor 'w'"):
         checkpoint.load(target, path)
@@ -342,8 +343,9 @@ def test_malformed_metadata(tmp_path, mutate, match):
 
 
 def _edited(meta: dict, change, *args, **kwargs) -> str:
+    """``meta`` changed and resealed (its content checksum recomputed): the defence behind it must catch it."""
     change(meta, *args, **kwargs)
-    return json.dumps(meta)
+    return json.dumps({**meta, "checksum": edit.seal(meta)})
 
 
 def _set_column(meta: dict, name: str, column: str, value: object) -> None:
@@ -357,7 +359,7 @@ def test_file_names_outside_the_folder_are_refused(tmp_path, name):
     old = edit.region(meta, "w", 0).file
     edit.file_entry(meta, old)["name"] = name  # the regions refer to it by its number
     assert edit.region(meta, "w", 0).file == name
-    (path / "shardkit.json").write_text(json.dumps(meta))
+    edit.write(path, meta)
     with pytest.raises(CheckpointError, match="not a plain file name inside the checkpoint folder") as info:
         checkpoint.load(_target(), path)
     assert repr(name) in str(info.value) and "shardkit.json" in str(info.value)
@@ -451,21 +453,22 @@ def test_metadata_file_is_compact_and_validated_before_commit():
     out = md.to_json()
     assert " " not in out and "\n" not in out  # compact
     written = json.loads(out)
+    assert written.pop("checksum") == edit.seal(written) and written.pop("version") == 4
     assert written["tensors"]["y"]["regions"]["digits"] == 2  # as few digits as the values need
     for entry in written["tensors"].values():
         edit.widen(entry["regions"])
-    assert written == json.loads(text)  # the same columns written back
-    assert _schema.parse_metadata(out) == md
-    # An older version is written as version 3: the regions are the same, without the
+    assert written == {k: v for k, v in json.loads(text).items() if k != "version"}  # the same columns written back
+    assert _schema.parse_metadata(out) == dataclasses.replace(md, version=4)
+    # An older version is written as the current version: the regions are the same, without the
     # whole-region checksums of version 2 (the chunk checksums cover every byte).
     v2 = _schema.parse_metadata((Path(__file__).parent.parent / "data/v2/one_rank/shardkit.json").read_text())
     assert v2.version == 2 and all(s.checksum.startswith("crc32c:") for e in v2.tensors.values() for s in e.shards)
     again = _schema.parse_metadata(v2.to_json())
-    assert again.version == 3 and dict(again.files) == dict(v2.files) and again.values == v2.values
+    assert again.version == 4 and dict(again.files) == dict(v2.files) and again.values == v2.values
     for name, entry in v2.tensors.items():
         assert (again.tensors[name].size, again.tensors[name].dtype) == (entry.size, entry.dtype), name
         assert list(again.tensors[name].shards) == [dataclasses.replace(s, checksum="") for s in entry.shards], name
-    # Version 1 has no chunk checksums, which version 3 needs: refused, not written wrong.
+    # Version 1 has no chunk checksums, which versions 3 and 4 need: refused, not written wrong.
     v1 = _schema.parse_metadata(json.dumps({
         "format": "shardkit-checkpoint", "version": 1, "generation": "ab", "world_size": 1,
         "files": {file: {"bytes": 72}},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -522,3 +523,170 @@ def test_a_valid_checkpoint_still_round_trips_every_path(tmp_path: Path, capsys:
     assert main(["verify", "-q", str(folder)]) == 0
     assert main(["inspect", str(folder)]) == 0
     capsys.readouterr()
+
+
+# -- no pickle unless asked, and then only DCP's own classes ------------------------------------
+
+class _Planted:
+    """An object whose unpickling writes ``marker``: code execution, made visible."""
+
+    def __init__(self, marker: Path, how: str) -> None:
+        self.marker, self.how = marker, how
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.how == "exec":
+            return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+        # A method of an admitted module (pathlib): named "Path.write_text", never admitted.
+        return (Path.write_text, (Path(self.marker), "ran"))
+
+
+def _planted_pickle(marker: Path, how: str) -> bytes:
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if how == "nested":  # DCP's own Metadata with the payload deep inside it
+        return pickle.dumps(Metadata(state_dict_metadata={}, planner_data={"x": _Planted(marker, "exec")}))
+    return pickle.dumps(_Planted(marker, how))
+
+
+def _folder_kinds(tmp_path: Path) -> dict[str, Path]:
+    """One folder of every kind: a Hugging Face folder, a shardkit checkpoint without (or with) its
+    shardkit.json, a DCP folder, a CheckpointManager step."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    kinds = {}
+    hf = tmp_path / "hf"
+    hf.mkdir(parents=True)
+    safetensors.torch.save_file({"w": _ramp(8, 4)}, str(hf / "model.safetensors"))
+    kinds["hf"] = hf
+    kinds["shardkit-without-json"] = _saved(tmp_path / "a")
+    (kinds["shardkit-without-json"] / "shardkit.json").unlink()
+    kinds["shardkit"] = _saved(tmp_path / "b")
+    kinds["dcp"] = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": _ramp(8, 4), "b": _ramp(4, dtype=torch.float64), "epoch": 1},
+                 storage_writer=dcp.FileSystemWriter(str(kinds["dcp"])), no_dist=True)
+    manager = checkpoint.CheckpointManager(tmp_path / "runs")
+    manager.save(3, {"w": _ramp(8, 4), "b": _ramp(4, dtype=torch.float64), "epoch": 1})
+    kinds["manager-step"] = next(p.parent for p in (tmp_path / "runs").rglob("shardkit.json"))
+    return kinds
+
+
+def _load_target() -> dict[str, Any]:
+    return {"w": torch.zeros(8, 4), "b": torch.zeros(4, dtype=torch.float64), "epoch": 0}
+
+
+def _entry_points(folder: Path, out: Path) -> dict[str, Any]:
+    """Every way into a checkpoint folder, as calls (``out``: where outputs may go)."""
+    calls: dict[str, Any] = {
+        "load": lambda: checkpoint.load(_load_target(), folder, strict=False),
+        "load-mmap": lambda: checkpoint.load(_load_target(), folder, strict=False, mmap=True),
+        "load-dcp": lambda: checkpoint.load(_load_target(), folder, strict=False, from_format="dcp"),
+        "convert": lambda: checkpoint.convert(folder, out / "c"),
+        "convert-dcp": lambda: checkpoint.convert(folder, out / "d", from_format="dcp"),
+        "convert-dcp-safetensors": lambda: checkpoint.convert(folder, out / "e.safetensors", from_format="dcp",
+                                                              to_format="safetensors"),
+        "read_metadata": lambda: checkpoint.read_metadata(folder),
+        "consolidate": lambda: checkpoint.consolidate(folder, out / "o.safetensors", quiet=True),
+        "cli-inspect": lambda: main(["inspect", str(folder)]),
+        "cli-verify": lambda: main(["verify", "-q", str(folder)]),
+        "cli-consolidate": lambda: main(["consolidate", "-q", str(folder), str(out / "x.safetensors")]),
+        "cli-convert": lambda: main(["convert", str(folder), str(out / "y")]),
+        "cli-convert-dcp": lambda: main(["convert", "--from", "dcp", str(folder), str(out / "z")]),
+    }
+    if folder.name.startswith("step"):
+        manager = checkpoint.CheckpointManager(folder.parent)
+        calls["manager-load"] = lambda: manager.load(_load_target())
+        calls["manager-steps"] = manager.steps
+    return calls
+
+
+@pytest.mark.parametrize("how", ["exec", "dotted-name", "nested"])
+def test_no_entry_point_runs_a_planted_metadata_pickle(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       how: str) -> None:
+    """A pickle that writes a marker file, planted as ``.metadata`` in every kind of folder, never
+    runs: not by default (no entry point reads ``.metadata`` unless asked for DCP), and not when
+    asked (the restricted unpickler refuses the global before calling it)."""
+    marker = tmp_path / "marker"
+    kinds = _folder_kinds(tmp_path / "folders")
+    for folder in kinds.values():
+        (folder / ".metadata").write_bytes(_planted_pickle(marker, how))
+    out = tmp_path / "out"
+
+    for kind, folder in kinds.items():
+        calls = _entry_points(folder, out / kind)
+        for name, call in calls.items():
+            try:
+                call()
+            except (CheckpointError, FileNotFoundError, ValueError) as exc:
+                assert str(exc), (kind, name)
+                if name in ("load-dcp", "convert-dcp", "convert-dcp-safetensors") and kind != "hf":
+                    assert "refusing to unpickle" in str(exc), (kind, name, exc)
+            assert not marker.exists(), f"{name} on a {kind} folder ran the pickle planted as .metadata"
+        err = capsys.readouterr().err
+        if kind != "hf":
+            assert "refusing to unpickle" in err, (kind, err)  # the CLI's --from dcp says why
+
+
+def test_a_dcp_folder_is_read_only_when_named(tmp_path: Path) -> None:
+    """Format detection never falls back to DCP's pickle: without from_format="dcp" a DCP folder is
+    not a checkpoint, and the error says how to read it; with it, it loads bit for bit."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": _ramp(8, 4), "epoch": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")), no_dist=True)
+    with pytest.raises(FileNotFoundError, match=r"from_format='dcp'"):
+        checkpoint.load({"w": torch.zeros(8, 4), "epoch": 0}, tmp_path / "dcp")
+    out = checkpoint.load({"w": torch.zeros(8, 4), "epoch": 0}, tmp_path / "dcp", from_format="dcp")
+    assert torch.equal(out["w"], state["w"]) and out["epoch"] == 1
+    with pytest.raises(ValueError, match="from_format='pickle'"):
+        checkpoint.load({"w": torch.zeros(8, 4)}, tmp_path / "dcp", from_format="pickle")  # type: ignore[arg-type]
+
+
+# -- shardkit.json cannot be edited silently; every argument checked alike -------------------------
+
+def test_an_edited_metadata_file_is_refused_by_load_and_verify(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``"step": 5`` changed to 6 used to load silently and pass ``verify``; the content checksum catches it.
+    Re-indenting the file changes no content and still loads."""
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(8, 4), "step": 5}, folder, quiet=True)
+    text = (folder / "shardkit.json").read_text()
+    pretty = json.dumps(json.loads(text), indent=2)
+    (folder / "shardkit.json").write_text(pretty)
+    assert checkpoint.load({"w": torch.zeros(8, 4), "step": 0}, folder)["step"] == 5
+    for edited in (text.replace('"step":5', '"step":6'), text.replace('"checksum":', '"checksum_":')):
+        (folder / "shardkit.json").write_text(edited)
+        with pytest.raises(CheckpointError, match=r"shardkit.json' was edited or is corrupt") as info:
+            checkpoint.load({"w": torch.zeros(8, 4), "step": 0}, folder)
+        assert "save the checkpoint again" in str(info.value)
+        assert main(["verify", "-q", str(folder)]) == 1
+        assert "was edited or is corrupt" in capsys.readouterr().err
+        with pytest.raises(CheckpointError, match="was edited or is corrupt"):
+            checkpoint.read_metadata(folder)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, "10"], ids=repr)
+def test_every_entry_point_refuses_a_bad_timeout(tmp_path: Path, timeout: Any) -> None:
+    """``load`` on one process accepted what ``save`` refused; now every entry point checks alike."""
+    folder = tmp_path / "ck"
+    checkpoint.save({"w": _ramp(2)}, folder, quiet=True)
+    rule = f"timeout={timeout!r} is not a timeout; use a positive, finite number of seconds"
+    calls = {
+        "save": lambda: checkpoint.save({"w": _ramp(2)}, tmp_path / "other", timeout=timeout),
+        "load": lambda: checkpoint.load({"w": torch.zeros(2)}, folder, timeout=timeout),
+        "load-dcp": lambda: checkpoint.load({"w": torch.zeros(2)}, folder, timeout=timeout, from_format="dcp"),
+        "manager": lambda: checkpoint.CheckpointManager(tmp_path / "runs", timeout=timeout),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=re.escape(rule)):
+            call()
+        assert not (tmp_path / "other").exists(), name

@@ -174,12 +174,28 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int, bytes]:
     return json.loads(raw[8:8 + n]), n, raw[8 + n:]
 
 
+def _reseal(tree: dict[str, Any], text: str) -> str:
+    """``text`` with the content checksum of what it now holds, unless the edit hit the checksum itself:
+    so the defences behind the checksum (every check of the content) are what is fuzzed."""
+    old = tree.get("checksum")
+    try:
+        new = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    if not isinstance(old, str) or not isinstance(new, dict) or new.get("checksum") != old:
+        return text
+    try:
+        return text.replace(json.dumps(old), json.dumps(edit.seal(new)))
+    except (ValueError, RecursionError):
+        return text
+
+
 def _apply(folder: Path, target: str, path_index: int, op: str, value: Any, length: int | None) -> str:
     """Mutate the copy in ``folder``; return the name of the file changed."""
     if target == "metadata":
         tree = json.loads((folder / "shardkit.json").read_text())
         paths = _paths(tree)
-        text = _serialize(tree, paths[path_index % len(paths)], op, value)
+        text = _reseal(tree, _serialize(tree, paths[path_index % len(paths)], op, value))
         (folder / "shardkit.json").write_text(text)
         return "shardkit.json"
     data = min(folder.glob("data-*.safetensors"))

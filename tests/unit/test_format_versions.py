@@ -21,7 +21,7 @@ from tests.data.make_fixtures import (
 )
 
 DATA = Path(__file__).parent.parent / "data"
-VERSIONS = ["v1", "v2"]
+VERSIONS = ["v1", "v2", "v3"]
 
 
 def _copy(name: str, tmp_path: Path, version: str) -> Path:
