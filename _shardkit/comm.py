@@ -6,9 +6,12 @@ rest of the package pure. Tensors travel on their own device: Gloo for CPU, NCCL
 Every wait here is bounded. A collective that does not complete within its timeout, or
 that fails because a peer's connection closed (the peer crashed or was killed), raises
 ``CollectiveError`` naming the operation and, where they can be told, the ranks that did
-not answer. The timeout of a call is, in order: the ``timeout`` passed to it, the one of
-the enclosing entry point (``operation`` / ``collective``), the environment variable
-``SHARDKIT_TIMEOUT`` (seconds, read at each call), and ``DEFAULT_TIMEOUT``.
+not answer. A rank of the group that exits, crashes or is killed makes every wait on that
+group raise within moments, whatever the timeout (``_shardkit.liveness``): the timeout
+bounds only a wait for a peer that is alive but silent. The timeout of a call is, in order:
+the ``timeout`` passed to it, the one of the enclosing entry point (``operation`` /
+``collective``), the environment variable ``SHARDKIT_TIMEOUT`` (seconds, read at each
+call), and ``DEFAULT_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import teardown  # noqa: F401 - binds torch's default-group arguments before any group exists; exit hook
+from . import liveness as _liveness
+from . import teardown  # binds torch's default-group arguments before any group exists; exit hook
 
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "gather_json", "broadcast_json", "all_gather_tensor", "CollectiveError",
            "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT",
-           "TIMEOUT_ENV", "resolve_timeout", "operation", "operation_name", "collective"]
+           "TIMEOUT_ENV", "LIVENESS_ENV", "resolve_timeout", "operation", "operation_name", "collective"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
 """A ``torch.distributed.ProcessGroup``; ``None`` means the default group."""
@@ -45,6 +49,11 @@ DEFAULT_TIMEOUT = 600.0
 
 TIMEOUT_ENV = "SHARDKIT_TIMEOUT"
 """Environment variable (seconds) that replaces ``DEFAULT_TIMEOUT`` for calls given no ``timeout=``."""
+
+LIVENESS_ENV = "SHARDKIT_LIVENESS"
+"""Environment variable: ``0`` turns off the detection of gone peers (``_shardkit.liveness``),
+e.g. where rank 0 cannot accept a TCP connection from the other ranks; waits then end on
+Gloo's own connection errors or the timeout."""
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -188,13 +197,44 @@ class PendingExchange:
         raise _fail(self._what, exc, self._started, self._timeout, ranks) from exc
 
     def _finish(self, works: list[tuple[int | None, Any]]) -> None:
+        liveness = _watchdog() if self._bounded else None
+        if liveness is None or not works:
+            self._wait_each(works, self._note)
+            return
+        # A Gloo send or receive can be waited on only by blocking: a pool thread does that,
+        # while this one also watches for a rank of the group being gone.
+        failures: list[tuple[int | None, BaseException]] = []
+        done, wake = threading.Event(), threading.Event()
+
+        def wait_all() -> None:
+            try:
+                self._wait_each(works, lambda peer, exc: failures.append((peer, exc)))
+            finally:
+                done.set()
+                wake.set()
+
+        _liveness.run_in_background(wait_all)
+        try:
+            _liveness.wait_until(done.is_set, wake, self._deadline + 1.0, liveness, _members(self._group))
+        except _liveness.PeerGone as gone:
+            for rank in gone.ranks:
+                self._note(_group_rank(self._group, rank), gone)
+            return
+        for peer, exc in failures:
+            self._note(peer, exc)
+
+    def _wait_each(self, works: list[tuple[int | None, Any]],
+                   note: Callable[[int | None, BaseException], None]) -> None:
+        failed: set[int] = set()
         for peer, work in works:
-            if peer is not None and peer in self._failed:
+            if peer is not None and (peer in self._failed or peer in failed):
                 continue  # its pair is closed: its other transfers fail too
             try:
                 _wait_work(work, self._deadline, self._bounded)
             except Exception as exc:  # noted; the transfers with the other peers are still waited for
-                self._note(peer, exc)
+                if peer is not None:
+                    failed.add(peer)
+                note(peer, exc)
 
     def wait_recv(self, peer: int) -> None:
         """Wait until the message from ``peer`` has arrived (others may still be in flight).
@@ -265,6 +305,7 @@ def start_exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.
         _record("send/recv", tensor.numel() * tensor.element_size())
     if not ops:
         return pending
+    _check_alive(what, group, pending._timeout)
     _begin(what)
     if ops[0][2].device.type != "cpu":
         pending._peers.update(peer for peer, *_ in ops)
@@ -468,6 +509,71 @@ class _Arrivals:
 
 _arrivals = _Arrivals()
 
+
+# -- who is gone: _shardkit.liveness ---------------------------------------------------------------
+
+_watch_state: dict[str, Any] = {"world": None, "liveness": None}
+_watch_lock = threading.Lock()
+_members_cache: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+
+def _watchdog() -> _liveness.Liveness | None:
+    """This process's ``Liveness`` for the current default group (started on first use), or ``None``."""
+    if not _initialized() or os.environ.get(LIVENESS_ENV, "").strip() == "0":
+        return None
+    world_group = dist.group.WORLD
+    with _watch_lock:
+        current = _watch_state["liveness"]
+        if _watch_state["world"] is world_group:
+            return current  # type: ignore[no-any-return]
+        if current is not None:
+            current.stop()
+        _watch_state["world"], _watch_state["liveness"] = world_group, None
+        store = _store()
+        if store is None or dist.get_world_size() < 2:
+            return None
+        created = _liveness.Liveness(store, dist.get_rank(), dist.get_world_size())
+        _watch_state["liveness"] = created
+    # The first collective gives the connection to rank 0 a moment, so that a peer dying
+    # right after it is seen.
+    created.connected.wait(_liveness._CONNECT_WAIT)
+    return created
+
+
+def _stop_watching() -> None:
+    with _watch_lock:
+        current, _watch_state["liveness"], _watch_state["world"] = _watch_state["liveness"], None, None
+    if current is not None:
+        current.stop()
+
+
+teardown.on_exit(_stop_watching)
+
+
+def _members(group: ProcessGroup) -> tuple[int, ...]:
+    """The global ranks of ``group``."""
+    key = group if group is not None else dist.group.WORLD
+    cached = _members_cache.get(id(key))
+    if cached is not None and cached[0] is key:
+        return cached[1]
+    ranks = tuple(dist.get_process_group_ranks(key))
+    _members_cache[id(key)] = (key, ranks)
+    return ranks
+
+
+def _group_rank(group: ProcessGroup, global_rank: int) -> int:
+    return global_rank if group is None else dist.get_group_rank(group, global_rank)
+
+
+def _check_alive(step: str, group: ProcessGroup, limit: float) -> None:
+    """Raise ``CollectiveError`` at once when a rank of ``group`` is already known to be gone."""
+    liveness = _watchdog()
+    if liveness is None:
+        return
+    gone = liveness.gone(_members(group))
+    if gone:
+        raise _fail(step, _liveness.PeerGone(gone), time.monotonic(), limit, gone)
+
 # After a failure, how long live ranks get to reach the failed collective before those still
 # missing are named (never beyond the timeout).
 _SETTLE_SECONDS = 1.0
@@ -550,13 +656,23 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
          marked: bool = True) -> None:
     """Post a group-wide collective with ``post()`` and wait for it, within the timeout. Collective."""
     limit = resolve_timeout(timeout)
+    _check_alive(step, group, limit)
     if marked:
         _begin(step)
     count = _arrivals.arrive(group) if marked else None
     started = time.monotonic()
     try:
         work = post()
-        _wait_work(work, started + limit, default_device(group).type == "cpu")
+        cpu = default_device(group).type == "cpu"
+        liveness = _watchdog() if cpu else None
+        if liveness is not None:
+            done = threading.Event()
+            future = work.get_future()
+            future.add_done_callback(lambda _: done.set())
+            _liveness.wait_until(future.done, done, started + limit, liveness, _members(group))
+        _wait_work(work, started + limit, cpu)
+    except _liveness.PeerGone as gone:
+        raise _fail(step, gone, started, limit, gone.ranks) from None
     except Exception as exc:  # Gloo/NCCL raise RuntimeError or DistBackendError subclasses
         settle = min(max(started + limit - time.monotonic(), 0.0), _SETTLE_SECONDS)
         ranks = _arrivals.missing(group, count, settle) if count is not None else None

@@ -14,10 +14,14 @@ waiting; the kernel releases it when the holder exits or crashes, so a dead save
 blocks the next one. A save that finishes cleanly removes the file (so a folder holds only
 the checkpoint between saves); a save that locked a file just as it was removed notices
 that the path no longer names its file and tries again. Other file systems (object stores,
-``memory://``) have no locks: the lease is the file's content, valid until ``expires``, and
-the holder checks at commit time that the file still names it (``check``), so a save whose
-lease was taken over fails instead of committing. On object stores this narrows the window
-to the time between that check and the commit; it does not close it.
+``memory://``) have no locks: the lease is the file's content, valid until ``expires``. A
+thread of the holder renews it every third of its duration (``lease_seconds()``, 30 s by
+default, ``$SHARDKIT_LEASE_SECONDS``) for as long as the save runs, so a live writer keeps
+it however long it takes, and a writer that died blocks the next save for at most that
+duration. The holder checks at commit time that the file still names it (``check``), so a
+save whose lease was taken over (its renewals failed for a whole duration, e.g. storage
+stalled) fails instead of committing. On object stores this narrows the window to the time
+between that check and the commit; it does not close it.
 
 A lease left in state ``writing`` names a save that died before finishing: its data files
 (``data-<generation>-r*``) were written by shardkit and may be removed by the next save
@@ -29,21 +33,53 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import posixpath
 import secrets
 import socket
+import threading
 import time
 from typing import Any
 
 import fsspec
 
 from ._schema import CheckpointError
-from ._storage import is_local
+from ._storage import is_local, list_names
 
-__all__ = ["LOCK_FILE", "SaveLease"]
+__all__ = ["LOCK_FILE", "LEASE_ENV", "DEFAULT_LEASE_SECONDS", "SaveLease", "claim_abandoned", "lease_seconds"]
 
 LOCK_FILE = "shardkit.lock"
+
+LEASE_ENV = "SHARDKIT_LEASE_SECONDS"
+"""Environment variable: seconds a lease on a file system without locks lasts after its last renewal."""
+
+DEFAULT_LEASE_SECONDS = 30.0
+"""How long a lease on a file system without locks (object stores, ``memory://``) outlives the
+last renewal by its holder, which renews it every third of that while it lives: a save that
+died blocks the next save to its folder for at most this long."""
+
+
+_RENEWAL_WAIT = 2.0
+
+
+def lease_seconds() -> float:
+    """``$SHARDKIT_LEASE_SECONDS`` if set, else ``DEFAULT_LEASE_SECONDS``.
+
+    Raises:
+        ValueError: the variable is not a positive, finite number of seconds.
+    """
+    text = os.environ.get(LEASE_ENV, "").strip()
+    if not text:
+        return DEFAULT_LEASE_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        msg = f"{LEASE_ENV}={text!r} is not a lease duration; use a positive, finite number of seconds."
+        raise ValueError(msg)
+    return value
 
 
 class SaveLease:
@@ -60,6 +96,9 @@ class SaveLease:
         self._fs, self._root, self._token, self._fd, self._ttl = fs, root, token, fd, ttl
         self.generation = generation
         self.orphans = orphans
+        self._writing = threading.Lock()  # the renewing thread and the holder write the same file
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
 
     @property
     def path(self) -> str:
@@ -84,6 +123,10 @@ class SaveLease:
             raise _busy(root, previous)
         lease = cls(fs, root, generation, token, None, _orphans(previous), ttl)
         lease._write("writing")
+        if ttl <= 0:
+            return lease  # expired from the start (tests): nothing to renew
+        lease._renewer = threading.Thread(target=lease._renew, name=f"shardkit-lease {path}", daemon=True)
+        lease._renewer.start()
         return lease
 
     @classmethod
@@ -100,7 +143,10 @@ class SaveLease:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise _busy(root, _parse(_read_fd(fd))) from None
+                held = _parse(_read_fd(fd))
+                if held is not None:
+                    held.pop("expires", None)  # a lock, held until its process exits: it does not expire
+                raise _busy(root, held) from None
             if not _same_file(fd, path):  # the holder removed it as it finished: take a fresh one
                 os.close(fd)
                 return cls._acquire_local(fs, root, path, generation, token, ttl)
@@ -120,12 +166,35 @@ class SaveLease:
                            "expires": time.time() + self._ttl, "orphans": self.orphans}).encode()
 
     def _write(self, state: str) -> None:
-        data = self._content(state)
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, data, 0)
-        else:
-            self._fs.pipe_file(self.path, data)
+        with self._writing:
+            data = self._content(state)
+            if self._fd is not None:
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, data, 0)
+            else:
+                self._fs.pipe_file(self.path, data)
+
+    def _renew(self) -> None:
+        """Thread: push ``expires`` forward every third of the duration while the lease is held."""
+        while not self._stop.wait(self._ttl / 3):
+            try:
+                current = _parse(_read_remote(self._fs, self.path))
+                if current is None or current.get("token") != self._token:
+                    return  # taken over or removed: ``check`` says so before any commit
+                with self._writing:
+                    if self._stop.is_set():
+                        return
+                    self._fs.pipe_file(self.path, self._content("writing"))
+            except Exception:  # a failed renewal is retried; the lease lasts a whole duration
+                continue
+
+    def _stop_renewing(self) -> None:
+        self._stop.set()
+        renewer, self._renewer = self._renewer, None
+        # Taking the write lock waits for a renewal in flight, so none lands after release;
+        # not for long: a stalled storage must not stall the save's own failure.
+        if renewer is not None and self._writing.acquire(timeout=_RENEWAL_WAIT):
+            self._writing.release()
 
     def check(self) -> None:
         """Raise ``CheckpointError`` unless this save still holds the lease (call right before committing)."""
@@ -140,9 +209,17 @@ class SaveLease:
         if self._fd is None:
             self._write("writing")  # renew
 
+    def drop(self) -> None:
+        """Give the lease up without touching the lock file (its folder was removed under it)."""
+        self._stop_renewing()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
     def release(self, *, finished: bool) -> None:
         """Give the lease up. ``finished=False`` leaves it marked ``writing`` (this save's data files
         may remain, for the next save to remove); a finished save with no orphans left removes the file."""
+        self._stop_renewing()
         try:
             if finished and not self.orphans:
                 # Removed while still locked: a save waiting on this file sees it is gone and retries.
@@ -158,6 +235,38 @@ class SaveLease:
             if self._fd is not None:
                 os.close(self._fd)  # also drops the flock
                 self._fd = None
+
+
+# A save creates its folder and takes the lease at once: a folder without a lease file and
+# without any entry is left alone this long after its last change (a save may be between
+# the two), then it counts as abandoned.
+_UNLEASED_GRACE = 60.0
+
+
+def claim_abandoned(fs: fsspec.AbstractFileSystem, root: str, *, ttl: float) -> SaveLease | None:
+    """The lease of folder ``root`` when no live save can hold it, for removing the folder; else ``None``.
+
+    Proven gone means: the lock file is not locked (local folders: its holder's process
+    exited), or its lease expired (other file systems), or there is no lock file while the
+    folder holds files (a save holds its lease from right after creating the folder until
+    its files are committed or removed). A save that arrives while the folder is being
+    removed finds the lease taken and fails cleanly.
+    """
+    if not list_names(fs, root) and not _older_than(fs, root, _UNLEASED_GRACE):
+        return None
+    try:
+        return SaveLease.acquire(fs, root, secrets.token_hex(4), ttl=ttl)
+    except (CheckpointError, OSError):
+        return None
+
+
+def _older_than(fs: fsspec.AbstractFileSystem, path: str, seconds: float) -> bool:
+    if not is_local(fs):
+        return False  # an empty folder of an object store does not exist; memory:// ones are harmless
+    try:
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime > seconds
+    except OSError:
+        return False
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -208,8 +317,14 @@ def _orphans(previous: dict[str, Any] | None) -> list[str]:
 def _who(content: dict[str, Any] | None) -> str:
     if content is None:
         return "the lease file is gone or unreadable"
-    return (f"generation {content.get('generation')!r}, process {content.get('pid')!r} on host "
-            f"{content.get('host')!r}")
+    who = (f"generation {content.get('generation')!r}, process {content.get('pid')!r} on host "
+           f"{content.get('host')!r}")
+    expires = content.get("expires")
+    if isinstance(expires, (int, float)) and not isinstance(expires, bool) and math.isfinite(expires):
+        left = expires - time.time()
+        if 0 < left < 1e6:
+            who += f"; its lease expires in {left:.0f} s unless that process renews it"
+    return who
 
 
 def _busy(root: str, content: dict[str, Any] | None) -> CheckpointError:

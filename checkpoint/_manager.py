@@ -1,14 +1,18 @@
 """``checkpoint.CheckpointManager``: one checkpoint per training step under a root folder, with retention.
 
-Layout: ``<root>/step-<step, 10 digits>/`` is an ordinary checkpoint folder. A step counts
+Layout: ``<root>/step-<step, at least 10 digits>/`` is an ordinary checkpoint folder (any
+non-negative int step: ``step-0000000042``, ``step-1000000000000000000``). A step counts
 (``steps()``) only once its ``shardkit.json`` exists, which ``save`` writes last and
 atomically, so a step whose save crashed midway is never listed; its folder is removed by
-rank 0 when a manager is created and after each later commit.
+rank 0 when a manager is created and after each later commit, once the save lease
+(``shardkit.lock``) proves that no live save writes it. Every other entry of the root (other
+names, files, symbolic links) is not the manager's: it is neither listed nor deleted.
 
 Retention runs on rank 0 after a new step commits (in the background thread for async
 saves), never before: a failed save therefore never costs an older checkpoint. It never
 deletes the latest committed step, the step being written, or a step this process is
-loading. A step is deleted metadata first, so a deletion cut short leaves no half-listed step.
+loading. A step is deleted under its save lease, metadata first, so a deletion cut short
+leaves no half-listed step, only a folder that the next manager removes.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import posixpath
 import re
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from _shardkit import comm as _comm
 
 from ._async import AsyncSaveHandle, _checkpoint_group, async_save
+from ._lease import claim_abandoned, lease_seconds
 from ._load import load as _load
 from ._save import save as _save
 from ._schema import METADATA_FILE, CheckpointError
@@ -32,7 +37,29 @@ from ._storage import is_local, list_names, resolve
 
 __all__ = ["CheckpointManager"]
 
-_STEP = re.compile(r"^step-(\d{10})$")
+_STEP = re.compile(r"^step-(\d{10,40})$")
+
+_test_hook: Callable[[str], None] | None = None
+"""Private, for tests: called by rank 0 with "pruning" (a doomed step's metadata is removed,
+its files not yet) and "pruned" (retention is done), so a test can crash at those points."""
+
+
+def _hook(phase: str) -> None:
+    if _test_hook is not None:
+        _test_hook(phase)
+
+
+def _step_of(name: str) -> int | None:
+    """The step a folder name holds, or ``None`` when it is not exactly the manager's name for one."""
+    match = _STEP.match(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if name == _name(step) else None  # "step-00000000042" is not step 42's name
+
+
+def _name(step: int) -> str:
+    return f"step-{step:010d}"
 
 
 def _positive(name: str, value: int | None) -> int | None:
@@ -91,7 +118,7 @@ class CheckpointManager:
             self._remove_abandoned()
 
     def _path(self, step: int) -> str:
-        return posixpath.join(self._root, f"step-{step:010d}")
+        return posixpath.join(self._root, _name(step))
 
     def _url(self, step: int) -> str:
         """The step's folder as ``save`` and ``load`` take it (with the protocol, e.g. ``s3://``)."""
@@ -101,11 +128,18 @@ class CheckpointManager:
     def _listed(self) -> tuple[list[int], list[int]]:
         """(committed steps, folders without metadata), both ascending."""
         committed, partial = [], []
-        for name in list_names(self._fs, self._root):
-            match = _STEP.match(name)
-            if match is None:
+        self._fs.invalidate_cache(self._root)
+        try:
+            entries = self._fs.ls(self._root, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            entries = []
+        for entry in entries:
+            name = posixpath.basename(str(entry["name"]).rstrip("/"))
+            step = _step_of(name)
+            # A symbolic link (type "other" or "islink" locally) is never a step: deleting
+            # through it would delete what it points to, outside the root.
+            if step is None or entry.get("type") != "directory" or entry.get("islink"):
                 continue
-            step = int(match.group(1))
             metadata = posixpath.join(self._root, name, METADATA_FILE)
             self._fs.invalidate_cache(posixpath.dirname(metadata))
             if self._fs.exists(metadata):
@@ -124,7 +158,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def _metric_path(self, step: int) -> str:
-        return posixpath.join(self._root, f"step-{step:010d}.metric.json")
+        return posixpath.join(self._root, f"{_name(step)}.metric.json")
 
     def _metrics(self, steps: list[int]) -> dict[int, float]:
         found = {}
@@ -136,22 +170,40 @@ class CheckpointManager:
         return found
 
     def _remove(self, step: int, *, metadata_first: bool) -> None:
+        """Delete step ``step``'s folder under its save lease; keep it if a live save may hold that."""
         path = self._path(step)
+        lease = claim_abandoned(self._fs, path, ttl=lease_seconds())
+        if lease is None:
+            return
         try:
-            self._fs.rm_file(self._metric_path(step))
-        except FileNotFoundError:
-            pass
-        if metadata_first:
-            self._fs.rm_file(posixpath.join(path, METADATA_FILE))
-        try:
-            self._fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
+            if metadata_first:
+                self._fs.rm_file(posixpath.join(path, METADATA_FILE))
+                _hook("pruning")
+            try:
+                self._fs.rm_file(self._metric_path(step))
+            except FileNotFoundError:
+                pass
+            try:
+                self._fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+        finally:
+            lease.drop()
 
     def _remove_abandoned(self) -> None:
-        for step in self._listed()[1]:
+        committed, partial = self._listed()
+        for step in partial:
             if step != self._writing:
                 self._remove(step, metadata_first=False)
+        # A metric file outlives its step only when a deletion was cut short.
+        known = {*committed, *partial}
+        for name in list_names(self._fs, self._root):
+            owner = _step_of(name.removesuffix(".metric.json")) if name.endswith(".metric.json") else None
+            if owner is not None and owner not in known:
+                try:
+                    self._fs.rm_file(self._metric_path(owner))
+                except (FileNotFoundError, IsADirectoryError):
+                    pass
 
     def _retain(self, new_step: int) -> None:
         """Rank 0, after ``new_step`` committed: delete the steps no policy keeps."""
@@ -171,6 +223,7 @@ class CheckpointManager:
             doomed = [s for s in steps if s not in keep]
         for step in doomed:
             self._remove(step, metadata_first=True)
+        _hook("pruned")
 
     def _remove_abandoned_except(self, step: int) -> None:
         for partial in self._listed()[1]:

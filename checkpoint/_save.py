@@ -55,7 +55,7 @@ from ._chunks import (
 )
 from ._codec import build_safetensors_header, checksum, tensor_bytes
 from ._dtensor import dtensor_views
-from ._lease import SaveLease
+from ._lease import SaveLease, lease_seconds
 from ._progress import progress
 from ._regions import grid_of, region_key
 from ._schema import (
@@ -580,7 +580,7 @@ def _prepare_phase(job: _Job, problem: Exception | None) -> None:
         generation = job.storage("creating the folder", lambda watchdog: _new_generation(job.fs, job.root))
         # The save lease: another save to this folder in progress makes this one fail here.
         job.lease = job.storage("taking the save lease", lambda watchdog: SaveLease.acquire(
-            job.fs, job.root, generation, ttl=max(job.timeout, DEFAULT_TIMEOUT) * 2))
+            job.fs, job.root, generation, ttl=lease_seconds()))
         return generation
 
     digest = hashlib.sha256(json.dumps(job.plan.signature).encode()).hexdigest()
