@@ -1,7 +1,7 @@
 """A flipped byte is caught on every read path: target layout x storage x ``mmap``, regions of 8 chunks.
 
 ``load`` reads a saved region by one of several paths, chosen by the target's layout and the
-storage (see ``checkpoint/_load.py``): whole regions read straight into the target (direct),
+storage (see ``checkpoint/_files.py``): whole regions read straight into the target (direct),
 row blocks streamed through a small buffer (local), other blocks through a memory map
 (local), blocks mapped onto the file's pages (``mmap=True``), and batches of rows widened to
 whole chunks (``memory://``, S3). Each path must verify the chunk checksums of what it reads,
@@ -29,7 +29,7 @@ import torch
 
 import checkpoint
 import sharded_tensor as st
-from checkpoint import CheckpointError, _load, _save
+from checkpoint import CheckpointError, _files, _save
 from sharding import EnumerableShardingSpec, ShardMetadata
 from tests import _metadata_edit as edit
 from tests._s3 import S3, s3, s3_endpoint  # noqa: F401 - fixtures are found by name
@@ -57,9 +57,9 @@ FLIPS = {"inner": (13, 30), "edge": (5, 50)}  # (row, column) of the flipped ele
 @pytest.fixture(autouse=True)
 def _small_chunks_and_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_save, "CHUNK_BYTES", CHUNK)
-    monkeypatch.setattr(_load, "_SCRATCH_BYTES", 2 * CHUNK)  # streaming: several pieces per block
-    monkeypatch.setattr(_load, "_VERIFY_PIECE", 1000)  # direct reads: pieces that straddle chunks
-    monkeypatch.setattr(_load, "_SLAB_BYTES", 7 * ROW)  # other file systems: batches of 7 rows
+    monkeypatch.setattr(_files, "_SCRATCH_BYTES", 2 * CHUNK)  # streaming: several pieces per block
+    monkeypatch.setattr(_files, "_VERIFY_PIECE", 1000)  # direct reads: pieces that straddle chunks
+    monkeypatch.setattr(_files, "_SLAB_BYTES", 7 * ROW)  # other file systems: batches of 7 rows
 
 
 def _full() -> torch.Tensor:
