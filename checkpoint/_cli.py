@@ -218,9 +218,11 @@ def _layout_text(layout: Mapping[str, Any]) -> str:
     return f"{layout['count']} blocks"
 
 
-def _describe(path: str, metadata: CheckpointMetadata) -> dict[str, Any]:
+def _describe(path: str, metadata: CheckpointMetadata, source_format: str = "shardkit") -> dict[str, Any]:
     return {
-        "path": path, "format_version": metadata.version, "generation": metadata.generation,
+        "path": path, "format": source_format,
+        "format_version": metadata.version if source_format == "shardkit" else None,
+        "generation": metadata.generation,
         "saved_world_size": metadata.world_size,
         "tensors": {name: {"dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.size), "bytes": e.nbytes,
                            "shards": len([s for s in e.shards if s.numel > 0]), "layout": tensor_layout(e)}
@@ -234,14 +236,17 @@ def _describe(path: str, metadata: CheckpointMetadata) -> dict[str, Any]:
 
 def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextIO, width: int | None = None) -> int:
     with open_source(path, storage_options=options) as source:
-        info = _describe(path, source.describe())
+        info = _describe(path, source.describe(), source.format)
     if as_json:
         print(json.dumps(info, indent=2), file=out)
         return 0
     width = width or shutil.get_terminal_size((100, 24)).columns
     tensors = info["tensors"]
-    print(f"checkpoint {path}  (format v{info['format_version']}, generation {info['generation']}, "
-          f"saved by {info['saved_world_size']} rank{'s' if info['saved_world_size'] != 1 else ''})", file=out)
+    if info["format"] == "shardkit":
+        print(f"checkpoint {path}  (format v{info['format_version']}, generation {info['generation']}, "
+              f"saved by {info['saved_world_size']} rank{'s' if info['saved_world_size'] != 1 else ''})", file=out)
+    else:
+        print(f"checkpoint {path}  (Hugging Face safetensors, no checksums)", file=out)
     rows = [("name", "dtype", "shape", "bytes", "shards", "layout")]
     rows += [(name, t["dtype"], "(" + ", ".join(map(str, t["shape"])) + ")", _human(t["bytes"]), str(t["shards"]),
               _layout_text(t["layout"])) for name, t in tensors.items()]

@@ -238,3 +238,24 @@ def test_known_matches_the_module_and_names_in_it_for_that_file_only():
     assert _known(file, module, known) and _known(file, module + ".some_name", known)
     assert not _known("checkpoint/_other.py", module, known)
     assert not _known(file, module + "_more", known)
+
+
+def test_the_checkpoint_package_has_no_import_cycle():
+    """No two modules of ``checkpoint`` import each other, directly or through others, function-level
+    imports included (``_load`` and ``_dcp`` once did)."""
+    modules = {_module_name(p): p for p in (ROOT / "checkpoint").glob("*.py")}
+    graph = {name: {m for m in _imported_modules(ast.parse(path.read_text()), name, path.name == "__init__.py")
+                    if m in modules and m != "checkpoint" and m != name}
+             for name, path in modules.items() if name != "checkpoint"}
+
+    def reachable(start: str) -> set[str]:
+        seen, stack = set(), [start]
+        while stack:
+            for nxt in graph.get(stack.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+
+    cycles = sorted(name for name in graph if name in reachable(name))
+    assert not cycles, f"modules on an import cycle: {cycles}"

@@ -690,3 +690,38 @@ def test_every_entry_point_refuses_a_bad_timeout(tmp_path: Path, timeout: Any) -
         with pytest.raises(ValueError, match=re.escape(rule)):
             call()
         assert not (tmp_path / "other").exists(), name
+
+
+def test_crafted_dcp_metadata_made_of_admitted_classes_is_still_refused(tmp_path: Path) -> None:
+    """The restricted unpickler admits DCP's classes; what is built from them is checked too: a data file
+    outside the folder, a chunk outside its tensor, something other than DCP's Metadata, a broken pickle."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from checkpoint._dcp_metadata import parse_dcp_metadata
+
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": _ramp(8, 4)}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    good = (folder / ".metadata").read_bytes()
+    md = parse_dcp_metadata(good)
+    index = next(iter(md.storage_data))
+    md.storage_data[index] = _StorageInfo("../../outside.distcp", 0, 10)
+    with pytest.raises(CheckpointError, match="not a plain file name inside the checkpoint folder"):
+        parse_dcp_metadata(pickle.dumps(md))
+    md = parse_dcp_metadata(good)
+    md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([9, 4])
+    with pytest.raises(CheckpointError, match=r"malformed DCP metadata .* tensor 'w' of size \(8, 4\) has chunk"):
+        parse_dcp_metadata(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="holds a dict, not DCP's Metadata"):
+        parse_dcp_metadata(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(CheckpointError, match="not a readable DCP metadata pickle"):
+        parse_dcp_metadata(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match=r"names the global torch\._utils\._rebuild_tensor_v2"):
+        parse_dcp_metadata(pickle.dumps(torch.ones(2)))
+    # The checks accept what DCP writes: the folder still loads.
+    assert torch.equal(checkpoint.load({"w": None}, folder, from_format="dcp")["w"], _ramp(8, 4))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -150,3 +151,35 @@ def test_every_source_fills_the_same_targets_alike(tmp_path: Path):
             checkpoint.load({"w": torch.zeros(6, 7)}, tmp_path / folder, strict=False, from_format=fmt)
     with pytest.raises(FileNotFoundError, match="no Hugging Face checkpoint"):
         checkpoint.load({"w": None}, tmp_path / "ck", strict=False, from_format="huggingface")
+
+
+def test_verify_and_inspect_go_through_the_sources(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """The CLI's inspect and verify open a checkpoint like load does: a Hugging Face folder is inspected
+    and verified (headers and sizes); a DCP folder is not opened unless named; DCP's own verify reads it."""
+    import safetensors.torch
+
+    from checkpoint._dcp import DcpSource
+
+    state = {"w": torch.arange(20.0).reshape(5, 4)}
+    (tmp_path / "hf").mkdir()
+    safetensors.torch.save_file(state, str(tmp_path / "hf" / "model.safetensors"))
+    assert main(["inspect", str(tmp_path / "hf")]) == 0
+    out = capsys.readouterr().out
+    assert "Hugging Face safetensors" in out and re.search(r"\nw +float32 +\(5, 4\)", out), out
+    assert main(["verify", "-q", str(tmp_path / "hf")]) == 0
+    assert "1 tensors" in capsys.readouterr().out
+    raw = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(raw[:-8])
+    assert main(["verify", "-q", str(tmp_path / "hf")]) == 1
+    assert "model.safetensors" in capsys.readouterr().err
+
+    _dcp_save(state, tmp_path / "dcp")
+    assert main(["verify", "-q", str(tmp_path / "dcp")]) == 1
+    assert "from_format='dcp'" in capsys.readouterr().err
+    with DcpSource(tmp_path / "dcp") as source:
+        assert source.verify() == []
+    data = next((tmp_path / "dcp").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+    with DcpSource(tmp_path / "dcp") as source:
+        problems = source.verify()
+    assert len(problems) == 1 and "tensor 'w' cannot be read" in problems[0]
