@@ -92,6 +92,18 @@ MUTATIONS = [
     Mutation("load: strict keys", "checkpoint/_load.py",
              "    if strict:\n        missing, unexpected", "    if False:\n        missing, unexpected",
              ("tests/unit/test_checkpoint.py", "-k", "strict")),
+    Mutation("load/verify: shardkit.json's checksum of its own content", "checkpoint/_schema.py",
+             "    if actual != recorded:\n", "    if False:\n",
+             ("tests/unit/test_checkpoint_defects.py", "-k", "edited_metadata")),
+    # -- no pickle unless asked, and then only DCP's own classes --------------------------------------
+    Mutation("no pickle: the DCP unpickler admits only DCP's metadata classes", "checkpoint/_dcp_metadata.py",
+             "        if (module, name) in _ALLOWED_CALLABLES:\n            return _resolve(module, name)\n",
+             "        if True:\n            return super().find_class(module, name)\n",
+             ("tests/unit/test_checkpoint_defects.py", "-k", "planted")),
+    Mutation("no pickle: format detection never falls back to DCP's .metadata", "checkpoint/_sources.py",
+             '    if from_format == "dcp":\n',
+             '    if from_format == "dcp" or os.path.isfile(os.path.join(os.fspath(path), ".metadata")):\n',
+             ("tests/unit/test_checkpoint_defects.py", "-k", "planted or read_only_when_named")),
     # -- tensor parallelism refusals ------------------------------------------------------------------
     Mutation("shard_model: head-cut refusal past the first projection (k_proj/v_proj, grouped-query)",
              "sharded_tensor/_model/regions.py",
@@ -175,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="shardkit-mutation-") as tmp:
         copy = Path(tmp) / "repo"
         _copy_repo(copy)
-        for tests in dict.fromkeys(m.tests for m in chosen):
+        for tests in _baselines(chosen):
             code, failed, tail = _run_tests(copy, tests, args.timeout)
             if code != 0:  # the unmutated code must pass, or every mutation would look killed
                 print(json.dumps({"baseline": "failed", "tests": " ".join(tests), "failed": failed,
@@ -215,6 +227,26 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"mutations": results, "summary": summary,
                       "seconds": round(time.perf_counter() - started, 1)}, indent=1))
     return 0 if summary["killed"] == len(results) else 1
+
+
+def _baselines(chosen: list[Mutation]) -> list[tuple[str, ...]]:
+    """The unmutated runs covering every mutation's selection: one per test file or node, ``-k`` joined by ``or``."""
+    selections: dict[str, list[str] | None] = {}
+    for m in chosen:
+        target, rest = m.tests[0], m.tests[1:]
+        if rest[:1] == ("-k",) and len(rest) == 2 and selections.get(target, []) is not None:
+            selections.setdefault(target, []).append(rest[1])  # type: ignore[union-attr]
+        elif len(m.tests) == 1:
+            selections[target] = None  # the whole file or node
+        else:
+            selections[" ".join(m.tests)] = None  # anything else runs as it is
+    runs = []
+    for target, keys in selections.items():
+        if keys:
+            runs.append((target, "-k", " or ".join(f"({k})" for k in dict.fromkeys(keys))))
+        else:
+            runs.append(tuple(target.split(" ")))
+    return runs
 
 
 if __name__ == "__main__":
