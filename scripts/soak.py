@@ -309,7 +309,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         growth = [g for g in (_rss_growth(life) for life in lives) if g is not None]
         stray = _stray(root, args.keep_last, args.steps)
         report = {
-            "steps": args.steps, "kills": len(kills), "keep_last": args.keep_last, "world": WORLD,
+            "steps": args.steps, "steps_run": sum(1 for life in lives[::WORLD] for r in life if "step" in r),
+            "kills": len(kills), "keep_last": args.keep_last, "world": WORLD,
             "seed": args.seed, "resume_steps": resume_steps,
             "resumes_exact": all(r["exact"] for r in resumes) and len(resumes) == WORLD * len(kills),
             "inexact_resumes": [r for r in resumes if not r["exact"]],
