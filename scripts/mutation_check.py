@@ -83,11 +83,12 @@ MUTATIONS = [
     Mutation("save: lease checked before commit", "checkpoint/_save.py",
              '        job.storage("checking the save lease", lambda watchdog: lease.check())\n', "",
              ("tests/unit/test_checkpoint_defects.py", "-k", "lost_its_lease")),
-    Mutation("save: lease taken before writing", "checkpoint/_save.py",
-             '        job.lease = job.storage("taking the save lease", lambda watchdog: SaveLease.acquire(\n'
-             "            job.fs, job.root, generation, ttl=lease_seconds()))\n",
-             "        job.lease = SaveLease(job.fs, job.root, generation, 'x', None, [], 0.0)\n",
-             ("tests/unit/test_checkpoint_defects.py", "-k", "save_in_progress or lost_its_lease")),
+    Mutation("save lease: a lease held on a local folder refuses a second save", "checkpoint/_lease.py",
+             "                raise _busy(root, held) from None\n", "                pass\n",
+             ("tests/unit/test_checkpoint_defects.py", "-k", "save_in_progress")),
+    Mutation("save lease: an unexpired lease on an object store refuses a second save", "checkpoint/_lease.py",
+             "            raise _busy(root, previous)\n", "            pass\n",
+             ("tests/unit/test_checkpoint_guards.py", "-k", "lease")),
     # -- what load accepts -----------------------------------------------------------------------------
     Mutation("load: strict keys", "checkpoint/_load.py",
              "    if strict:\n        missing, unexpected", "    if False:\n        missing, unexpected",
