@@ -133,7 +133,8 @@ MUTATIONS = [
              ("tests/unit/test_manager_safety.py", "-k", "symbolic")),
     Mutation("manager: names that are not exactly a step's name are left alone", "checkpoint/_manager.py",
              "    return step if name == _name(step) else None", "    return step",
-             ("tests/unit/test_manager_safety.py", "-k", "foreign")),
+             ("tests/unit/test_manager_safety.py", "tests/unit/test_async_checkpoint.py", "-k",
+              "foreign or not_exactly")),
     Mutation("manager: a step folder is removed only under its save lease", "checkpoint/_manager.py",
              "        if lease is None:\n            return\n",
              "        if lease is None:\n            lease = type('Unleased', (), {'drop': lambda self: None})()\n",
@@ -232,22 +233,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _baselines(chosen: list[Mutation]) -> list[tuple[str, ...]]:
     """The unmutated runs covering every mutation's selection: one per test file or node, ``-k`` joined by ``or``."""
-    selections: dict[str, list[str] | None] = {}
+    selections: dict[tuple[str, ...], list[str] | None] = {}
     for m in chosen:
-        target, rest = m.tests[0], m.tests[1:]
-        if rest[:1] == ("-k",) and len(rest) == 2 and selections.get(target, []) is not None:
+        target, rest = m.tests[:1], m.tests[1:]
+        if len(rest) == 2 and rest[0] == "-k" and selections.get(target, []) is not None:
             selections.setdefault(target, []).append(rest[1])  # type: ignore[union-attr]
-        elif len(m.tests) == 1:
+        elif not rest:
             selections[target] = None  # the whole file or node
         else:
-            selections[" ".join(m.tests)] = None  # anything else runs as it is
-    runs = []
-    for target, keys in selections.items():
-        if keys:
-            runs.append((target, "-k", " or ".join(f"({k})" for k in dict.fromkeys(keys))))
-        else:
-            runs.append(tuple(target.split(" ")))
-    return runs
+            selections[m.tests] = None  # anything else runs as it is
+    return [(*target, "-k", " or ".join(f"({k})" for k in dict.fromkeys(keys))) if keys else target
+            for target, keys in selections.items()]
 
 
 if __name__ == "__main__":

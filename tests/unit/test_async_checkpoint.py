@@ -250,3 +250,18 @@ def test_manager_never_prunes_the_step_it_is_loading(tmp_path):
     assert torch.equal(target["w"], _state(1)["w"]) and target["step"] == 1
     manager.save(3, _state(3))  # no longer being read: pruned like any other
     assert manager.steps() == [3]
+
+
+def test_manager_ignores_a_checkpoint_whose_name_is_not_exactly_a_steps(tmp_path):
+    """A committed checkpoint in "step-00000000042" (one zero too many) is not step 42: never listed,
+    loaded or pruned."""
+    foreign = tmp_path / "step-00000000042"
+    checkpoint.save(_state(42), foreign, quiet=True)
+    before = sorted(p.name for p in foreign.iterdir())
+    manager = checkpoint.CheckpointManager(tmp_path, keep_last=1)
+    assert manager.steps() == [] and manager.latest_step() is None
+    for step in (1, 2):
+        manager.save(step, _state(step))
+        assert manager.steps() == [step] and manager.load(_empty())["step"] == step
+    assert sorted(p.name for p in foreign.iterdir()) == before
+    assert torch.equal(checkpoint.load(_empty(), foreign)["w"], _state(42)["w"])
