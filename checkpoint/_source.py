@@ -13,7 +13,7 @@ folder to tell formats apart). The implementations:
   ever opened when the caller names the format.
 
 A source describes what it holds as ``CheckpointMetadata`` (tensors with their size and
-dtype, non-tensor values), and fills ``Block``\\ s: the local blocks of the state_dict's
+dtype, non-tensor values), and fills blocks (``Block``): the local blocks of the state_dict's
 tensors, after ``_load.fill`` (the one fill path, shared by every format) has matched names,
 checked sizes and dtypes and allocated what needs allocating.
 """

@@ -8,9 +8,11 @@ rank without communication, and the local tensor is handed over as it is: a view
 same storage, never a copy.
 
 Only layouts both sides can describe convert. DTensor cannot describe several shards per
-rank, arbitrary block positions or uneven splits other than ``torch.chunk``'s; shardkit
-cannot describe ``Partial`` (pending sums) or ``_StridedShard`` (interleaved rows). Those
-raise ``ValueError`` naming the layout and the way out.
+rank, arbitrary block positions or uneven splits other than ``torch.chunk``'s. Pending
+reductions convert when every mesh axis is ``Partial`` with one reduce op: that is a
+``PartialSpec`` over the mesh's ranks. shardkit cannot describe ``_StridedShard``
+(interleaved rows) or ``Partial`` beside ``Shard``/``Replicate`` axes (a reduction over only
+some ranks). Those raise ``ValueError`` naming the layout and the way out.
 
 ``torch.distributed.tensor`` is imported lazily: importing ``sharded_tensor`` stays cheap and
 works where DTensor is unavailable.
@@ -18,10 +20,7 @@ works where DTensor is unavailable.
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,114 +28,13 @@ from _shardkit import comm as _comm
 from _shardkit.dtensor import is_dtensor
 from sharding import RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
+from ._dtensor_layout import _check_placements, _describe, _device_name, _mesh_ranks, _partial_op, dtensor_layout
 from ._tensor import ShardedTensor
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["dtensor_layout", "from_dtensor", "is_dtensor", "to_dtensor"]
-
-
-def _describe(placements: Sequence[Any]) -> str:
-    return "(" + ", ".join(repr(p) for p in placements) + ")"
-
-
-def _check_placements(placements: Sequence[Any], ndim: int, where: str) -> None:
-    """Refuse placements shardkit cannot express, with the way out."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    for axis, placement in enumerate(placements):
-        if isinstance(placement, _StridedShard):
-            msg = (f"{where}: placement {placement!r} on mesh axis {axis} (placements "
-                   f"{_describe(placements)}) interleaves rows across ranks, which a ShardedTensor cannot "
-                   f"describe; redistribute the DTensor to plain Shard/Replicate placements first "
-                   f"(dt.redistribute(mesh, [Shard(d) or Replicate(), ...])) or use dt.full_tensor().")
-            raise ValueError(msg)
-        if isinstance(placement, Shard):
-            if not -ndim <= placement.dim < ndim:
-                msg = (f"{where}: placement {placement!r} on mesh axis {axis} names a dimension outside a "
-                       f"tensor of {ndim} dimensions.")
-                raise ValueError(msg)
-            continue
-        if isinstance(placement, Replicate):
-            continue
-        kind = type(placement).__name__
-        msg = (f"{where}: placement {placement!r} ({kind}) on mesh axis {axis} (placements "
-               f"{_describe(placements)}) holds pending partial values, which a ShardedTensor cannot "
-               f"describe; reduce it first with dt.redistribute(dt.device_mesh, [Replicate() or Shard(d) "
-               f"for each axis]) or dt.full_tensor().")
-        raise ValueError(msg)
-
-
-def dtensor_layout(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any]
-                   ) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
-    """``{mesh coordinate: (offsets, sizes)}`` of every rank's block under DTensor's rules. Pure.
-
-    Placements apply axis by axis from left to right, each ``Shard(d)`` splitting the block
-    the previous axes left like ``torch.chunk`` (so trailing blocks may be empty; their offset
-    is clamped to the end of the range). ``Replicate`` leaves the block whole.
-
-    Example:
-        >>> from torch.distributed.tensor import Shard, Replicate
-        >>> dtensor_layout((10, 4), (4,), [Shard(0)])[(3,)]
-        ((9, 0), (1, 4))
-    """
-    from torch.distributed.tensor import Shard
-
-    ndim = len(global_shape)
-    layout = {}
-    for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        offsets, sizes = [0] * ndim, list(global_shape)
-        for axis, placement in enumerate(placements):
-            if not isinstance(placement, Shard):
-                continue
-            d = placement.dim % ndim
-            chunks = mesh_shape[axis]
-            chunk = math.ceil(sizes[d] / chunks) if sizes[d] else 0
-            start = min(coord[axis] * chunk, sizes[d])
-            stop = min(start + chunk, sizes[d])
-            offsets[d] += start
-            sizes[d] = stop - start
-        layout[coord] = (tuple(offsets), tuple(sizes))
-    return layout
-
-
-def _mesh_ranks(mesh: DeviceMesh, group: _comm.ProcessGroup, where: str) -> torch.Tensor:
-    """The mesh's ranks as ranks of ``group`` (the default group unless given)."""
-    import torch.distributed as dist
-
-    ranks = mesh.mesh
-    _, world = _comm.rank_and_world(group)
-    if group is not None and dist.is_initialized():
-        ranks = torch.tensor([dist.get_group_rank(group, int(r)) for r in ranks.flatten()]).reshape(ranks.shape)
-    for axis in range(ranks.dim()):
-        steps = ranks.movedim(axis, -1).diff(dim=-1) if ranks.shape[axis] > 1 else None
-        if steps is not None and bool((steps <= 0).any()):
-            msg = (f"{where}: the device mesh {mesh.mesh.tolist()} lists ranks in decreasing order along mesh "
-                   f"axis {axis}; DTensor's collectives follow each axis's process group, whose ranks are "
-                   f"sorted, so such a mesh order has no consistent DTensor layout. Build the mesh with "
-                   f"increasing ranks along every axis, and reshard the ShardedTensor so that its blocks "
-                   f"follow that order.")
-            raise ValueError(msg)
-    flat = sorted(int(r) for r in ranks.flatten())
-    if flat[-1] >= world or flat[0] < 0 or len(set(flat)) != len(flat):
-        msg = (f"{where}: the device mesh holds ranks {flat}, which are not distinct ranks of the process "
-               f"group of {world} ranks; pass process_group= the group the mesh was built from (or build "
-               f"the mesh over the whole world).")
-        raise ValueError(msg)
-    return ranks
-
-
-def _device_name(mesh: DeviceMesh, rank: int, local: torch.Tensor, my_rank: int) -> str:
-    if mesh.device_type == "cpu":
-        return "cpu"
-    if rank == my_rank and local.device.index is not None:
-        return f"{local.device.type}:{local.device.index}"
-    count = getattr(torch, mesh.device_type).device_count() if hasattr(torch, mesh.device_type) else 0
-    return f"{mesh.device_type}:{rank % count}" if count else mesh.device_type
+__all__ = ["from_dtensor", "is_dtensor"]
 
 
 def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) -> ShardedTensor:
@@ -145,13 +43,14 @@ def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) 
     Every mesh rank gets one shard: the block its placements give it, computed like DTensor
     does (``Shard(d)`` splits like ``torch.chunk``, mesh axes apply left to right, so
     uneven last shards and empty shards match). ``Replicate`` axes become explicit replicas.
+    ``Partial(op)`` on every mesh axis becomes a ``PartialSpec`` over the mesh's ranks.
     The local shard *is* the DTensor's local tensor (a detached view of the same storage):
     writing into one writes into the other, which is how ``checkpoint.load`` fills a DTensor
     state_dict in place.
 
     Args:
         dtensor: a ``torch.distributed.tensor.DTensor`` with ``Shard`` and ``Replicate``
-            placements in the default (left-to-right) order.
+            placements in the default (left-to-right) order, or ``Partial`` on every axis.
         process_group: the group the mesh's ranks belong to; ``None`` means the default group,
             whose ranks are the mesh's global ranks.
 
@@ -160,9 +59,10 @@ def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) 
 
     Raises:
         TypeError: ``dtensor`` is not a DTensor.
-        ValueError: a ``Partial`` or ``_StridedShard`` placement, a non-default shard order, a
-            mesh whose ranks are not ranks of the group, or a local tensor whose shape is not
-            the one DTensor's rules give (a ``DTensor.from_local`` with custom shapes).
+        ValueError: a ``_StridedShard`` placement, ``Partial`` beside other placements, a
+            non-default shard order, a mesh whose ranks are not ranks of the group, or a local
+            tensor whose shape is not the one DTensor's rules give (a ``DTensor.from_local``
+            with custom shapes).
 
     Example:
         >>> # 4 ranks: a (10, 4) DTensor with Shard(0) -> rows 3/3/3/1, shared with the DTensor
@@ -190,6 +90,9 @@ def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) 
     rank, _ = _comm.rank_and_world(process_group)
     ranks = _mesh_ranks(mesh, process_group, where)
     local = dtensor._local_tensor.detach()
+    partial = _partial_op(spec.placements)
+    if partial is not None:
+        return _from_partial(dtensor, local, ranks, partial, rank, process_group, where)
     layout = dtensor_layout(tuple(dtensor.shape), tuple(mesh.shape), spec.placements)
     shards: list[ShardMetadata] = []
     mine: int | None = None
@@ -212,95 +115,22 @@ def from_dtensor(dtensor: DTensor, *, process_group: _comm.ProcessGroup = None) 
                                group=process_group, requires_grad=dtensor.requires_grad)
 
 
-def _candidates(ndim: int, axes: int) -> list[tuple[Any, ...]]:
-    from torch.distributed.tensor import Replicate, Shard
+def _from_partial(dtensor: DTensor, local: torch.Tensor, ranks: torch.Tensor, op: str, rank: int,
+                  group: _comm.ProcessGroup, where: str) -> ShardedTensor:
+    """Every mesh rank holds a full-size value pending ``op``: a ``PartialSpec`` over the mesh ranks."""
+    from sharding import PartialSpec
 
-    options = [Replicate(), *(Shard(d) for d in range(ndim))]
-    return list(itertools.product(options, repeat=axes))
-
-
-def _layout_of(tensor: ShardedTensor) -> dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-    by_rank: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-    for shard in tensor.sharding_metadata().shards:
-        by_rank.setdefault(int(shard.rank if shard.rank is not None else -1), []).append(shard.region)
-    return by_rank
-
-
-def _same_region(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
-    # Empty blocks hold no data: where DTensor and shardkit clamp their offset does not matter.
-    if math.prod(a[1]) == 0 and math.prod(b[1]) == 0:
-        return True
-    return a == b
-
-
-def _matches(layout: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]], ranks: torch.Tensor,
-             held: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> bool:
-    owners = set()
-    for coord, region in layout.items():
-        owner = int(ranks[coord])
-        owners.add(owner)
-        regions = held.get(owner, [])
-        if len(regions) != 1 or not _same_region(regions[0], region):
-            return False
-    return set(held) <= owners
-
-
-def to_dtensor(tensor: ShardedTensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None
-               ) -> DTensor:
-    """The ``DTensor`` on ``device_mesh`` with this tensor's layout, sharing the local shard (no copy).
-
-    See ``ShardedTensor.to_dtensor``.
-    """
-    from torch.distributed.tensor import DTensor
-
-    size = tuple(tensor.shape)
-    where = f"to_dtensor(size={size}, mesh shape={tuple(device_mesh.shape)})"
-    ranks = _mesh_ranks(device_mesh, tensor.process_group, where)
-    held = _layout_of(tensor)
-    if placements is not None:
-        placements = tuple(placements)
-        if len(placements) != device_mesh.ndim:
-            msg = (f"{where}: {len(placements)} placements {_describe(placements)} given for a mesh with "
-                   f"{device_mesh.ndim} axes; give one placement per mesh axis.")
-            raise ValueError(msg)
-        _check_placements(placements, len(size), where)
-        if not _matches(dtensor_layout(size, tuple(device_mesh.shape), placements), ranks, held):
-            msg = (f"{where}: placements {_describe(placements)} give a layout other than this tensor's "
-                   f"({_summary(held)}); reshard it first, e.g. "
-                   f"t.reshard(single_split(0, [mesh ranks in mesh order])), or pass placements=None to infer "
-                   f"them.")
-            raise ValueError(msg)
-        chosen = placements
-    else:
-        chosen = None
-        for option in _candidates(len(size), device_mesh.ndim):
-            if _matches(dtensor_layout(size, tuple(device_mesh.shape), option), ranks, held):
-                chosen = option
-                break
-        if chosen is None:
-            msg = (f"{where}: this ShardedTensor's layout ({_summary(held)}) has no DTensor equivalent on "
-                   f"this mesh (DTensor needs exactly one block per mesh rank, split like torch.chunk along "
-                   f"mesh axes in order); reshard it first to a spec DTensor can express, e.g. "
-                   f"single_split(0, [f'rank:{{r}}/cpu' for r in mesh ranks]) for [Shard(0)], or use "
-                   f"full_tensor().")
-            raise ValueError(msg)
-    local_shards = tensor.local_shards()
-    if local_shards:
-        local = local_shards[0].tensor
-    else:
-        local = torch.empty((0,) * len(size), dtype=tensor.dtype, device=device_mesh.device_type)
-    if local.device.type != device_mesh.device_type:
-        msg = (f"{where}: the local shard is on {local.device} but the mesh is a {device_mesh.device_type!r} "
-               f"mesh; reshard onto {device_mesh.device_type} devices or build the mesh for {local.device.type}.")
+    size = tuple(dtensor.shape)
+    if tuple(local.shape) != size:
+        msg = (f"{where}: rank {rank}'s local tensor has shape {tuple(local.shape)}, but a Partial DTensor "
+               f"holds a full-size value {size} on every rank; rebuild it with DTensor.from_local(..., "
+               f"shape=local.shape).")
         raise ValueError(msg)
-    stride = torch.empty(size, device="meta").stride()
-    return DTensor.from_local(local, device_mesh, chosen, run_check=False, shape=torch.Size(size), stride=stride)
-
-
-def _summary(held: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> str:
-    parts = []
-    for rank in sorted(held)[:8]:
-        regions = held[rank]
-        blocks = ", ".join(f"offsets={o} sizes={s}" for o, s in regions[:3]) + (" ..." if len(regions) > 3 else "")
-        parts.append(f"rank {rank}: {len(regions)} block(s) {blocks}")
-    return "; ".join(parts) + ("; ..." if len(held) > 8 else "")
+    mesh = dtensor.device_mesh
+    owners = [int(r) for r in ranks.flatten()]
+    devices = [RemoteDevice.of(r, _device_name(mesh, r, local, rank)) for r in owners]
+    spec = PartialSpec([str(d) for d in devices], reduce_op=op)
+    metadata = spec.build_metadata(size, dtype=dtensor.dtype)
+    tensors = {owners.index(rank): local} if rank in owners else {}
+    return ShardedTensor._make(tensors, metadata, spec, rank=rank, group=group,
+                               requires_grad=dtensor.requires_grad)

@@ -31,6 +31,7 @@ from _shardkit.memory import empty_for_fill, unshared
 from sharding import ShardedTensorMetadata, ShardMetadata
 from sharding.layout import chunk_bounds
 
+from ._move import _direct_or_staged, _Staging, move
 from ._plan import (
     box_slices,
     keeper_layout,
@@ -38,7 +39,6 @@ from ._plan import (
     plan_reduce,
     reduce_layout,
 )
-from ._reshard import _direct_or_staged, _Staging, redistribute
 
 __all__ = ["redistribute_partial"]
 
@@ -158,7 +158,7 @@ def reduce_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, d
             if i not in out:
                 out[i] = torch.empty(shard.dims, dtype=dst.dtype, device=shard.device.device)
         return out
-    return redistribute(out, target, dst, rank=rank, group=group, reuse=True)
+    return move(out, target, dst, rank=rank, group=group, reuse=True)
 
 
 def to_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
@@ -170,9 +170,9 @@ def to_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: 
     """
     replicas = ShardedTensorMetadata(dst.shards, dst.size, dst.dtype)
     if dst.partial != "sum":
-        return redistribute(local, src, replicas, rank=rank, group=group, reuse=reuse)
+        return move(local, src, replicas, rank=rank, group=group, reuse=reuse)
     keep = keeper_layout(src, dst)
-    kept = redistribute(local, src, keep, rank=rank, group=group, reuse=reuse)
+    kept = move(local, src, keep, rank=rank, group=group, reuse=reuse)
     out: dict[int, torch.Tensor] = {}
     for i, shard in dst.shards_on(rank):
         blocks = keep.shards_on(rank)

@@ -21,6 +21,7 @@ from sharding import (
 )
 from sharding.layout import check_reduce_op, check_tiling
 
+from ._dtensor_layout import to_dtensor
 from ._reshard import redistribute
 
 if TYPE_CHECKING:
@@ -356,11 +357,14 @@ class ShardedTensor:
         coordinate (``Shard(d)`` splits like ``torch.chunk``, mesh axes apply left to right;
         ``Replicate`` means every rank along that axis holds the same block). With
         ``placements=None`` they are inferred from the layout (``Replicate`` preferred where
-        both fit, e.g. on an axis of size 1). The DTensor's local tensor is this rank's shard.
+        both fit, e.g. on an axis of size 1). Partial values (``PartialSpec`` over exactly the
+        mesh's ranks) become ``Partial(op)`` on every mesh axis. The DTensor's local tensor is
+        this rank's shard.
 
         Args:
             device_mesh: the ``DeviceMesh``; its ranks are ranks of this tensor's process group.
-            placements: one ``Shard``/``Replicate`` per mesh axis, or ``None`` to infer them.
+            placements: one ``Shard``/``Replicate`` per mesh axis (``Partial`` for partial
+                values), or ``None`` to infer them.
 
         Returns:
             A ``DTensor`` of the same global size and dtype.
@@ -378,9 +382,9 @@ class ShardedTensor:
             >>> dt.placements  # doctest: +SKIP
             (Shard(dim=0),)
         """
-        from ._dtensor import to_dtensor
-
-        return to_dtensor(self, device_mesh, placements)
+        shards = self.local_shards()
+        return to_dtensor(self._metadata, shards[0].tensor if shards else None, self._group, device_mesh,
+                          placements)
 
     def reduced(self) -> ShardedTensor:
         """A new ShardedTensor with the reduced values of this partial one, split over its holders. Collective.

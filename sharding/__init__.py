@@ -1,7 +1,8 @@
 """Declarative sharding specs and shard metadata: pure data, no communication."""
 
+from ._device import RemoteDevice
 from ._metadata import ShardedTensorMetadata, ShardMetadata
-from ._placement import PlacementSpec, RemoteDevice, spec_from_dict
+from ._placement import PlacementSpec, spec_from_dict
 from ._specs import (
     CompositeShardingSpec,
     DevicePlacement,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._placement import RemoteDevice
+from ._device import RemoteDevice
 from .layout import check_reduce_op
 
 __all__ = ["ShardMetadata", "ShardedTensorMetadata"]

@@ -13,8 +13,9 @@ from typing import Union, cast
 
 import torch
 
+from ._device import RemoteDevice
 from ._metadata import ShardedTensorMetadata, ShardMetadata
-from ._placement import PlacementSpec, RemoteDevice, register_spec, spec_from_dict
+from ._placement import PlacementSpec, register_spec, spec_from_dict
 from .layout import check_reduce_op, check_tiling, chunk_bounds
 
 __all__ = [

@@ -213,6 +213,79 @@ def test_known_violations_are_still_needed():
     assert not stale, f"remove these KNOWN_VIOLATIONS entries, the imports are gone: {stale}"
 
 
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (any import in its code: top level, in a function,
+    under ``TYPE_CHECKING``). A name imported from a module counts as that module; a module's own
+    ancestor packages are left out, since Python imports them before the module anyway."""
+    modules = {_module_name(p) for pkg in PROJECT[:4] for p in (ROOT / pkg).rglob("*.py")}
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for pkg in PROJECT[:4]:
+        for path, imported in _scan(pkg):
+            source, target = _module_name(ROOT / path), owner(imported)
+            if target and target != source and not source.startswith(target + "."):
+                graph[source].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (each holds an import cycle)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return found
+
+
+def test_cycles_finds_mutual_and_longer_loops():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}}
+    assert sorted(_cycles(graph)) == [["a", "b", "c"], ["e", "f"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Import cycles tolerated for now, each with why; each must still exist (so it goes away with the fix).
+KNOWN_CYCLES: dict[tuple[str, ...], str] = {
+    ("sharded_tensor._model.guard", "sharded_tensor._model.sharder"): "the parameter record lives in sharder",
+}
+
+
+def test_no_import_cycles():
+    found = _cycles(_import_graph())
+    stale = [known for known in KNOWN_CYCLES if list(known) not in found]
+    assert not stale, f"remove these KNOWN_CYCLES entries, the cycles are gone: {stale}"
+    cycles = [c for c in found if tuple(c) not in KNOWN_CYCLES]
+    assert not cycles, ("these modules import each other (directly or around a loop); move what both "
+                        "need into a module both import, or pass it in:\n" + "\n".join(map(str, cycles)))
+
+
 def _public_names(pkg: types.ModuleType) -> list[str]:
     """Names a user sees in ``vars(pkg)``: no ``_`` prefix, no submodules, no ``__future__`` flags."""
     return sorted(name for name, value in vars(pkg).items()
@@ -239,23 +312,3 @@ def test_known_matches_the_module_and_names_in_it_for_that_file_only():
     assert not _known("checkpoint/_other.py", module, known)
     assert not _known(file, module + "_more", known)
 
-
-def test_the_checkpoint_package_has_no_import_cycle():
-    """No two modules of ``checkpoint`` import each other, directly or through others, function-level
-    imports included (``_load`` and ``_dcp`` once did)."""
-    modules = {_module_name(p): p for p in (ROOT / "checkpoint").glob("*.py")}
-    graph = {name: {m for m in _imported_modules(ast.parse(path.read_text()), name, path.name == "__init__.py")
-                    if m in modules and m != "checkpoint" and m != name}
-             for name, path in modules.items() if name != "checkpoint"}
-
-    def reachable(start: str) -> set[str]:
-        seen, stack = set(), [start]
-        while stack:
-            for nxt in graph.get(stack.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return seen
-
-    cycles = sorted(name for name in graph if name in reachable(name))
-    assert not cycles, f"modules on an import cycle: {cycles}"

@@ -29,6 +29,14 @@ op, while the code runs:
 * Producers of one region that read the same input share one ``copy_to_ranks``: q, k and v
   then cost one all-reduce of the input's gradient in backward instead of three.
 
+Gradients follow one rule: a replicated tensor (a parameter kept whole, or a gathered
+activation) gets its complete gradient on every rank. Every transition keeps it with its
+exact adjoint: a gather's backward keeps this rank's slice, a replicated operand cut to this
+rank's slice gathers its gradient back, and a replicated operand that every rank combines
+whole with its own slices (the weight of a per-head norm such as Qwen3's ``q_norm``, a
+statistic broadcast over the split dimension) goes through ``copy_to_ranks``, whose backward
+sums the ranks' partial gradients.
+
 Decisions depend only on shapes and on the split (the same on every rank), so every rank
 takes the same path and the collectives of a fallback always match.
 
@@ -209,6 +217,20 @@ def _to_local(tensor: torch.Tensor, dim: int, split: Split) -> torch.Tensor:
     return tag(scatter(tensor, dim, split.intervals, split.group), split.moved(dim))
 
 
+def _whole(tensor: Any, group: _comm.ProcessGroup) -> Any:
+    """A replicated ``tensor`` that each rank combines, whole, with its own slices.
+
+    Each rank's gradient for it then covers only that rank's slices, so its backward sums the
+    gradients over the ranks; that keeps the rule every transition here obeys: a replicated
+    tensor gets the complete gradient on every rank (which is what makes a gather's backward,
+    a slice, exact).
+    """
+    if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or not torch.is_grad_enabled() \
+            or tensor in _TAGS:
+        return tensor
+    return shared_copy(tensor, group)
+
+
 # -- rules ----------------------------------------------------------------------------------------
 
 class _Fallback(Exception):
@@ -238,11 +260,14 @@ def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
             raise _Fallback
         found = aligned
     assert found is not None
+    if isinstance(args[0], torch.Tensor) and args[0] not in _TAGS and _in_place(func):
+        raise _Fallback  # a replicated tensor updated in place must receive whole values
     for i, t in tensors:
         if split_of(t) is not None:
             continue
         local_dim = found.dim - (out_ndim - t.dim())
         if local_dim < 0 or t.shape[local_dim] == 1:
+            flat[i] = _whole(t, found.group)  # broadcast against every rank's slice
             continue
         if t.shape[local_dim] != found.size:
             raise _Fallback
@@ -252,6 +277,11 @@ def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     if isinstance(out, torch.Tensor) and out.dim() == out_ndim:
         return tag(out, found)
     raise _Fallback
+
+
+def _in_place(func: Callable[..., Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name.startswith("__i")
 
 
 def _first_split(args: tuple[Any, ...]) -> tuple[torch.Tensor, Split]:
@@ -482,15 +512,22 @@ def _matmul(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
             raise _Fallback
         found = mine
     assert found is not None
-    if found.dim < nd - 2:  # a batch split: the other operand must broadcast along it or be split alike
-        for t, s in ((a, sa), (b, sb)):
+    operands = [a, b]
+    if found.dim < nd - 2:  # a batch split: the other operand broadcasts along it, or takes its slice
+        for i, (t, s) in enumerate(((a, sa), (b, sb))):
             if s is None:
                 local = found.dim - (nd - t.dim())
                 if local >= 0 and t.shape[local] != 1:
-                    raise _Fallback
+                    if t.shape[local] != found.size:
+                        raise _Fallback
+                    operands[i] = _to_local(t, local, found)
+                else:
+                    operands[i] = _whole(t, found.group)
     elif (found.dim == nd - 2 and sb is not None) or (found.dim == nd - 1 and sa is not None):
         raise _Fallback
-    out = func(*args, **kwargs)
+    else:  # rows of a split, or columns of b: the other operand is used whole by every rank
+        operands = [_whole(t, found.group) for t in operands]
+    out = func(*operands, *args[2:])
     return tag(out, found)
 
 
@@ -500,6 +537,8 @@ def _linear(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
     if split is None or split.dim == x.dim() - 1 or any(split_of(t) is not None for t in others):
         raise _Fallback
+    args = tuple(_whole(a, split.group) for a in args)
+    kwargs = {k: _whole(v, split.group) for k, v in kwargs.items()}
     return tag(func(*args, **kwargs), split)
 
 
@@ -511,6 +550,8 @@ def _norm_last(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     others = [a for a in (*args[2:], *kwargs.values()) if isinstance(a, torch.Tensor)]
     if split.dim >= x.dim() - count or any(split_of(t) is not None for t in others):
         raise _Fallback
+    args = tuple(_whole(a, split.group) for a in args)
+    kwargs = {k: _whole(v, split.group) for k, v in kwargs.items()}
     return tag(func(*args, **kwargs), split)
 
 
@@ -534,10 +575,12 @@ def _sdpa(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
             if mask.shape[local] != sq.size:
                 raise _Fallback
             mask = scatter(mask, local, sq.intervals, sq.group)
-            if len(args) > 3:
-                args = (*args[:3], mask, *args[4:])
-            else:
-                kwargs = {**kwargs, "attn_mask": mask}
+        else:
+            mask = _whole(mask, sq.group)
+        if len(args) > 3:
+            args = (*args[:3], mask, *args[4:])
+        else:
+            kwargs = {**kwargs, "attn_mask": mask}
     return tag(func(*args, **kwargs), sq)
 
 

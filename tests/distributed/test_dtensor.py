@@ -92,9 +92,25 @@ def _check_conversions(rank: int, world: int, root: str) -> None:
         uneven.to_dtensor(mesh1)
     with pytest.raises(ValueError, match=r"placements \(Shard\(dim=1\)\) give a layout other"):
         rows.to_dtensor(mesh1, [Shard(1)])
-    partial = DTensor.from_local(torch.ones(2, 2), mesh1, [Partial()])
-    with pytest.raises(ValueError, match=r"Partial.*redistribute"):
-        st.from_dtensor(partial)
+    # Pending reductions: Partial on every axis is a PartialSpec over the mesh ranks, both ways.
+    for device_mesh, op in [(mesh1, "sum"), (mesh2, "sum"), (mesh1, "max"), (mesh2, "avg")]:
+        value = _full(3, 2) * (rank + 1)
+        partial = DTensor.from_local(value.clone(), device_mesh, [Partial(op)] * device_mesh.ndim)
+        t = st.from_dtensor(partial)
+        assert t.sharding_metadata().partial == op and t.local_shard().data_ptr() == partial.to_local().data_ptr()
+        assert [s.rank for s in t.sharding_metadata().shards] == [int(r) for r in device_mesh.mesh.flatten()]
+        assert torch.equal(t.full_tensor(), partial.full_tensor()), (op, device_mesh.shape)
+        back = t.to_dtensor(device_mesh)
+        assert tuple(back.placements) == (Partial(op),) * device_mesh.ndim
+        assert back.to_local().data_ptr() == partial.to_local().data_ptr()
+        assert torch.equal(back.full_tensor(), partial.full_tensor())
+    with pytest.raises(ValueError, match=r"pending a reduction over only some of the ranks.*redistribute"):
+        st.from_dtensor(DTensor.from_local(torch.ones(2, 2), mesh2, [Partial(), Replicate()]))
+    with pytest.raises(ValueError, match=r"holds plain values.*placements=None"):
+        rows.to_dtensor(mesh1, [Partial()])
+    summed = st.from_dtensor(DTensor.from_local(torch.ones(2, 2), mesh1, [Partial()]))
+    with pytest.raises(ValueError, match=r"pending reduce_op='sum'.*\(Partial\(sum\)\)"):
+        summed.to_dtensor(mesh1, [Replicate()])
     strided = DTensor.from_local(torch.ones(2, 2), mesh2, [_StridedShard(0, split_factor=2), Shard(0)],
                                  run_check=False)
     with pytest.raises(ValueError, match="interleaves rows"):

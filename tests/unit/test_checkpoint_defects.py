@@ -112,8 +112,9 @@ def test_concurrent_saves_never_destroy_the_checkpoint(tmp_path: Path) -> None:
 
 _JOB = """
 import sys, time, os, torch, checkpoint
-folder, go, shift = sys.argv[1], sys.argv[2], float(sys.argv[3])
+folder, go, shift, ready = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 sd = {"w": (torch.arange(64 * 4096, dtype=torch.float64) * 0.5 + shift).float().reshape(64, 4096)}
+open(ready, "w").close()
 while not os.path.exists(go):
     time.sleep(0.001)
 try:
@@ -136,9 +137,14 @@ def test_two_jobs_saving_to_one_path_at_once(tmp_path: Path) -> None:
     for round_ in range(2):
         go = tmp_path / f"go{round_}"
         shifts = [float(2 * round_ + k) for k in range(2)]
-        jobs = [subprocess.Popen([sys.executable, "-c", _JOB, str(folder), str(go), str(shift)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for shift in shifts]
-        time.sleep(2.0)  # both interpreters are up and waiting
+        ready = [tmp_path / f"ready{round_}-{k}" for k in range(2)]
+        jobs = [subprocess.Popen([sys.executable, "-c", _JOB, str(folder), str(go), str(shift), str(flag)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for shift, flag in zip(shifts, ready)]
+        deadline = time.monotonic() + 120
+        while not all(flag.exists() for flag in ready):  # both interpreters are up, state built, waiting
+            assert time.monotonic() < deadline and all(job.poll() is None for job in jobs), "a job did not start"
+            time.sleep(0.01)
         go.touch()
         outs = [job.communicate(timeout=120) for job in jobs]
         for job, (out, err) in zip(jobs, outs):
@@ -605,16 +611,25 @@ def _entry_points(folder: Path, out: Path) -> dict[str, Any]:
     return calls
 
 
-@pytest.mark.parametrize("how", ["exec", "dotted-name", "nested"])
-def test_no_entry_point_runs_a_planted_metadata_pickle(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                       how: str) -> None:
+_PAYLOADS = ("exec", "dotted-name", "nested")
+
+
+def test_no_entry_point_runs_a_planted_metadata_pickle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A pickle that writes a marker file, planted as ``.metadata`` in every kind of folder, never
     runs: not by default (no entry point reads ``.metadata`` unless asked for DCP), and not when
-    asked (the restricted unpickler refuses the global before calling it)."""
+    asked (the restricted unpickler refuses the global before calling it). Each folder gets one of
+    three payloads (a builtin, a method of an admitted module, a payload inside DCP's own Metadata);
+    every payload also goes straight to the unpickler."""
+    from checkpoint._dcp_metadata import parse_dcp_metadata
+
     marker = tmp_path / "marker"
+    for how in _PAYLOADS:
+        with pytest.raises(CheckpointError, match="refusing to unpickle"):
+            parse_dcp_metadata(_planted_pickle(marker, how))
+        assert not marker.exists(), how
     kinds = _folder_kinds(tmp_path / "folders")
-    for folder in kinds.values():
-        (folder / ".metadata").write_bytes(_planted_pickle(marker, how))
+    for k, folder in enumerate(kinds.values()):
+        (folder / ".metadata").write_bytes(_planted_pickle(marker, _PAYLOADS[k % len(_PAYLOADS)]))
     out = tmp_path / "out"
 
     for kind, folder in kinds.items():

@@ -183,3 +183,11 @@ def test_verify_and_inspect_go_through_the_sources(tmp_path: Path, capsys: pytes
     with DcpSource(tmp_path / "dcp") as source:
         problems = source.verify()
     assert len(problems) == 1 and "tensor 'w' cannot be read" in problems[0]
+
+
+def test_the_cli_help_says_dcp_metadata_is_a_pickle_read_restricted(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "only with --from dcp" in text and ".metadata file is a pickle" in text
+    assert "restricted unpickler that admits DCP's own metadata classes only" in text

@@ -10,7 +10,7 @@ from hypothesis import strategies as hst
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from sharded_tensor._dtensor import dtensor_layout
+from sharded_tensor._dtensor_layout import dtensor_layout
 
 
 @pytest.mark.parametrize(("shape", "mesh_shape", "placements"), [
