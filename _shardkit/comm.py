@@ -24,6 +24,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -35,8 +36,8 @@ import torch.distributed as dist
 from . import liveness as _liveness
 from . import teardown  # binds torch's default-group arguments before any group exists; exit hook
 
-__all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
-           "gather_json", "broadcast_json", "all_gather_tensor", "CollectiveError",
+__all__ = ["CommCounter", "rank_and_world", "default_device", "start_exchange", "all_gather_json",
+           "broadcast_json", "all_gather_tensor", "CollectiveError",
            "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT",
            "TIMEOUT_ENV", "LIVENESS_ENV", "resolve_timeout", "operation", "operation_name", "collective"]
 
@@ -71,6 +72,11 @@ class CommCounter:
     """Count collectives and the bytes this rank sends inside a ``with`` block.
 
     Every communication shardkit does passes through one module, so the counts are exact.
+
+    Args:
+        counts: filled in by the block: operations by name (``"send/recv"``, ``"all_reduce"``,
+            ...), one per message or call; start empty.
+        bytes_by_op: filled in by the block: bytes this rank sent, per operation.
 
     Example:
         >>> with CommCounter() as comm:
@@ -112,10 +118,28 @@ def _initialized() -> bool:
 
 
 def rank_and_world(group: ProcessGroup = None) -> tuple[int, int]:
-    """This process's rank in ``group`` and the group's size; ``(0, 1)`` with no process group."""
+    """This process's rank in ``group`` and the group's size; ``(0, 1)`` with no process group.
+
+    Raises:
+        RuntimeError: no process group, but a launcher (torchrun) started this process as one
+            of several ranks: every rank would act as rank 0 of a world of one.
+    """
     if not _initialized():
+        _check_not_launched()
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_not_launched() -> None:
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        rank = os.environ.get("RANK", "?")
+        msg = (f"torch.distributed has no process group, but a launcher started this process as rank {rank} "
+               f"of {world} (WORLD_SIZE={world}); call torch.distributed.init_process_group(\"gloo\") "
+               f"(\"nccl\" on GPUs) at the start of the script, before shardkit is used, and "
+               f"destroy_process_group() only after its last call. To run as one process instead, start "
+               f"the script without torchrun (or unset WORLD_SIZE).")
+        raise RuntimeError(msg)
 
 
 def default_device(group: ProcessGroup = None) -> torch.device:
@@ -127,17 +151,6 @@ def default_device(group: ProcessGroup = None) -> torch.device:
 
 def _global(group: ProcessGroup, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
-def exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
-             group: ProcessGroup = None, *, timeout: float | None = None, what: str = "exchange") -> None:
-    """Send ``sends[peer]`` to each peer and receive into ``recvs[peer]``, all at once.
-
-    Collective over the peers named: the two sides of each transfer must name each other with
-    tensors of equal byte size. Tensors must be contiguous. Raises ``CollectiveError`` naming
-    the peers that did not answer within ``timeout`` (see ``resolve_timeout``) or died.
-    """
-    start_exchange(sends, recvs, group, timeout=timeout, what=what).wait()
 
 
 # Messages travel in pieces of at most this many bytes, so that a sender can put the first
@@ -193,8 +206,11 @@ class PendingExchange:
     def _raise(self) -> None:
         exc = self._first_error
         assert exc is not None
-        ranks = sorted(_global(self._group, p) for p in self._failed)
-        raise _fail(self._what, exc, self._started, self._timeout, ranks) from exc
+        ranks = {_global(self._group, p) for p in self._failed}
+        if not isinstance(exc, _liveness.PeerGone):
+            # A transfer failed on Gloo's own error: name the ranks that are gone too.
+            ranks.update(_gone_ranks(self._group, min(self._deadline - time.monotonic(), _SETTLE_SECONDS)))
+        raise _fail(self._what, exc, self._started, self._timeout, sorted(ranks)) from exc
 
     def _finish(self, works: list[tuple[int | None, Any]]) -> None:
         liveness = _watchdog() if self._bounded else None
@@ -512,9 +528,10 @@ _arrivals = _Arrivals()
 
 # -- who is gone: _shardkit.liveness ---------------------------------------------------------------
 
+# The default group (by weak reference: holding it would keep it from being freed at exit)
+# and this process's Liveness for it.
 _watch_state: dict[str, Any] = {"world": None, "liveness": None}
 _watch_lock = threading.Lock()
-_members_cache: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
 
 def _watchdog() -> _liveness.Liveness | None:
@@ -524,11 +541,11 @@ def _watchdog() -> _liveness.Liveness | None:
     world_group = dist.group.WORLD
     with _watch_lock:
         current = _watch_state["liveness"]
-        if _watch_state["world"] is world_group:
+        if _watch_state["world"] is not None and _watch_state["world"]() is world_group:
             return current  # type: ignore[no-any-return]
         if current is not None:
             current.stop()
-        _watch_state["world"], _watch_state["liveness"] = world_group, None
+        _watch_state["world"], _watch_state["liveness"] = weakref.ref(world_group), None
         store = _store()
         if store is None or dist.get_world_size() < 2:
             return None
@@ -550,19 +567,27 @@ def _stop_watching() -> None:
 teardown.on_exit(_stop_watching)
 
 
-def _members(group: ProcessGroup) -> tuple[int, ...]:
+def _members(group: ProcessGroup) -> list[int]:
     """The global ranks of ``group``."""
-    key = group if group is not None else dist.group.WORLD
-    cached = _members_cache.get(id(key))
-    if cached is not None and cached[0] is key:
-        return cached[1]
-    ranks = tuple(dist.get_process_group_ranks(key))
-    _members_cache[id(key)] = (key, ranks)
-    return ranks
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
 def _group_rank(group: ProcessGroup, global_rank: int) -> int:
     return global_rank if group is None else dist.get_group_rank(group, global_rank)
+
+
+def _gone_ranks(group: ProcessGroup, settle: float) -> list[int]:
+    """Global ranks of ``group`` known to be gone, waiting up to ``settle`` s for the news of one."""
+    liveness = _watchdog()
+    if liveness is None:
+        return []
+    members = _members(group)
+    until = time.monotonic() + settle
+    while True:
+        gone = liveness.gone(members)
+        if gone or time.monotonic() >= until:
+            return gone
+        time.sleep(0.02)
 
 
 def _check_alive(step: str, group: ProcessGroup, limit: float) -> None:
@@ -595,6 +620,14 @@ class CollectiveError(RuntimeError):
         ranks: the global ranks that did not answer, or ``None`` when they cannot be told.
         timeout: the seconds this rank was prepared to wait.
         elapsed: the seconds it waited.
+
+    Args:
+        operation: sets ``operation``.
+        reason: sets ``reason``.
+        ranks: sets ``ranks`` (sorted).
+        timeout: sets ``timeout``.
+        elapsed: sets ``elapsed``.
+        detail: the backend's own words, quoted in the message when ``reason`` is ``"error"``.
 
     The process group cannot be used after this error: the job (or at least the group) must
     be restarted, e.g. from the last checkpoint.
@@ -652,6 +685,14 @@ def _wait_work(work: Any, deadline: float, bounded: bool = True) -> None:
     work.wait(timeout=datetime.timedelta(seconds=remaining))
 
 
+def _future(work: Any) -> Any:
+    """The work's future (Gloo collectives have one), or ``None``: then it is waited on directly."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        return None
+
+
 def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[], Any],
          marked: bool = True) -> None:
     """Post a group-wide collective with ``post()`` and wait for it, within the timeout. Collective."""
@@ -665,9 +706,9 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
         work = post()
         cpu = default_device(group).type == "cpu"
         liveness = _watchdog() if cpu else None
-        if liveness is not None:
+        future = _future(work) if liveness is not None else None
+        if future is not None:
             done = threading.Event()
-            future = work.get_future()
             future.add_done_callback(lambda _: done.set())
             _liveness.wait_until(future.done, done, started + limit, liveness, _members(group))
         _wait_work(work, started + limit, cpu)
@@ -675,7 +716,9 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
         raise _fail(step, gone, started, limit, gone.ranks) from None
     except Exception as exc:  # Gloo/NCCL raise RuntimeError or DistBackendError subclasses
         settle = min(max(started + limit - time.monotonic(), 0.0), _SETTLE_SECONDS)
-        ranks = _arrivals.missing(group, count, settle) if count is not None else None
+        # A rank known to be gone is the one to name (it may have died inside the step, after
+        # arriving); else the ranks that never arrived.
+        ranks = _gone_ranks(group, settle) or (_arrivals.missing(group, count, settle) if count is not None else None)
         raise _fail(step, exc, started, limit, ranks) from exc
 
 
@@ -792,32 +835,6 @@ def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup = None, *, timeo
          marked=bool(_scopes()))
     _record("all_gather", tensor.numel() * tensor.element_size())
     return gathered
-
-
-def gather_json(value: object, dst: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,
-                what: str = "gather") -> list[Any] | None:
-    """Every rank's JSON ``value`` on group rank ``dst`` (in rank order), ``None`` elsewhere. Collective.
-
-    The first step (an all_gather of payload sizes) is also a barrier: it completes only when
-    every rank has arrived, or raises ``CollectiveError`` after ``timeout`` seconds (see
-    ``resolve_timeout``) naming the ranks that never arrived.
-    """
-    if not _initialized():
-        return [json.loads(json.dumps(value))]
-    limit = resolve_timeout(timeout)
-    rank = dist.get_rank(group)
-    payload = _encode_json(value, default_device(group))
-    lengths = _gather_lengths(payload.numel(), group, limit, what)
-    longest = max(lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
-    padded[: payload.numel()] = payload
-    gathered = [torch.empty_like(padded) for _ in lengths] if rank == dst else None
-    _run(what, group, limit,
-         lambda: dist.gather(padded, gathered, dst=_global(group, dst), group=group, async_op=True), marked=False)
-    _record("gather", 8 + (longest if rank != dst else 0))
-    if gathered is None:
-        return None
-    return _decode_json(gathered, lengths)
 
 
 def broadcast_json(value: object, src: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,

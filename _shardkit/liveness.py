@@ -116,6 +116,7 @@ class Liveness:
             self._store.set(_KEY, json.dumps(info))
         except Exception:  # no usable store: waits fall back to Gloo's errors and the timeout
             return
+        self._store = None
         self.connected.set()
         selector = selectors.DefaultSelector()
         selector.register(listener, selectors.EVENT_READ)
@@ -187,6 +188,7 @@ class Liveness:
                 self._stop.wait(0.2)
         if sock is None:
             return
+        self._store = None  # not needed any more: do not keep it alive
         self.connected.set()
         buffer = b""
         while not self._stop.is_set():

@@ -3,7 +3,7 @@
 For a large new tensor, the memory behind it can cost more than filling it: pages faulted in
 one by one as the fill first writes them (what ``torch.empty`` gets) were slower, and less
 steady, than a range committed by the ``mmap`` call (``MAP_POPULATE``), and both were slower
-than a buffer the process already holds (figures in docs/benchmarks.md, "memory", measured
+than a buffer the process already holds (figures in docs/benchmarks-history.md, "memory", measured
 with ``scripts/bench/memory.py``).
 
 So a large tensor gets a populated anonymous mapping of its own, and once every tensor on it
@@ -284,7 +284,7 @@ def release_outside(storage: torch.UntypedStorage, keep: Sequence[tuple[int, int
     The storage keeps its address range; released pages read as zeros if touched again, so
     only pages no tensor will read may be released (see :func:`sole_owner`). The release
     runs on a background thread where it can (it costs about as much as a copy of the same
-    bytes; docs/benchmarks.md, "Figures behind implementation choices"), and the mapping is
+    bytes; docs/benchmarks-history.md, "Figures behind implementation choices"), and the mapping is
     not reused or unmapped before it has finished.
     """
     address = storage.data_ptr()

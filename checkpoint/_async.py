@@ -54,7 +54,11 @@ __all__ = ["async_save", "AsyncSaveHandle"]
 
 
 class AsyncSaveHandle:
-    """The future of one ``async_save``: ``done()`` polls, ``result(timeout)`` waits and raises its error."""
+    """The future of one ``async_save``: ``done()`` polls, ``result(timeout)`` waits and raises its error.
+
+    Args:
+        path: the checkpoint being written (created by ``async_save``, not by hand).
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -83,6 +87,8 @@ class AsyncSaveHandle:
         Example:
             >>> handle = checkpoint.async_save(state, "ckpt")  # doctest: +SKIP
             >>> handle.result(timeout=60)  # doctest: +SKIP
+            >>> handle.done()  # doctest: +SKIP
+            True
         """
         if not self._finished.wait(timeout):
             msg = (f"async_save to {self.path!r} is still running after timeout={timeout!r} s; "
@@ -154,7 +160,7 @@ class _Feed:
     The writer starts before staging, so its prepare phase (agreement, folder, lease) runs
     while the training thread copies; it reads a region only once the whole snapshot is
     staged. (Handing each region over as soon as it is copied, so that writing overlaps
-    staging too, made the copy itself slower on a loaded machine: docs/benchmarks.md.)
+    staging too, made the copy itself slower on a loaded machine: docs/benchmarks-history.md.)
     """
 
     def __init__(self, count: int) -> None:
@@ -353,6 +359,8 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
         >>> handle = checkpoint.async_save({"w": sharded_weight, "step": 10}, "ckpt")  # doctest: +SKIP
         >>> optimizer.step()  # safe: the snapshot is already staged  # doctest: +SKIP
         >>> handle.result()  # the checkpoint is committed  # doctest: +SKIP
+        >>> handle.done()  # doctest: +SKIP
+        True
     """
     global _inflight
     if if_busy not in ("wait", "error"):

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 1 << 20
-"""Default chunk size. Chosen by ``scripts/bench/chunk_size.py`` (see ``docs/benchmarks.md``):
+"""Default chunk size. Chosen by ``scripts/bench/chunk_size.py`` (see ``docs/benchmarks-history.md``):
 CRC-32C costs the same per byte from 256 KiB up, while a partial read pays up to two chunks
 of extra bytes and the metadata grows by 8 hex digits per chunk; 1 MiB keeps both small."""
 

@@ -7,12 +7,15 @@ message, naming the file and the tensor, goes to stderr), 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import os
 import shutil
+import signal
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from ._consolidate import consolidate_files, parse_size
@@ -35,6 +38,7 @@ examples:
   %(prog)s consolidate ckpt model.safetensors
   %(prog)s consolidate ckpt hf-model --max-shard-size 5GB
   %(prog)s consolidate ckpt hf-model --max-shard-size 5GB --include model --strip-prefix model
+  %(prog)s consolidate ckpts hf-model --include model --strip-prefix model --config pretrained
   %(prog)s convert --from dcp dcp-ckpt ckpt
   %(prog)s convert --from dcp --to safetensors dcp-ckpt model.safetensors
   %(prog)s convert --to dcp ckpt dcp-ckpt
@@ -124,6 +128,11 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--strip-prefix", metavar="PREFIX",
                       help="remove this prefix from the exported names, e.g. 'model' turns model.fc.weight "
                            "into fc.weight (for load_state_dict or from_pretrained)")
+    cons.add_argument("--config", metavar="FOLDER",
+                      help="copy config.json (and generation_config.json) from this pretrained folder into OUTPUT, "
+                           "which becomes a folder from_pretrained loads")
+    cons.add_argument("--step", type=int, metavar="N",
+                      help="CKPT is a CheckpointManager's root: export step N (default: its latest committed step)")
     conv = commands.add_parser(
         "convert", parents=[common], help="convert between shardkit checkpoints and torch.distributed.checkpoint (DCP) folders",
         description="Convert a DCP folder (written by torch.distributed.checkpoint.save) into a shardkit checkpoint "
@@ -145,6 +154,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_on_closed_pipe(run: Callable[[Sequence[str] | None], int]) -> Callable[[Sequence[str] | None], int]:
+    """End quietly when the reader of stdout goes away (``inspect ckpt | head``), as Unix tools do."""
+    @functools.wraps(run)
+    def wrapper(argv: Sequence[str] | None = None) -> int:
+        try:
+            status = run(argv)
+            sys.stdout.flush()  # buffered output meets a closed pipe here, not at exit
+        except BrokenPipeError:
+            # Python would flush stdout again at exit and report the same error; send it nowhere.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return 128 + signal.SIGPIPE
+        return status
+    return wrapper
+
+
+@_quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -159,7 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {args.output} ({written})", file=sys.stdout)
             return 0
         return _consolidate_cmd(args.path, args.output, args.max_shard_size, options, quiet=args.quiet,
-                                include=args.include, strip_prefix=args.strip_prefix, out=sys.stdout)
+                                include=args.include, strip_prefix=args.strip_prefix, out=sys.stdout,
+                                config=args.config, step=args.step)
+    except BrokenPipeError:
+        raise  # not the checkpoint's fault: handled in _quiet_on_closed_pipe
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1
@@ -315,9 +345,10 @@ def _verify_cmd(path: str, options: Mapping[str, Any], *, quiet: bool, out: Text
 
 def _consolidate_cmd(path: str, output: str, max_shard_size: int | None, options: Mapping[str, Any], *,
                      quiet: bool, out: TextIO, include: Sequence[str] | None = None,
-                     strip_prefix: str | None = None) -> int:
+                     strip_prefix: str | None = None, config: str | None = None, step: int | None = None) -> int:
     files = consolidate_files(path, output, max_shard_size=max_shard_size, include=include,
-                              strip_prefix=strip_prefix, storage_options=options, quiet=True if quiet else None)
+                              strip_prefix=strip_prefix, config=config, step=step, storage_options=options,
+                              quiet=True if quiet else None)
     for written in files:
         print(f"wrote {written}", file=out)
     return 0

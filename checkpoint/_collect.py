@@ -55,7 +55,7 @@ def collect_state_dict(state_dict: Mapping[str, Any], dst: int = 0, *,
             ranks passed state_dicts whose sharded entries differ (names, sizes or dtypes);
             raised on every rank, before any tensor is sent.
         TypeError: ``state_dict`` is not a mapping.
-        CollectiveError: a rank did not arrive within ``_shardkit.comm.DEFAULT_TIMEOUT``
+        CollectiveError: a rank did not arrive within ``SHARDKIT_TIMEOUT``
             seconds (it died, or is not calling ``collect_state_dict``).
 
     Example:

@@ -31,6 +31,7 @@ import fsspec
 import torch
 
 from ._codec import build_safetensors_header, tensor_bytes
+from ._export import ConfigLike, checkpoint_folder, config_files
 from ._progress import progress
 from ._reader import DataReader
 from ._schema import CheckpointMetadata, SavedShard, TensorEntry
@@ -85,9 +86,10 @@ class _OutputFile:
     nbytes: int                 # tensor bytes in this file
 
 
-def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
+def consolidate(path: str | os.PathLike[str] | Any, output: str | os.PathLike[str], *,
                 max_shard_size: int | str | None = None,
                 include: str | Sequence[str] | Callable[[str], bool] | None = None, strip_prefix: str | None = None,
+                config: ConfigLike = None, step: int | None = None,
                 storage_options: Mapping[str, Any] | None = None, quiet: bool | None = None) -> None:
     """Turn a sharded checkpoint into one ``.safetensors`` file, or a Hugging Face style folder.
 
@@ -115,8 +117,18 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
     components: ``"model"`` (or ``"model."``) selects ``model`` and ``model.*``, never
     ``model_ema.*``. Non-tensor values are selected and renamed the same way.
 
+    With ``config``, ``output`` is a folder that ``from_pretrained`` loads: the weights
+    (``model.safetensors``, or the shard files and index with ``max_shard_size``) plus
+    ``config.json`` and, for a model that generates, ``generation_config.json``, as
+    ``save_pretrained`` writes them. ``path`` may also be a ``CheckpointManager`` or its root
+    folder: the latest committed step is exported, or ``step``. A whole training run to a
+    Hugging Face folder is then one call::
+
+        checkpoint.consolidate(manager, "llama-hf", include="model", strip_prefix="model", config=model)
+
     Args:
-        path: the checkpoint folder, a local path or fsspec URL.
+        path: the checkpoint folder, a local path or fsspec URL; or a ``CheckpointManager`` or its
+            root folder.
         output: the file (or folder, with ``max_shard_size``) to write; a local path or fsspec
             URL. It receives ``storage_options`` too when it uses the same protocol as ``path``.
         max_shard_size: largest output file, in bytes (int) or as ``"5GB"``/``"500MB"``.
@@ -124,6 +136,10 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
             predicate called with each dotted name (``None``: everything).
         strip_prefix: remove this prefix (``"model"`` or ``"model."``) from the exported names
             that start with it.
+        config: also write the model's config files: a transformers config (``model.config``), a
+            transformers model (its config and generation config), or a pretrained folder (or
+            its ``config.json``) whose ``config.json`` and ``generation_config.json`` are copied.
+        step: with a manager (or its root), the step to export; ``None``: the latest committed one.
         storage_options: fsspec options (credentials, endpoint, ...) for ``path``.
         quiet: ``True`` hides the progress bar shown on a terminal for large checkpoints;
             ``None`` follows the ``SHARDKIT_QUIET`` environment variable.
@@ -145,14 +161,17 @@ def consolidate(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
         >>> checkpoint.consolidate("ckpt", "hf", max_shard_size="5GB", include="model", strip_prefix="model")  # doctest: +SKIP
     """
     consolidate_files(path, output, max_shard_size=max_shard_size, include=include, strip_prefix=strip_prefix,
-                      storage_options=storage_options, quiet=quiet)
+                      config=config, step=step, storage_options=storage_options, quiet=quiet)
 
 
-def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[str], *,
+def consolidate_files(path: str | os.PathLike[str] | Any, output: str | os.PathLike[str], *,
             max_shard_size: int | str | None = None, include: Include = None, strip_prefix: str | None = None,
+            config: ConfigLike = None, step: int | None = None,
             storage_options: Mapping[str, Any] | None = None, quiet: bool | None = None) -> list[str]:
-    """``consolidate``, returning the paths it wrote (data files, then the index if any)."""
+    """``consolidate``, returning the paths it wrote (data files, then the index if any, then the configs)."""
     limit = None if max_shard_size is None else parse_size(max_shard_size)
+    path = checkpoint_folder(path, step, storage_options)
+    extra = {} if config is None else config_files(config)  # before anything is written: a bad config fails first
     in_fs, root = resolve(path, storage_options)
     metadata = select(read_metadata_at(in_fs, root), include=include, strip_prefix=strip_prefix,
                       source=os.fspath(path))
@@ -161,14 +180,14 @@ def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[st
                "rename it in the state_dict and save again.")
         raise ValueError(msg)
     out_fs, out_path = _output_fs(path, output, storage_options)
-    files = _plan_files(metadata, out_fs, out_path, limit)
+    files = _plan_files(metadata, out_fs, out_path, limit, folder=bool(extra))
     total = metadata.nbytes
     done: list[str] = []
     with progress(total, "consolidate", quiet=quiet) as bar, DataReader(in_fs) as reader:
         source = _Source(root, reader)
         _check_files(metadata, source)
         try:
-            if limit is not None:
+            if limit is not None or extra:
                 out_fs.makedirs(out_path, exist_ok=True)
             for file in files:
                 header = {"format": "pt"}
@@ -183,6 +202,9 @@ def consolidate_files(path: str | os.PathLike[str], output: str | os.PathLike[st
                 index_path = posixpath.join(out_path, INDEX_FILE)
                 atomic_write(out_fs, index_path, [json.dumps(index, indent=2).encode()])
                 done.append(index_path)
+            for name, data in extra.items():
+                atomic_write(out_fs, posixpath.join(out_path, name), [data])
+                done.append(posixpath.join(out_path, name))
         except BaseException:
             for p in done:
                 remove_quietly(out_fs, p)
@@ -286,11 +308,11 @@ def _output_fs(path: str | os.PathLike[str], output: str | os.PathLike[str],
 
 
 def _plan_files(metadata: CheckpointMetadata, fs: fsspec.AbstractFileSystem, out_path: str,
-                limit: int | None) -> list[_OutputFile]:
+                limit: int | None, *, folder: bool = False) -> list[_OutputFile]:
     names = list(metadata.tensors)
     if limit is None:
         target = out_path
-        if fs.isdir(out_path):
+        if folder or fs.isdir(out_path):
             target = posixpath.join(out_path, "model.safetensors")
         return [_OutputFile(target, posixpath.basename(target), tuple(names), metadata.nbytes)]
     groups: list[list[str]] = []

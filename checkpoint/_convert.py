@@ -117,6 +117,23 @@ def _write_safetensors(state: dict[str, Any], output: str | os.PathLike[str]) ->
         else:
             values[name] = value
     save_file(tensors, os.fspath(output), metadata={"shardkit.values": json.dumps(values, default=str)})
+    # safetensors creates its file private (0600); give it the mode of any other file written
+    # here (consolidate's, a checkpoint's): 0666 less the umask, 0644 usually.
+    os.chmod(output, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    # Elsewhere the umask can only be read by setting it; put it straight back.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_dcp(state: dict[str, Any], output: str | os.PathLike[str]) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import posixpath
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from sharded_tensor import ShardedTensor
 from sharding.layout import box_slices
 
 from ._codec import check_header_entry, tensor_bytes, tensor_from_bytes
-from ._hf import KeyMap, apply_key_map, read_hf_metadata
+from ._hf import KeyMap, apply_key_map, convert_hf_names, read_hf_metadata
 from ._progress import progress
 from ._reader import DataReader, RegionCheck, covering, truncated_error
 from ._schema import METADATA_FILE, CheckpointError, CheckpointMetadata, SavedShard, TensorEntry
@@ -141,7 +141,7 @@ def _map_into(task: _Task, reader: DataReader) -> bool:
     storage = reader.file_storage(task.path, tensors=task.name)
     if storage.nbytes() < start + task.nbytes:
         return False  # a short file: the ordinary read reports it as truncated
-    # Verify the whole chunks (version 2) or the whole region (version 1) the block covers.
+    # Verify the whole chunks (version 2 and later) or the whole region (version 1) the block covers.
     lo, hi = covering(shard, start, start + task.nbytes)
     with reader.mapped(task.path, lo, hi, tensors=task.name, populate=True) as data:
         RegionCheck(shard, task.path, task.name, lo, reader.verified).update(data)
@@ -327,6 +327,11 @@ class HuggingFaceSource(_FileSource):
         metadata = apply_key_map(read_hf_metadata(fs, folder, files, where), key_map, source=where)
         # No file checks: the metadata comes from these very headers, validated as they were read.
         super().__init__(fs, folder, where, metadata, checked=False)
+
+    def match_names(self, targets: Iterable[tuple[str, Any]]) -> set[str]:
+        """``from_pretrained``'s names: legacy renamings, the base model's prefix, tied weights (``_hf``)."""
+        self._metadata, tied = convert_hf_names(self._fs, self._folder, self._metadata, targets)
+        return tied
 
     def verify(self, *, quiet: bool | None = None) -> list[str]:
         """Nothing beyond what opening checked (headers, sizes): the files carry no checksums."""

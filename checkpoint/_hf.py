@@ -14,9 +14,16 @@ Differences from shardkit's own format, and what follows:
 * no checksums: the bytes are checked for length (a truncated file is an error) but cannot be
   checked for corruption;
 * no non-tensor values;
+* names: ``save_pretrained`` still writes older names for some models (GPT-NeoX's
+  ``embed_out``, ViT's ``encoder.layer.N.attention.attention.query``) and a head model's
+  checkpoint may lack or carry the base model's prefix. When the state_dict's names are not
+  all in the checkpoint, transformers (if installed) is asked for the renamings its
+  ``from_pretrained`` applies to the folder's model class (``config.json``), and the checkpoint's
+  names are renamed the same way: names only, every byte is still read straight from its file
+  (see ``convert_hf_names``);
 * tied weights are saved once (``save_pretrained`` drops ``lm_head.weight`` when it is the
-  embedding): a state_dict that lists both names either loads with ``strict=False`` or maps
-  the missing name with ``key_map``.
+  embedding): a tied name the checkpoint lacks counts as loaded when its tensor is the same
+  memory as the name it is tied to, and is read from that name's bytes otherwise.
 
 Every header is validated before anything is read from the data: known dtype, a shape of
 non-negative ints, data offsets inside the file and of exactly the size the shape implies.
@@ -27,7 +34,9 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import fsspec
 import torch
@@ -43,7 +52,7 @@ from ._schema import (
     dtype_from_code,
 )
 
-__all__ = ["INDEX_FILE", "find_hf", "read_hf_metadata", "apply_key_map", "KeyMap"]
+__all__ = ["INDEX_FILE", "find_hf", "read_hf_metadata", "apply_key_map", "KeyMap", "convert_hf_names"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -156,3 +165,116 @@ def apply_key_map(metadata: CheckpointMetadata, key_map: KeyMap | None, *, sourc
                               generation=metadata.generation, world_size=metadata.world_size,
                               version=metadata.version)
 
+
+
+_CONFIG_FILE = "config.json"
+
+
+def convert_hf_names(fs: fsspec.AbstractFileSystem, folder: str, metadata: CheckpointMetadata,
+                     targets: Iterable[tuple[str, Any]]) -> tuple[CheckpointMetadata, set[str]]:
+    """The checkpoint's tensors under the names ``from_pretrained`` would give them, and the tied names.
+
+    ``targets`` are the state_dict's ``(name, value)`` pairs. Nothing changes when every target
+    name is in the checkpoint already, when transformers is not installed, or when the folder
+    has no ``config.json`` naming a transformers model class. Otherwise the folder's model class
+    is built on the meta device (no memory) to ask transformers for its conversions
+    (``conversion_mapping.get_model_conversion_mapping``: the legacy renamings, the base model's
+    prefix added or dropped) and its tied weights (``all_tied_weights_keys``). Conversions that
+    change data (merging per-expert tensors, splitting a fused tensor) are not applied: those
+    tensors keep their names and show as missing/unexpected.
+
+    Returns:
+        ``(metadata, tied)``: ``metadata`` with renamed tensors, plus an entry for every tied
+        target whose tensor is not the memory of the name it is tied to (it is read from that
+        name's bytes), without the tensors the model class tells ``from_pretrained`` to skip
+        (``_keys_to_ignore_on_load_unexpected``); ``tied``: the tied target names that need
+        no data of their own.
+    """
+    values = dict(targets)
+    if (all(name in metadata.tensors or name in metadata.values for name in values)
+            and all(name in values for name in metadata.tensors)):
+        return metadata, set()
+    model = _meta_model(fs, folder)
+    if model is None:
+        return metadata, set()
+    renamed = apply_key_map(metadata, _renames(model, metadata, values), source=folder)
+    # Tensors from_pretrained skips without a word (old attention-mask buffers of GPT-2, GPT-NeoX).
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    tensors = {name: entry for name, entry in renamed.tensors.items()
+               if name in values or not any(p.search(name) for p in ignored)}
+    tied: set[str] = set()
+    # The ties this model's config makes (transformers 5); _tied_weights_keys lists possible ones only.
+    links = getattr(model, "all_tied_weights_keys", None) or {}
+    if isinstance(links, Mapping):
+        for target, source in links.items():
+            if target in tensors or target not in values or source not in tensors or source not in values:
+                continue
+            if _same_memory(values[target], values[source]):
+                tied.add(target)
+            else:
+                tensors[target] = tensors[source]
+    return CheckpointMetadata(tensors=tensors, values=renamed.values, files=renamed.files,
+                              generation=renamed.generation, world_size=renamed.world_size,
+                              version=renamed.version), tied
+
+
+def _meta_model(fs: fsspec.AbstractFileSystem, folder: str) -> Any:
+    """The folder's transformers model class built on the meta device, or ``None``."""
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return None
+    path = posixpath.join(folder, _CONFIG_FILE)
+    try:
+        data = json.loads(fs.cat_file(path))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    architectures = data.get("architectures") or []
+    cls = getattr(transformers, architectures[0], None) if architectures and isinstance(architectures[0], str) else None
+    model_type = data.get("model_type")
+    if cls is None or not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(data)
+        with torch.device("meta"):
+            return cls(config)
+    except (ValueError, TypeError, KeyError, AttributeError, ImportError, OSError, RuntimeError):
+        # A class this transformers cannot build (other version, missing extra): names stay as
+        # saved, and the load reports any that do not match.
+        return None
+
+
+def _renames(model: Any, metadata: CheckpointMetadata, values: Mapping[str, Any]) -> dict[str, str]:
+    """Checkpoint name -> the name transformers' ``from_pretrained`` gives it for ``model``."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    wanted = dict.fromkeys(values, True)  # rename_source_key asks .get(name) is not None
+    prefix = getattr(model, "base_model_prefix", None) or None
+    names: dict[str, str] = {}
+    for name in metadata.tensors:
+        new, converter = rename_source_key(name, renamings, converters, prefix, wanted)
+        if converter is not None or (new not in wanted and name in wanted):
+            new = name  # a data conversion (not by byte ranges), or a rename that leads nowhere
+        names[name] = new
+    return names
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether two state_dict values are views of the same memory on this rank (tied parameters)."""
+    blocks_a = [s.tensor for s in a.local_shards()] if hasattr(a, "local_shards") else [a]
+    blocks_b = [s.tensor for s in b.local_shards()] if hasattr(b, "local_shards") else [b]
+    if not all(isinstance(t, torch.Tensor) for t in (*blocks_a, *blocks_b)) or len(blocks_a) != len(blocks_b):
+        return False
+    for x, y in zip(blocks_a, blocks_b):
+        if x.numel() == 0 and y.numel() == 0:
+            continue
+        if x.device != y.device or x.shape != y.shape or x.data_ptr() != y.data_ptr():
+            return False
+    return True

@@ -25,6 +25,7 @@ from ._hf import KeyMap
 from ._schema import CheckpointError
 from ._source import Block, Format, Source
 from ._sources import check_format, open_source
+from ._unfilled import check_filled, mark_filled
 from ._walk import flatten_state_dict
 
 __all__ = ["load", "fill"]
@@ -34,7 +35,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
          storage_options: Mapping[str, Any] | None = None, strict: bool = True, cast: bool = False,
          key_map: KeyMap | None = None, quiet: bool | None = None,
          timeout: float | None = None, mmap: bool = False,
-         from_format: Format | None = None) -> dict[str, Any]:
+         from_format: Format | None = None, allow_uninitialized: bool = False) -> dict[str, Any]:
     """Fill ``state_dict`` in place from a checkpoint, whatever layout and world size saved it. Collective.
 
     A ``ShardedTensor`` entry is filled for its current layout: each rank reads, for each of
@@ -55,7 +56,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     ``shardkit.json``. Each rank then parses every file's header once and reads only the byte
     ranges of its own blocks, so ``shard_model(model, spec, init=False)`` followed by
     ``load(model.state_dict(), hf_folder)`` never holds the full model anywhere. Such files
-    carry no checksums: their bytes are checked for length only.
+    carry no checksums: their bytes are checked for length only. Names are converted as
+    ``from_pretrained`` converts them (with transformers installed and a ``config.json`` in the
+    folder: older names such as GPT-NeoX's ``embed_out``, the base model's prefix), and a tied
+    weight the folder omits (GPT-2's ``lm_head``) is filled through the name it is tied to.
 
     Args:
         state_dict: the (possibly nested) state_dict to fill, e.g. ``model.state_dict()`` of the
@@ -90,6 +94,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         from_format: ``None`` (a shardkit or Hugging Face checkpoint, told apart by their
             files), ``"shardkit"``, ``"huggingface"``, or ``"dcp"`` (a local DCP folder; never
             inferred).
+        allow_uninitialized: parameters that ``shard_model(..., init=False)`` allocated without
+            values and that this load does not fill are an error naming them, whatever
+            ``strict`` says (their memory holds garbage); ``True`` allows it, for a model filled
+            from several sources (the unfilled ones stay refused by a later load until filled).
 
     Returns:
         ``state_dict`` itself.
@@ -98,14 +106,18 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         CheckpointError: the checkpoint is incomplete (no committed metadata), corrupt
             (checksum, truncated or missing file, malformed metadata, unsafe file name), or does
             not match the state_dict (missing/unexpected names under ``strict``, size, dtype);
-            the message names the file and the tensor. A failure on any rank raises on all,
-            as does a rank that does not finish within ``timeout``.
+            the message names the file and the tensor; parameters left uninitialized by
+            ``shard_model(..., init=False)`` that this load would not fill (unless
+            ``allow_uninitialized``). A failure on any rank raises on all, as does a rank that
+            does not finish within ``timeout``.
         FileNotFoundError: there is no checkpoint at ``path``.
 
     Example:
         >>> # saved by 4 ranks split by rows; loaded by 2 ranks split by columns
         >>> sd = {"w": st.empty(10, 4, single_split(1, ["rank:0/cpu", "rank:1/cpu"]))}  # doctest: +SKIP
-        >>> checkpoint.load(sd, "ckpt")  # rank r reads columns 2r..2r+1 of every row  # doctest: +SKIP
+        >>> # rank r reads columns 2r..2r+1 of every row
+        >>> checkpoint.load(sd, "ckpt")["w"].local_shard().shape  # doctest: +SKIP
+        torch.Size([10, 2])
     """
     check_format(from_format)
 
@@ -113,7 +125,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         views, restore = dtensor_views(state_dict, process_group)
         rank, _ = _comm.rank_and_world(process_group)
         with open_source(path, from_format=from_format, storage_options=storage_options, key_map=key_map) as source:
-            fill(views, source, strict=strict, cast=cast, rank=rank, quiet=quiet, mmap=mmap)
+            fill(views, source, strict=strict, cast=cast, rank=rank, quiet=quiet, mmap=mmap,
+                 allow_uninitialized=allow_uninitialized)
         restore()
 
     step = f"checkpoint.load from {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"
@@ -128,7 +141,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 
 def fill(state_dict: dict[Any, Any], source: Source, *, strict: bool = True, cast: bool = False,
-         rank: int = 0, quiet: bool | None = None, mmap: bool = False) -> None:
+         rank: int = 0, quiet: bool | None = None, mmap: bool = False, allow_uninitialized: bool = False) -> None:
     """Fill ``state_dict`` in place from ``source``: the one fill path of every checkpoint format.
 
     Matches names (``strict``), places non-tensor values, allocates ``None`` entries (after
@@ -138,8 +151,11 @@ def fill(state_dict: dict[Any, Any], source: Source, *, strict: bool = True, cas
     where = source.where
     leaves: list[tuple[str, Any, Any, Any]] = list(flatten_state_dict(state_dict))
     names = {name for name, *_ in leaves}
+    tied = source.match_names((name, value) for name, _, _, value in leaves)
     metadata = source.describe(names)
-    saved = set(metadata.tensors) | set(metadata.values)
+    saved = set(metadata.tensors) | set(metadata.values) | tied
+    if not allow_uninitialized:  # before strict's report: the more precise one after init=False
+        check_filled(leaves, saved, where)
     if strict:
         missing, unexpected = sorted(names - saved), sorted(saved - names)
         if missing or unexpected:
@@ -191,7 +207,9 @@ def fill(state_dict: dict[Any, Any], source: Source, *, strict: bool = True, cas
             raise CheckpointError(msg)
         _check_target(name, value, where)
         blocks.extend(Block(name, entry, offsets, tensor) for offsets, tensor in _targets(value))
+    settle = mark_filled(leaves, saved)
     source.read(blocks, rank=rank, quiet=quiet, mmap=mmap)
+    settle()
     for parent, key, kind, tensor in scalars:
         parent[key] = kind(tensor.item())
 

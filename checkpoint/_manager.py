@@ -90,6 +90,8 @@ class CheckpointManager:
         ...     if step % 10 == 0:
         ...         manager.save(step, state, async_=True)
         >>> manager.wait()  # doctest: +SKIP
+        >>> manager.steps(), manager.latest_step()  # keep_last=2: older steps are removed  # doctest: +SKIP
+        ([80, 90], 90)
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -247,6 +249,9 @@ class CheckpointManager:
 
         Example:
             >>> manager.save(100, {"model": model.state_dict(), "step": 100}, async_=True)  # doctest: +SKIP
+            >>> manager.wait()  # doctest: +SKIP
+            >>> manager.latest_step()  # doctest: +SKIP
+            100
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             msg = f"step={step!r} must be a non-negative int."

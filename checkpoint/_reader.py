@@ -10,11 +10,11 @@ is **missing**, it is **truncated** (shorter than a range needs), or a **checksu
 (the bytes differ from what the metadata records).
 
 Checksums are checked per *checksummed span*: a byte range inside a saved region that carries
-its own checksum (``checksum_spans``): each chunk of the region in format version 2, the
-whole region in version 1. ``RegionCheck`` verifies every span that a read covers whole,
+its own checksum (``checksum_spans``): each chunk of the region from format version 2 on,
+the whole region in version 1. ``RegionCheck`` verifies every span that a read covers whole,
 whether the bytes arrive in one piece or streamed in order; ``covering`` widens a wanted
-byte range to whole spans, so that a partial read can be verified (version 2: at most one
-chunk of extra bytes at each end; version 1: only a whole region can be).
+byte range to whole spans, so that a partial read can be verified (version 2 and later: at
+most one chunk of extra bytes at each end; version 1: only a whole region can be).
 
 Files are opened through ``_safe_open``: a data file that is a symlink, FIFO, directory or
 device is refused without blocking, and ``check_size`` compares a file's real size with the

@@ -463,6 +463,9 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, process
         >>> # 4 ranks: a (10, 4) weight split by rows (3/3/3/1) plus a replicated bias
         >>> checkpoint.save({"w": sharded_weight, "b": bias, "epoch": 3}, "ckpt")  # doctest: +SKIP
         >>> # rank r writes ckpt/data-<id>-r0000r.safetensors; rank 0 then writes ckpt/shardkit.json
+        >>> meta = checkpoint.read_metadata("ckpt")  # doctest: +SKIP
+        >>> sorted(meta.tensors), meta.values  # doctest: +SKIP
+        (['b', 'w'], {'epoch': 3})
     """
     rank, world = _comm.rank_and_world(process_group)
     state_dict, _ = dtensor_views(state_dict, process_group)

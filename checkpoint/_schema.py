@@ -86,6 +86,11 @@ class CheckpointError(RuntimeError):
     names do not match the state_dict under ``strict=True``, ``missing`` (in the state_dict,
     not in the checkpoint) and ``unexpected`` (the other way round) list them; otherwise
     both are empty.
+
+    Args:
+        message: what is wrong, naming the file and the tensor.
+        missing: names in the state_dict that the checkpoint lacks (strict loads).
+        unexpected: names in the checkpoint that the state_dict lacks (strict loads).
     """
 
     def __init__(self, message: str, *, missing: Sequence[str] = (), unexpected: Sequence[str] = ()) -> None:
@@ -173,7 +178,7 @@ class TensorEntry:
         size: the full tensor's size.
         dtype: its dtype.
         shards: the saved regions ([`SavedShard`][checkpoint._schema.SavedShard]), in save order
-            (from format version 3 a [`RegionTable`][checkpoint._schema.RegionTable]).
+            (from format version 3 a read-only sequence of them, built from columns on access).
 
     Example:
         >>> entry = checkpoint.read_metadata("ckpt").tensors["0.weight"]  # doctest: +SKIP

@@ -21,9 +21,9 @@ checked sizes and dtypes and allocated what needs allocating.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -61,6 +61,16 @@ class Source(ABC):
         checkpoint, as ``convert`` reads it); a format that flattens deeper than a state_dict
         leaf (DCP's lists) regroups its entries under those names.
         """
+
+    def match_names(self, targets: Iterable[tuple[str, Any]]) -> set[str]:
+        """Rename what the checkpoint holds to the names the format's own loader gives the state_dict.
+
+        ``targets`` are the state_dict's ``(name, value)`` leaves. Called before ``describe``.
+        Returns the target names that need no data of their own (tied weights). Formats whose
+        names are the state_dict's own rename nothing.
+        """
+        del targets
+        return set()
 
     def prepare(self, name: str, entry: TensorEntry) -> None:
         """Called before memory is allocated for the whole of tensor ``name``: raise if the data cannot

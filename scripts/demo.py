@@ -311,7 +311,7 @@ def train_phase(args: argparse.Namespace, report: Report, ranks: list[str], devi
     def save_every(step: int) -> None:
         done = step + 1
         if done % every == 0 or done == args.steps:
-            state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": done}
+            state = {**st.get_state_dict(model, optim), "step": done}
             _, seconds = timed(lambda: manager.save(done, state, async_=True))
             blocked.append(seconds)
 
@@ -346,12 +346,11 @@ def resume_phase(args: argparse.Namespace, report: Report, ranks: list[str], dev
     report.say(f"\n[5] resume from the manager's latest step ({latest}), saved by "
                f"{checkpoint.read_metadata(str(path)).world_size} ranks, into the new layout")
     optim = make_optimizer(model)
-    state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 0}
+    state = {**st.get_state_dict(model, optim), "step": 0}
     dist.barrier()
     with st.CommCounter() as comm:
         _, elapsed = timed(lambda: manager.load(state))
-        model.load_state_dict(state["model"])
-        st.load_optim_state_dict(model, optim, state["optim"])
+        st.set_state_dict(model, optim, state)
     report.say(f"    loaded in {elapsed:.2f} s: each rank read only the byte ranges of its own blocks; "
                f"shards exchanged between ranks: {kib(comm.bytes_by_op['send/recv'])}")
     report.check(state["step"] == args.steps, f"training resumes at step {args.steps}")

@@ -55,7 +55,7 @@ for step in range(3):
     optim.step()
     optim.zero_grad()
 
-state = {"model": model.state_dict(), "optim": st.optim_state_dict(model, optim), "step": 3}
+state = {**st.get_state_dict(model, optim), "step": 3}
 checkpoint.save(state, os.path.join(os.environ["STRESS_OUT"], "ckpt"), quiet=True)
 if os.environ.get("STRESS_ASYNC") == "1":
     manager = checkpoint.CheckpointManager(os.path.join(os.environ["STRESS_OUT"], "managed"), keep_last=1)

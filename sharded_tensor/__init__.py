@@ -1,6 +1,6 @@
 """The metadata-first ShardedTensor: creation, resharding, gathering."""
 
-from _shardkit.comm import CommCounter
+from _shardkit.comm import CollectiveError, CommCounter
 
 from ._create import empty, full, ones, rand, randn, shard_tensor, zeros
 from ._dtensor import from_dtensor
@@ -11,6 +11,7 @@ from ._model.parallel import ParamLayout
 from ._model.regions import loss_parallel
 from ._model.registry import ShardedCall, ShardedModule, register_sharded_module
 from ._model.sharder import shard_model, shard_parameter
+from ._model.tp_plan import tensor_parallel_spec
 from ._model.training import (
     all_reduce_grads,
     clip_grad_norm_,
@@ -21,10 +22,11 @@ from ._tensor import Shard, ShardedTensor
 from ._visualize import visualize_sharding
 
 __all__ = [
-    "ShardedTensor", "Shard", "CommCounter",
+    "ShardedTensor", "Shard", "CommCounter", "CollectiveError",
     "empty", "zeros", "ones", "full", "rand", "randn", "shard_tensor",
     "visualize_sharding", "from_dtensor",
-    "shard_parameter", "shard_model", "optim_state_dict", "load_optim_state_dict", "loss_parallel",
+    "shard_parameter", "shard_model", "tensor_parallel_spec",
+    "optim_state_dict", "load_optim_state_dict", "loss_parallel",
     "ShardedModule", "ShardedCall", "ParamLayout", "register_sharded_module",
     "DFunction", "LayoutDecision", "register_layout_rule",
     "clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads",

@@ -142,6 +142,8 @@ def shard_tensor(tensor: torch.Tensor | None, sharding_spec: PlacementSpec, src_
     Example:
         >>> # 4 ranks, a (10, 4) tensor split on dim 0 -> rows 3/3/3/1
         >>> t = shard_tensor(x, single_split(0, [f"rank:{r}/cpu" for r in range(4)]))  # doctest: +SKIP
+        >>> t.local_shard().shape  # on rank 3  # doctest: +SKIP
+        torch.Size([1, 4])
     """
     rank, world = _comm.rank_and_world(process_group)
     if not isinstance(src_rank, int) or not 0 <= src_rank < world:

@@ -4,7 +4,7 @@
 value the *global* tensor holds at that element's global index: the generator of ``_random``
 (SplitMix64 of ``index * golden + seed``) evaluated in fixed-size, vector-aligned chunks with
 numpy's uint64 arithmetic, much faster than ``_random``'s int64 torch ops (which have no
-vector multiply on CPU) and as fast as ``torch.Tensor.uniform_`` (docs/benchmarks.md,
+vector multiply on CPU) and as fast as ``torch.Tensor.uniform_`` (docs/benchmarks-history.md,
 "Figures behind implementation choices"). Without numpy they fall back to ``_random``
 itself. The chunks are always processed at full width, so no element ever takes a scalar
 code path that another layout would take vectorized. ``draw_uniform_`` is the faster,
@@ -220,7 +220,7 @@ def draw_uniform_(tensor: torch.Tensor, seed: int, low: float, high: float) -> t
 
     A contiguous float32/float64 CPU tensor is filled by numpy's PCG64 straight into its
     memory, in cache-sized steps that are scaled while still in cache, faster than
-    ``Tensor.uniform_`` (docs/benchmarks.md, "Figures behind implementation choices"). Other
+    ``Tensor.uniform_`` (docs/benchmarks-history.md, "Figures behind implementation choices"). Other
     tensors use ``Tensor.uniform_`` with a torch generator seeded with ``seed``. Either way
     the values depend only on ``seed``, so replicas of a block agree.
     """

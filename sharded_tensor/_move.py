@@ -13,7 +13,7 @@ every block moves with as few of them as the layouts allow:
 All sends and receives are posted at once (``batch_isend_irecv``, so NCCL gets them as one
 group); the local copies then run while the data is on the wire.
 
-Measured alternatives (docs/benchmarks.md): one ``all_to_all_single`` over packed buffers
+Measured alternatives (docs/benchmarks-history.md): one ``all_to_all_single`` over packed buffers
 needs a copy on both sides for every block, and Gloo's ring ``all_gather_into_tensor`` moves
 the same bytes in w-1 dependent steps; both were slower than direct point-to-point here.
 """

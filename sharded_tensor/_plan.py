@@ -166,7 +166,7 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: i
 
     Cost: linear in the number of shards of the two layouts (building their region indexes)
     plus the number of pieces this rank sends and receives (timings for up to 4096 ranks:
-    docs/benchmarks.md, "reshard planning").
+    docs/benchmarks-history.md, "reshard planning").
     """
     if tuple(src.size) != tuple(dst.size):
         msg = f"cannot reshard a tensor of size {tuple(src.size)} into a layout of size {tuple(dst.size)}."

@@ -36,7 +36,12 @@ _FORMAT_VERSION = 1
 
 @dataclass(slots=True, eq=False)
 class Shard:
-    """One local shard: the data and where it sits in the global tensor."""
+    """One local shard: the data and where it sits in the global tensor.
+
+    Args:
+        tensor: this rank's data for the shard, of size ``metadata.dims``.
+        metadata: where the shard sits in the global tensor and which rank holds it.
+    """
 
     tensor: torch.Tensor
     metadata: ShardMetadata
@@ -48,7 +53,13 @@ class ShardedTensor:
     It is not a ``torch.Tensor``: it exposes its shards and layout so that code can work on the
     shards directly, and it moves data only when asked (``reshard``, ``gather``,
     ``full_tensor``). Build one with the factories (``st.empty``, ``st.zeros``, ...),
-    ``st.shard_tensor`` or ``ShardedTensor.from_local_shards``.
+    ``st.shard_tensor`` or ``ShardedTensor.from_local_shards``; ``ShardedTensor(...)`` itself
+    raises ``TypeError``. A sharded model's ``state_dict()`` holds one per split parameter.
+
+    Example:
+        >>> t = st.zeros(10, 4, sharding_spec=single_split(0, ["rank:0/cpu", "rank:0/cpu"]))
+        >>> t.size(), [s.tensor.shape for s in t.local_shards()]
+        (torch.Size([10, 4]), [torch.Size([5, 4]), torch.Size([5, 4])])
     """
 
     __slots__ = ("_metadata", "_spec", "_local", "_group", "_rank", "_names", "_requires_grad", "__weakref__")
@@ -61,6 +72,7 @@ class ShardedTensor:
     _requires_grad: bool
 
     def __init__(self, *args: object, **kwargs: object) -> None:
+        """Not called directly (it raises ``TypeError``): see the ways to build one above."""
         msg = ("ShardedTensor is not built directly; use st.empty/zeros/ones/full/rand/randn, "
                "st.shard_tensor or ShardedTensor.from_local_shards.")
         raise TypeError(msg)
@@ -105,6 +117,8 @@ class ShardedTensor:
             >>> rows = slice(2 * rank, 2 * rank + 2)  # doctest: +SKIP
             >>> md = ShardMetadata((2 * rank, 0), (2, 2), f"rank:{rank}/cpu")  # doctest: +SKIP
             >>> t = ShardedTensor.from_local_shards([Shard(full[rows], md)], (4, 2))  # doctest: +SKIP
+            >>> t.size(), t.local_shard().shape  # doctest: +SKIP
+            (torch.Size([4, 2]), torch.Size([2, 2]))
         """
         size = (size,) if isinstance(size, int) else tuple(size)
         rank, world = _comm.rank_and_world(process_group)
@@ -293,7 +307,8 @@ class ShardedTensor:
         Example:
             >>> # 4 ranks, (8, 8) split by rows -> split by columns: each rank keeps its 2x2
             >>> # diagonal block and receives three 2x2 blocks.
-            >>> t.reshard(single_split(1, [f"rank:{r}/cpu" for r in range(4)]))  # doctest: +SKIP
+            >>> t.reshard(single_split(1, [f"rank:{r}/cpu" for r in range(4)])).local_shard().shape  # doctest: +SKIP
+            torch.Size([8, 2])
         """
         world = self._world()
         target = _build(sharding_spec, self.shape, self.dtype, self._names, world)
@@ -396,6 +411,8 @@ class ShardedTensor:
         Example:
             >>> # 2 ranks, partial sums of a (4, 4) tensor -> rows 0:2 on rank 0, 2:4 on rank 1
             >>> r = t.reduced()  # doctest: +SKIP
+            >>> r.local_shard().shape  # doctest: +SKIP
+            torch.Size([2, 4])
         """
         from ._partial import _split_over
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+import torch
+
 from _shardkit import comm as _comm
 from sharding import ShardedTensorMetadata
 
@@ -33,6 +35,18 @@ def _holders(metadata: ShardedTensorMetadata, lo: tuple[int, ...]) -> str:
     return holders if metadata.partial is None else f"partial({metadata.partial}) {holders}"
 
 
+def _not_sharded(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        kind = "a DTensor" if type(value).__name__ == "DTensor" else f"a plain {type(value).__name__}"
+        fix = ("convert it with st.from_dtensor(tensor) first" if kind == "a DTensor" else
+               "shard it first (st.shard_tensor(tensor, spec)); a sharded model's parameters are "
+               "ShardedTensors in model.state_dict(), e.g. st.visualize_sharding(model.state_dict()['0.weight'])")
+        return (f"visualize_sharding draws a ShardedTensor or a ShardedTensorMetadata, got {kind} of size "
+                f"{tuple(value.shape)}, which has no sharding to draw; {fix}.")
+    return (f"visualize_sharding draws a ShardedTensor or a ShardedTensorMetadata, got "
+            f"{type(value).__name__} {value!r:.80}.")
+
+
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
@@ -56,14 +70,18 @@ def visualize_sharding(tensor: ShardedTensor | ShardedTensorMetadata, *, file: T
     every rank with ``all_ranks=True``) and returned on every rank.
 
     Example:
-        >>> # (8, 8) on a 2x2 mesh of ranks 0..3:
-        >>> # +----------+----------+----------+
-        >>> # |          | cols 0:4 | cols 4:8 |
-        >>> # +==========+==========+==========+
-        >>> # | rows 0:4 | rank 0   | rank 1   |
-        >>> # | rows 4:8 | rank 2   | rank 3   |
-        >>> # +----------+----------+----------+
+        >>> spec = mesh([["rank:0/cpu", "rank:1/cpu"], ["rank:2/cpu", "rank:3/cpu"]])
+        >>> _ = st.visualize_sharding(spec.build_metadata((8, 8)))
+        size=(8, 8) dtype=float32 shards=4 ranks=[0, 1, 2, 3]
+        +----------+----------+----------+
+        |          | cols 0:4 | cols 4:8 |
+        +==========+==========+==========+
+        | rows 0:4 | rank 0   | rank 1   |
+        | rows 4:8 | rank 2   | rank 3   |
+        +----------+----------+----------+
     """
+    if not isinstance(tensor, ShardedTensor | ShardedTensorMetadata):
+        raise TypeError(_not_sharded(tensor))
     metadata = tensor.sharding_metadata() if isinstance(tensor, ShardedTensor) else tensor
     size = tuple(metadata.size)
     title = (f"size={size} dtype={str(metadata.dtype).removeprefix('torch.')} "

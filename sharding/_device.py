@@ -20,6 +20,10 @@ class RemoteDevice:
     Without a rank (``"cuda:1"``) the device is meant on every rank. A frozen value: equal
     strings give equal, equally hashed devices, and ``str()`` gives the string back.
 
+    Args:
+        remote_device: ``"rank:<r>/<device>"`` or ``"<device>"`` (e.g. ``"cpu"``, ``"cuda:1"``);
+            a malformed string raises ``ValueError`` showing the expected form.
+
     Example:
         >>> d = RemoteDevice("rank:0/cuda:0")
         >>> d.rank, d.device, str(d)

@@ -19,6 +19,11 @@ class ShardMetadata:
 
     ``offsets[d]`` is the first index of the shard along dimension ``d`` and ``dims[d]``
     its length there (the RFC's names). ``device`` is a ``RemoteDevice``.
+
+    Args:
+        offsets: the shard's first index along each dimension.
+        dims: the shard's size along each dimension.
+        device: the ``RemoteDevice`` (or its string) that holds it.
     """
 
     offsets: tuple[int, ...]
@@ -74,6 +79,12 @@ class ShardedTensorMetadata:
     names the pending reduction (``"sum"``, ``"avg"``, ``"max"`` or ``"min"``): every shard is
     then full-size, one per holding rank, and the tensor's value is that reduction of the
     holders' local values (see ``PartialSpec``).
+
+    Args:
+        shards: every ``ShardMetadata``, in placement order.
+        size: the global size (stored as ``torch.Size``).
+        dtype: the element type.
+        partial: ``None``, or the pending reduction of a partial tensor.
     """
 
     shards: tuple[ShardMetadata, ...]

@@ -5,6 +5,7 @@ A spec answers ``build_metadata(size)`` identically on every rank, with no commu
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,6 +36,9 @@ class DevicePlacement(PlacementSpec):
 
     With a rank (``"rank:1/cpu"``) only that rank holds it. Without one (``"cpu"``) every
     rank holds a full replica on that device.
+
+    Args:
+        device: a ``RemoteDevice`` or its string, ``"rank:1/cpu"`` or ``"cpu"``.
     """
 
     device: RemoteDevice
@@ -122,6 +126,14 @@ class SingleSplitShardingSpec(PlacementSpec):
     Without ``shard_sizes`` the split follows ``torch.chunk`` (trailing shards may be empty and
     stay listed); with ``shard_sizes`` (one per placement, summing to the dimension's size) it is
     uneven. ``split_dimension`` may be negative or the name of a named tensor dimension.
+
+    Args:
+        shard_placement: one entry per shard, in order: ``"rank:<r>/<device>"`` strings,
+            ``RemoteDevice`` or ``DevicePlacement`` values; a rank may appear several times.
+        split_dimension: the dimension to split: an int (negative counts from the end) or a
+            dimension name of a named tensor.
+        shard_sizes: the size of each shard along ``split_dimension`` (same length as
+            ``shard_placement``); ``None`` splits like ``torch.chunk``.
 
     Example:
         >>> spec = SingleSplitShardingSpec(["rank:0/cpu", "rank:1/cpu"], 0)
@@ -266,6 +278,11 @@ class MeshShardingSpec(PlacementSpec):
     Tensor dimension ``d`` is cut into ``mesh_shape[d]`` chunks (``torch.chunk`` rules) and the
     element at index ``(i, j, ...)`` holds block ``(i, j, ...)``. A 4x8 tensor on a 2x4 mesh gives
     2x2 blocks.
+
+    Args:
+        shard_placement: a nested list of placements (strings, ``RemoteDevice`` or
+            ``DevicePlacement``) with one level per tensor dimension, e.g.
+            ``[["rank:0/cpu", "rank:1/cpu"], ["rank:2/cpu", "rank:3/cpu"]]`` for 2x2 blocks.
     """
 
     shard_placement: tuple[DevicePlacement, ...]  # row-major, flattened
@@ -339,6 +356,9 @@ class EnumerableShardingSpec(PlacementSpec):
 
     This is the spec of a ``ShardedTensor`` built from arbitrary local shards, and lets any
     layout be the target of a reshard.
+
+    Args:
+        shards: every shard's ``ShardMetadata`` (offsets, sizes, device), in order.
     """
 
     shards: tuple[ShardMetadata, ...]
@@ -392,6 +412,10 @@ class PartialSpec(PlacementSpec):
     moves until then. A placement without a rank (``"cpu"``) means every rank of the world.
 
     The same idea as DTensor's ``Partial`` placement, with the holders named explicitly.
+
+    Args:
+        shard_placement: the holding ranks' devices, one full-size partial tensor each.
+        reduce_op: the pending reduction: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
 
     Example:
         >>> spec = PartialSpec(["rank:0/cpu", "rank:1/cpu"], reduce_op="sum")
@@ -482,6 +506,10 @@ class CompositeShardingSpec(PlacementSpec):
     A spec given for a submodule applies to every parameter under it; nested composites
     compose paths; a device string means ``DevicePlacement`` of it.
 
+    Args:
+        param_placement: a mapping from parameter or submodule names (dotted, ``*`` matching
+            one name component) to specs or device strings.
+
     Example:
         >>> spec = composite(net1=single_split(0, ["rank:0/cpu", "rank:1/cpu"]), net2="rank:0/cpu")
         >>> sorted(spec.resolve(["net1.weight", "net1.bias", "net2.weight"]))
@@ -499,6 +527,10 @@ class CompositeShardingSpec(PlacementSpec):
             if not isinstance(name, str) or not name or any(not p for p in name.split(".")):
                 msg = f"param_placement key {name!r} is not a parameter or module name like 'net1.weight'."
                 raise ValueError(msg)
+            if any("*" in p and p != "*" for p in name.split(".")):
+                msg = (f"param_placement key {name!r} has a '*' inside a name component; a '*' stands for one "
+                       f"whole component, as in 'model.layers.*.mlp.down_proj'.")
+                raise ValueError(msg)
             if isinstance(value, (str, RemoteDevice)):
                 value = DevicePlacement(value)
             if isinstance(value, PartialSpec):
@@ -515,34 +547,35 @@ class CompositeShardingSpec(PlacementSpec):
     def resolve(self, names: Iterable[str]) -> dict[str, ShardingSpec]:
         """Map each of ``names`` (parameter paths) covered by this spec to its tensor spec.
 
-        The most specific key wins. Keys that match none of ``names`` raise ``ValueError``.
+        A ``*`` component of a key matches any one name component
+        (``model.layers.*.mlp.down_proj``). The most specific key wins: the deeper one, then,
+        at equal depth, the one with fewer ``*``. Keys that match none of ``names`` raise
+        ``ValueError``, with the closest real names.
         """
         names = list(names)
-        result: dict[str, tuple[int, ShardingSpec, str]] = {}
-        self._resolve(names, "", result)
+        result: dict[str, tuple[tuple[int, int], ShardingSpec, str]] = {}
+        self._resolve(names, (), result)
         return {n: result[n][1] for n in names if n in result}
 
-    def _resolve(self, names: list[str], prefix: str,
-                 result: dict[str, tuple[int, ShardingSpec, str]]) -> None:
+    def _resolve(self, names: list[str], prefix: tuple[str, ...],
+                 result: dict[str, tuple[tuple[int, int], ShardingSpec, str]]) -> None:
         for key, spec in self.param_placement.items():
-            path = prefix + key
-            matched = [n for n in names if n == path or n.startswith(path + ".")]
+            pattern = prefix + tuple(key.split("."))
+            path = ".".join(pattern)
+            matched = [n for n in names if _matches(pattern, n)]
             if not matched:
-                modules = sorted({n.rsplit(".", 1)[0] for n in names if "." in n})
-                msg = (f"CompositeShardingSpec key {path!r} matches no parameter or submodule; parameters: "
-                       f"{sorted(names)!r}, submodules: {modules!r}.")
-                raise ValueError(msg)
+                raise ValueError(_no_match_message(path, names))
             if isinstance(spec, CompositeShardingSpec):
-                spec._resolve(matched, path + ".", result)
+                spec._resolve(matched, pattern, result)
                 continue
-            depth = path.count(".") + 1
+            rank = (len(pattern), -pattern.count("*"))
             for n in matched:
-                if n in result and result[n][0] == depth and result[n][1] != spec:
+                if n in result and result[n][0] == rank and result[n][1] != spec:
                     msg = (f"CompositeShardingSpec gives {n!r} two different specs through the same path "
-                           f"{path!r} ({result[n][1]!r} and {spec!r}); keep one of them.")
+                           f"({result[n][2]!r} and {path!r}: {result[n][1]!r} and {spec!r}); keep one of them.")
                     raise ValueError(msg)
-                if n not in result or result[n][0] < depth:
-                    result[n] = (depth, spec, path)  # type: ignore[assignment]
+                if n not in result or result[n][0] < rank:
+                    result[n] = (rank, spec, path)  # type: ignore[assignment]
 
     def build_metadata(self, size: Sequence[int], dtype: torch.dtype | None = None,
                        names: Sequence[str | None] | None = None, *,
@@ -565,6 +598,45 @@ class CompositeShardingSpec(PlacementSpec):
 
     def __reduce__(self) -> tuple[type[CompositeShardingSpec], tuple[object, ...]]:
         return (CompositeShardingSpec, (dict(self.param_placement),))
+
+
+_SHOWN_NAMES = 40  # beyond this many (layer numbers folded), a no-match error shows close names only
+
+
+def _matches(pattern: tuple[str, ...], name: str) -> bool:
+    """``name`` is the path ``pattern`` names or lies under it (``*`` matches one component)."""
+    parts = name.split(".")
+    return len(parts) >= len(pattern) and all(p == "*" or p == q for p, q in zip(pattern, parts))
+
+
+def _folded(names: Iterable[str]) -> list[str]:
+    """``names`` with numeric components written ``*`` (one entry per repeated layer), first-seen order."""
+    return list(dict.fromkeys(".".join("*" if p.isdigit() else p for p in n.split(".")) for n in names))
+
+
+def _no_match_message(path: str, names: list[str]) -> str:
+    """Say that ``path`` matches nothing, with the real names closest to it (readable for large models)."""
+    params = _folded(names)
+    modules = _folded(n.rsplit(".", 1)[0] for n in names if "." in n)
+    folded_key = ".".join("*" if p.isdigit() else p for p in path.split("."))
+    close = difflib.get_close_matches(folded_key, modules + params, n=5, cutoff=0.6)
+    msg = f"CompositeShardingSpec key {path!r} matches no parameter or submodule"
+    if close:
+        msg += f"; closest names: {close!r}"
+    if len(params) + len(modules) <= _SHOWN_NAMES:
+        note = " (a '*' stands for every layer number)" if any("*" in n for n in params) else ""
+        return msg + f"; parameters{note}: {sorted(params)!r}, submodules: {sorted(modules)!r}."
+    # Many names: list only what lies under the longest part of the key that does match.
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        under = [n for n in names if _matches(tuple(parts[:cut]), n)]
+        if under:
+            children = _folded(".".join(n.split(".")[:cut + 1]) for n in under)
+            shown = children[:_SHOWN_NAMES]
+            more = f" and {len(children) - len(shown)} more" if len(children) > len(shown) else ""
+            return msg + f"; under {'.'.join(parts[:cut])!r}: {shown!r}{more}."
+    tops = list(dict.fromkeys(n.split(".")[0] for n in names))
+    return msg + f"; the top-level names are {tops[:_SHOWN_NAMES]!r}."
 
 
 class _FrozenDict(dict):  # type: ignore[type-arg]

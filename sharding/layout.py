@@ -77,7 +77,7 @@ class RegionIndex:
     The boxes' cut points split every dimension into intervals; a grid over those intervals
     records which box owns each cell, so a query only looks at the cells it spans. Building
     the grid is vectorized (one ``searchsorted`` per dimension and one scatter), so building
-    it costs no Python loop over cells (planning timings that include it: docs/benchmarks.md,
+    it costs no Python loop over cells (planning timings that include it: docs/benchmarks-history.md,
     "reshard planning").
     """
 

@@ -11,9 +11,13 @@
   ``__main__`` with torchrun's environment variables set. The launcher has already joined
   every rank to the process group, so the script's own ``init_process_group("gloo")`` and
   ``destroy_process_group()`` calls are accepted as they are.
-- A ``text`` block that directly follows a ``python`` block (nothing but blank lines in
-  between) is that block's expected output: what it prints (on rank 0 for a multi-rank
-  script) must match it line by line, trailing spaces aside; ``...`` matches any text.
+- Every ``text`` block after a ``python`` block, up to the next ``python`` block or heading, is
+  that block's expected output: what it prints must match them (joined in order) line by
+  line, trailing spaces aside; ``...`` matches any text. A multi-rank script is run on
+  every rank it names and every rank's output is compared: a block titled ``rank N``
+  (```` ```text title="rank 1" ````) is rank N's output, an untitled one rank 0's, and a
+  rank the page shows no block for must print nothing. A ``text`` block with no ``python``
+  block before it in its section (a file layout, a sketch) is not an output.
 - Blocks tagged anything else (``bash``, ``text``, ...) are not run.
 
 Every test here is marked ``docs`` (registered in setup.cfg), so ``pytest -m "not docs"``
@@ -45,6 +49,8 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n]*)$")
 _PYTHON = ("python", "py")
 _LAUNCH = re.compile(r"^#.*torchrun\b.*--nproc[-_]per[-_]node[ =](?P<n>\d+)")
+_RANK_TITLE = re.compile(r'\btitle="rank (?P<rank>\d+)"')
+_HEADING = re.compile(r"^#{1,6} ")
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,9 @@ class Block:
     line: int  # 1-based line of the opening fence
     language: str
     code: str
-    output: str | None = None  # the text block right after it, if any
+    info: str = ""  # the fence's info string after the language, e.g. 'title="rank 1"'
+    # The text blocks shown as its output: (rank, text), rank ``None`` when untitled.
+    outputs: tuple[tuple[int | None, str], ...] = ()
 
     @property
     def ranks(self) -> int | None:
@@ -64,7 +72,8 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        path = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        return f"{path}:{self.line}"
 
 
 def code_blocks(path: Path) -> list[Block]:
@@ -79,7 +88,8 @@ def code_blocks(path: Path) -> list[Block]:
             i += 1
             continue
         indent, fence = match["indent"], match["fence"]
-        language = match["info"].strip().split(" ")[0].lstrip("{.").rstrip("}")
+        language, _, info = match["info"].strip().partition(" ")
+        language = language.lstrip("{.").rstrip("}")
         start = i
         body: list[str] = []
         i += 1
@@ -89,13 +99,19 @@ def code_blocks(path: Path) -> list[Block]:
         if i == len(lines):
             msg = f"{path}:{start + 1}: code block opened with {fence} is never closed."
             raise ValueError(msg)
-        blocks.append(Block(path, start + 1, language, "\n".join(body) + "\n"))
+        blocks.append(Block(path, start + 1, language, "\n".join(body) + "\n", info))
         ends.append(i)
         i += 1
-    for k in range(len(blocks) - 1):
-        between = lines[ends[k] + 1:blocks[k + 1].line - 1]
-        if blocks[k].language in _PYTHON and blocks[k + 1].language == "text" and not any(x.strip() for x in between):
-            blocks[k] = replace(blocks[k], output=blocks[k + 1].code)
+    owner: int | None = None  # index of the python block whose outputs follow
+    for k, block in enumerate(blocks):
+        if k and any(_HEADING.match(x) for x in lines[ends[k - 1] + 1:block.line - 1]):
+            owner = None
+        if block.language in _PYTHON:
+            owner = k
+        elif block.language == "text" and owner is not None:
+            title = _RANK_TITLE.search(block.info)
+            rank = int(title["rank"]) if title else None
+            blocks[owner] = replace(blocks[owner], outputs=(*blocks[owner].outputs, (rank, block.code)))
     return blocks
 
 
@@ -117,14 +133,107 @@ def test_docs_have_examples() -> None:
         "README.md and docs/*.md should hold both single-process and multi-rank Python examples"
 
 
-def test_mkdocs_build_strict(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Build:
+    site: Path
+    returncode: int
+    log: str
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    """``mkdocs build --strict`` once for the tests that read the site."""
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (pip install -e '.[docs]')")
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
-    assert (tmp_path / "site" / "index.html").exists()
+    site = tmp_path_factory.mktemp("site")
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return Build(site, result.returncode, result.stdout + result.stderr)
+
+
+def test_mkdocs_build_strict(build: Build) -> None:
+    """The site builds with no warning at all: strict mode, and the log is read too."""
+    warnings = [line for line in build.log.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", line)]
+    assert build.returncode == 0 and not warnings, f"mkdocs build --strict failed or warned:\n{build.log}"
+    assert "Documentation built" in build.log, f"mkdocs printed no build summary; was its log silenced?\n{build.log}"
+    assert (build.site / "index.html").exists()
+
+
+def test_site_frame_at_1280_and_390_px(build: Build, tmp_path: Path) -> None:
+    """scripts/screenshots.py: one-row navbar, nothing wider than a phone, anchors clear of the navbar."""
+    screenshots = _load_script("screenshots")
+    chromium = os.environ.get("CHROMIUM") or screenshots.find_chromium()
+    if chromium is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium); the site frame is not checked")
+    assert build.returncode == 0, build.log
+    results = screenshots.check(build.site, tmp_path / "shots", chromium)
+    assert len(results) == len(screenshots.PAGES) * len(screenshots.WIDTHS)
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, "\n".join(f"{r['page']} at {r['width']} px: {r['problems']}" for r in failed)
+
+
+PACKAGES = ("sharding", "sharded_tensor", "checkpoint")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_api_reference_lists_every_public_name(package: str) -> None:
+    """Each name in ``__all__`` has its entry in docs/api/<package>.md (the page orders them by use)."""
+    module = importlib.import_module(package)
+    page = (ROOT / "docs" / "api" / f"{package}.md").read_text()
+    listed = set(re.findall(rf"^::: {package}\.(\w+)\s*$", page, re.MULTILINE))
+    missing = sorted(set(module.__all__) - listed)
+    assert not missing, (f"docs/api/{package}.md has no entry for {missing}; add a line "
+                         f"'::: {package}.<name>' under the section where a user would look for it")
+
+
+def test_api_reference_is_compact_and_public(build: Build) -> None:
+    """Signatures are one line each (the page wraps them), and the API pages name public types only."""
+    assert build.returncode == 0, build.log
+    for package in PACKAGES:
+        page = (build.site / "api" / package / "index.html").read_text()
+        signatures = re.findall(r'doc-signature highlight"><pre>(.*?)</pre>', page, re.DOTALL)
+        assert signatures, f"no signatures found in the API page of {package}"
+        texts = [re.sub(r"<[^>]*>", "", s).strip() for s in signatures]
+        folded = [text[:60] for text in texts if "\n" in text]
+        assert not folded, f"signatures laid out over several lines in the API page of {package}: {folded}"
+        text = re.sub(r"<[^>]*>", "", page)  # visible text only: tags and their attributes go
+        private = sorted(set(re.findall(r"(?<![\w.])_[a-z]\w*\.[A-Za-z]\w*", text)))
+        private += sorted(set(re.findall(r"\b(?:InitArg|Intervals|ProcessGroup = Any)\b", text)))
+        assert not private, f"the API reference of {package} shows private names: {private}"
+
+
+def test_public_constructors_are_documented() -> None:
+    """Every parameter of every public class's constructor is described (Args or Attributes)."""
+    griffe = pytest.importorskip("griffe", reason="griffe comes with the docs extra (pip install -e '.[docs]')")
+    loader = griffe.GriffeLoader(search_paths=[str(ROOT)], docstring_parser=griffe.Parser.google)
+    modules = {name: loader.load(name) for name in (*PACKAGES, "_shardkit")}
+    loader.resolve_aliases()
+    undocumented = {}
+    for package in PACKAGES:
+        for name in modules[package].exports:
+            cls = modules[package][name]
+            cls = cls.final_target if cls.is_alias else cls
+            if not cls.is_class:
+                continue
+            init = cls.all_members.get("__init__")
+            params = [p.name for p in (init.parameters if init is not None else []) if p.name != "self"]
+            if params == ["args", "kwargs"] and init.docstring is not None:
+                continue  # not constructed directly, and its __init__ says so (ShardedTensor)
+            described = {item.name for holder in (cls, init) if holder is not None and holder.docstring
+                         for section in holder.docstring.parsed
+                         if section.kind.value in ("parameters", "attributes", "other parameters")
+                         for item in section.value}
+            if [p for p in params if p not in described]:
+                undocumented[f"{package}.{name}"] = [p for p in params if p not in described]
+    assert not undocumented, f"constructor parameters with no description (add an Args: section): {undocumented}"
+
+
+def _load_script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("path", [_file_param(p) for p in FILES])
@@ -139,21 +248,41 @@ def test_examples(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 exec(compile(source, str(block.path), "exec"), namespace)  # noqa: S102 - the docs are ours
-            _check_output(block, printed.getvalue())
+            _check_outputs(block, [printed.getvalue()])
         else:
             outputs = run_distributed(_run_script, block.ranks, source, str(block.path), str(tmp_path), timeout=60)
-            _check_output(block, outputs[0])
+            _check_outputs(block, outputs)
 
 
-def _check_output(block: Block, printed: str) -> None:
-    """Compare line by line; ``...`` in an expected line stands for any text (like doctest's ELLIPSIS)."""
-    if block.output is None:
-        return
-    got = [line.rstrip() for line in printed.rstrip("\n").split("\n")]
-    want = [line.rstrip() for line in block.output.rstrip("\n").split("\n")]
-    same = len(got) == len(want) and all(
+def expected_outputs(block: Block, ranks: int) -> list[str]:
+    """What each rank should print; an example whose page shows no output must print nothing."""
+    if not block.outputs:
+        return [""] * ranks
+    want = [""] * ranks
+    for rank, text in block.outputs:
+        r = 0 if rank is None else rank
+        if not 0 <= r < ranks:
+            msg = f"{block.name}: an output block is titled rank {r}, but the example runs on {ranks} rank(s)"
+            raise AssertionError(msg)
+        want[r] += text
+    return want
+
+
+def output_matches(printed: str, expected: str) -> bool:
+    """Line by line, trailing spaces aside; ``...`` in an expected line stands for any text (doctest's ELLIPSIS)."""
+    got = [line.rstrip() for line in printed.rstrip("\n").split("\n")] if printed.strip() else []
+    want = [line.rstrip() for line in expected.rstrip("\n").split("\n")] if expected.strip() else []
+    return len(got) == len(want) and all(
         re.fullmatch(".*".join(re.escape(part) for part in w.split("...")), g) for g, w in zip(got, want))
-    assert same, f"{block.name}: the example printed\n{printed}\nbut the text block after it says\n{block.output}"
+
+
+def _check_outputs(block: Block, printed: list[str]) -> None:
+    for rank, (got, want) in enumerate(zip(printed, expected_outputs(block, len(printed)), strict=True)):
+        if output_matches(got, want):
+            continue
+        who = f"rank {rank} of the example" if block.ranks is not None else "the example"
+        shown = f"the page shows\n{want}" if want else "the page shows no output for it"
+        raise AssertionError(f"{block.name}: {who} printed\n{got}\nbut {shown}")
 
 
 def _run_script(rank: int, world_size: int, source: str, filename: str, workdir: str) -> str:
@@ -183,3 +312,18 @@ def _run_script(rank: int, world_size: int, source: str, filename: str, workdir:
         dist.init_process_group, dist.destroy_process_group = saved
         sys.stdout.write(printed.getvalue())
     return printed.getvalue()
+
+
+def test_output_check_fails_on_a_wrong_page(tmp_path: Path) -> None:
+    """The comparison can fail: a wrong line, a rank's unshown output, a missing rank block."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\n# run with: torchrun --nproc-per-node 2 x.py\nprint(1)\n```\n\n```text\none\n```\n\n"
+        "Rank 1 prints:\n\n```text title=\"rank 1\"\ntwo\n```\n\n## Next\n\n```text\nnot an output\n```\n")
+    (block,) = _python_blocks(page)
+    assert expected_outputs(block, 2) == ["one\n", "two\n"]
+    _check_outputs(block, ["one\n", "two  \n"])
+    for printed in (["one\n", "2\n"], ["one\n", ""], ["one\nextra\n", "two\n"]):
+        with pytest.raises(AssertionError, match="printed"):
+            _check_outputs(block, printed)
+    assert output_matches("a 12 b\n", "a ... b") and not output_matches("a 12 c\n", "a ... b")

@@ -2,7 +2,7 @@
 """Benchmark shardkit checkpoints against torch.distributed.checkpoint (DCP) and the raw disk.
 
 Not a test: it prints one JSON document (and, with ``--markdown``, a table for
-docs/benchmarks.md). Default workload, from issue 4: a 1 GiB fp32 state dict of 16 tensors
+docs/benchmarks-history.md). Default workload, from issue 4: a 1 GiB fp32 state dict of 16 tensors
 of 64 MiB (4096 x 4096), split on dim 0, on 4 and then 2 Gloo ranks (one process per rank):
 
 =================  ==========================================  =============================================

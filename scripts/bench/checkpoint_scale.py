@@ -18,7 +18,7 @@ plus smaller ones for the metadata size. For each it measures:
 - ``assemble``: what ``checkpoint.save`` does on rank 0 once every rank's report has
   arrived: ``_save._assemble`` (build the metadata from the reports and validate it as a
   reader will, tiling included, and serialize it) then ``_save._commit`` (write
-  ``shardkit.json``, fsync and rename). The reports are synthesized as ``gather_json`` hands them over (decoded JSON),
+  ``shardkit.json``, fsync and rename). The reports are synthesized as rank 0 receives them (decoded JSON),
   one data file per rank holding one region of every tensor. Goal: < 2 s.
 - ``metadata_bytes``: the size of ``shardkit.json`` and its bytes per region, at several
   scales. Goal: linear in regions (constant bytes per region).

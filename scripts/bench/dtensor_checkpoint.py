@@ -2,7 +2,7 @@
 """Benchmark checkpoints of an FSDP2 model's DTensor state dict: shardkit against DCP, same run.
 
 Not a test: it prints one JSON document (and, with ``--markdown``, a table for
-docs/benchmarks.md). Workload: a model of 16 bias-free ``nn.Linear(4096, 4096)`` layers
+docs/benchmarks-history.md). Workload: a model of 16 bias-free ``nn.Linear(4096, 4096)`` layers
 (1 GiB fp32), ``fully_shard`` (FSDP2) on 4 Gloo ranks; its ``state_dict()`` holds 16
 ``Shard(0)`` DTensors of 256 MiB per rank in all. The *same* state dict goes to both libraries:
 

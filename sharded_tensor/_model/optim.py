@@ -103,6 +103,8 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
 
     Example:
         >>> state = {"model": model.state_dict(), "optim": optim_state_dict(model, optim)}  # doctest: +SKIP
+        >>> sorted(state["optim"])  # as torch's optimizer state_dict, keyed by parameter name  # doctest: +SKIP
+        ['param_groups', 'state']
         >>> checkpoint.save(state, path)  # doctest: +SKIP
     """
     names, sharded = _names(model)

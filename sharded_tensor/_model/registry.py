@@ -99,6 +99,10 @@ class ShardedCall:
     Every primitive is differentiable with the matching backward, and counted by
     ``CommCounter``. An activation is *split* when each rank holds its slice along the last
     dimension (inside a region of the model) and *replicated* when every rank holds all of it.
+
+    Args:
+        plan: the module's ``ParamLayout`` plan: how each of its parameters is split.
+        group: the process group the split spans (``None``: the default group).
     """
 
     plan: Any

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from _shardkit import comm as _comm
+from _shardkit import unfilled as _unfilled
 from _shardkit.memory import empty_for_fill
 from sharding import (
     CompositeShardingSpec,
@@ -444,7 +445,9 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
         ...     mlp = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
         >>> ranks = ["rank:0/cpu", "rank:1/cpu"]
         >>> spec = composite(**{"0": single_split(0, ranks), "2.weight": single_split(1, ranks)})
-        >>> shard_model(mlp, spec, seed=0)  # doctest: +SKIP
+        >>> mlp = shard_model(mlp, spec, seed=0)  # doctest: +SKIP
+        >>> mlp[0].weight.shape, mlp[2].weight.shape  # this rank's blocks  # doctest: +SKIP
+        (torch.Size([1024, 512]), torch.Size([512, 1024]))
     """
     rank, world = _comm.rank_and_world(process_group)
     _check_arguments(model, src_rank, seed, world)
@@ -621,6 +624,8 @@ def _materialize(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int
                 if entry.new is None:
                     entry.new = _new_param(entry, rank, group, src_rank, default_device,
                                            populate=initializers.init is not False)
+                    if initializers.init is False and entry.source == "init":
+                        _unfilled.mark(entry.new)  # checkpoint.load refuses to leave it so
                     (to_init if entry.source == "init" else others).append((attr, entry))
                 else:
                     others.append((attr, entry))
@@ -790,6 +795,7 @@ def _load_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, lo
         if param is None or key not in state_dict:
             continue
         value = state_dict[key]
+        _unfilled.unmark(param)  # load_state_dict fills it (or raises)
         try:
             if attr in sharded:
                 rank, _ = _comm.rank_and_world(sharded[attr].group)
@@ -816,8 +822,10 @@ def shard_parameter(module: nn.Module, param_name: str, sharding_spec: Placement
         TypeError: ``sharding_spec`` is not a tensor spec.
 
     Example:
-        >>> # 2 ranks: split fc1's output features, rows 0-4 on rank 0, 5-9 on rank 1
+        >>> # 2 ranks: split fc1 = nn.Linear(4, 10) by output features, rows 0-4 on rank 0, 5-9 on rank 1
         >>> shard_parameter(model.fc1, "weight", single_split(0, ["rank:0/cpu", "rank:1/cpu"]))  # doctest: +SKIP
+        >>> model.fc1.weight.shape  # doctest: +SKIP
+        torch.Size([5, 4])
     """
     rank, world = _comm.rank_and_world(process_group)
     if not isinstance(sharding_spec, _TENSOR_SPECS):

@@ -201,6 +201,8 @@ def get_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None)
 
     Example:
         >>> state = st.get_state_dict(model, optim)  # doctest: +SKIP
+        >>> sorted(state)  # doctest: +SKIP
+        ['model', 'optim']
         >>> checkpoint.save({**state, "step": step}, "ckpt")  # doctest: +SKIP
     """
     state: dict[str, Any] = {"model": model.state_dict()}

@@ -330,7 +330,8 @@ def _loop_until_raised(rank: int, world: int, case: str, root: str, delay: float
         while True:
             call()
     except (CollectiveError, CheckpointError) as exc:
-        seen = {"type": type(exc).__name__, "message": str(exc), "raised": time.time()}
+        kind = CheckpointError if isinstance(exc, CheckpointError) else CollectiveError
+        seen = {"type": kind.__name__, "message": str(exc), "raised": time.time()}
     seen.update(rank=rank, operation=operation)
     raise _Observed(json.dumps(seen))
 

@@ -183,6 +183,18 @@ def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
         assert "--max-shard-size" in out and "--quiet" in out
 
 
+def test_written_files_have_a_normal_file_mode(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """convert and consolidate write files as open() would: 0666 less the umask, like each other."""
+    (tmp_path / "probe").write_text("")
+    normal = (tmp_path / "probe").stat().st_mode & 0o777
+    assert main(["consolidate", str(saved), str(tmp_path / "cons.safetensors"), "--quiet"]) == 0
+    assert main(["convert", "--to", "dcp", str(saved), str(tmp_path / "dcp")]) == 0
+    assert main(["convert", "--from", "dcp", "--to", "safetensors", str(tmp_path / "dcp"),
+                 str(tmp_path / "conv.safetensors")]) == 0
+    modes = {name: (tmp_path / name).stat().st_mode & 0o777 for name in ("cons.safetensors", "conv.safetensors")}
+    assert modes == {"cons.safetensors": normal, "conv.safetensors": normal}, f"{modes}, open() gives {normal:o}"
+
+
 # -- real subprocesses (started together, so the torch imports overlap) ---------------------------
 
 def test_subprocesses(tmp_path: Path) -> None:
@@ -199,6 +211,14 @@ def test_subprocesses(tmp_path: Path) -> None:
     }
     procs = {name: subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True) for name, cmd in commands.items()}
+    # `inspect ckpt | head -0`: the reader is gone before the first line is written.
+    closed = subprocess.Popen([*cli, "inspect", str(good)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    assert closed.stdout is not None
+    closed.stdout.close()
+    assert closed.stderr is not None
+    closed_err, closed_code = closed.stderr.read(), closed.wait(timeout=120)
+    assert closed_err == "" and closed_code == 141, (closed_err, closed_code)  # 128 + SIGPIPE, as Unix tools end
     results = {name: (*p.communicate(timeout=120), p.returncode) for name, p in procs.items()}
     out, err, code = results["verify-bad"]
     assert code == 1, (out, err)

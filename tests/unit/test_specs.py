@@ -423,7 +423,7 @@ def test_composite_prefix_is_a_path_component_not_a_string_prefix():
 
 
 @pytest.mark.parametrize(("spec", "match"), [
-    pytest.param(composite(net4="cpu"), r"key 'net4' matches no parameter or submodule; parameters: \[.*'net1.bias'",
+    pytest.param(composite(net4="cpu"), r"key 'net4' matches no parameter or submodule; .*parameters: \[.*'net1.bias'",
                  id="unknown-module"),
     pytest.param(CompositeShardingSpec({"net1.scale": "cpu"}), r"key 'net1.scale' matches no parameter",
                  id="unknown-parameter"),
@@ -434,6 +434,79 @@ def test_composite_unknown_names_list_the_real_names(spec, match):
     with pytest.raises(ValueError, match=match) as info:
         spec.resolve(LINEAR3)
     assert "net1.weight" in str(info.value)
+
+
+LLAMA_NAMES = [f"model.layers.{i}.{part}.weight" for i in range(40)
+               for part in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj",
+                            "input_layernorm")] + ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+
+
+def test_composite_wildcard_matches_one_component():
+    col, row = single_split(0, ["rank:0/cpu", "rank:1/cpu"]), single_split(1, ["rank:0/cpu", "rank:1/cpu"])
+    spec = CompositeShardingSpec({"model.layers.*.self_attn.q_proj": col, "model.layers.*.mlp.down_proj": row})
+    resolved = spec.resolve(LLAMA_NAMES)
+    assert sorted(resolved) == sorted(n for n in LLAMA_NAMES if "q_proj" in n or "down_proj" in n)
+    assert len(resolved) == 80
+    assert resolved["model.layers.39.self_attn.q_proj.weight"] == col
+    assert resolved["model.layers.0.mlp.down_proj.weight"] == row
+    # One component only: '*' does not stand for 'layers.0'.
+    with pytest.raises(ValueError, match=r"key 'model.\*.self_attn.q_proj' matches no parameter"):
+        CompositeShardingSpec({"model.*.self_attn.q_proj": col}).resolve(LLAMA_NAMES)
+
+
+def test_composite_wildcards_at_any_place_and_nested():
+    spec = CompositeShardingSpec({"*.layers.*.mlp": composite(**{"*.weight": "rank:1/cpu"}),
+                                  "model.*.7.input_layernorm": "rank:0/cpu"})
+    resolved = spec.resolve(LLAMA_NAMES)
+    assert resolved["model.layers.3.mlp.up_proj.weight"] == DevicePlacement("rank:1/cpu")
+    assert resolved["model.layers.7.input_layernorm.weight"] == DevicePlacement("rank:0/cpu")
+    assert len(resolved) == 81
+
+
+def test_composite_literal_key_beats_wildcard_at_equal_depth():
+    col = single_split(0, ["rank:0/cpu", "rank:1/cpu"])
+    spec = CompositeShardingSpec({"model.layers.*.mlp.up_proj": col, "model.layers.5.mlp.up_proj": "cpu",
+                                  "model.layers.*.mlp.up_proj.weight": "rank:1/cpu"})
+    resolved = spec.resolve(LLAMA_NAMES)
+    assert resolved["model.layers.5.mlp.up_proj.weight"] == DevicePlacement("rank:1/cpu")  # deeper wins
+    spec = CompositeShardingSpec({"model.layers.*.mlp.up_proj": col, "model.layers.5.mlp.up_proj": "cpu"})
+    resolved = spec.resolve(LLAMA_NAMES)
+    assert resolved["model.layers.5.mlp.up_proj.weight"] == DevicePlacement("cpu")
+    assert resolved["model.layers.6.mlp.up_proj.weight"] == col
+
+
+def test_composite_two_wildcards_disagreeing_on_one_name_are_refused():
+    spec = CompositeShardingSpec({"model.layers.*.mlp": "rank:0/cpu", "model.*.3.mlp": "rank:1/cpu"})
+    with pytest.raises(ValueError, match=r"gives 'model.layers.3.mlp.up_proj.weight' two different specs.*"
+                                         r"'model.\*.3.mlp'"):
+        spec.resolve(LLAMA_NAMES)
+
+
+def test_composite_unmatched_wildcard_key_suggests_close_names_not_every_name():
+    with pytest.raises(ValueError) as info:
+        CompositeShardingSpec({"model.layers.*.mlp.dwn_proj": "cpu"}).resolve(LLAMA_NAMES)
+    msg = str(info.value)
+    assert "key 'model.layers.*.mlp.dwn_proj' matches no parameter or submodule" in msg
+    assert "closest names: ['model.layers.*.mlp.down_proj'" in msg
+    assert "model.layers.17." not in msg  # layer numbers are folded, not listed 40 times
+    assert len(msg) < 1000
+
+
+def test_composite_unmatched_key_in_a_large_model_lists_what_lies_under_its_matching_part():
+    names = [f"model.layers.{i}.block{j}.weight" for i in range(30) for j in range(60)]
+    with pytest.raises(ValueError) as info:
+        CompositeShardingSpec({"model.layers.*.zzz": "cpu"}).resolve(names)
+    msg = str(info.value)
+    assert "under 'model.layers.*': ['model.layers.*.block0', " in msg
+    assert "and 20 more" in msg
+    with pytest.raises(ValueError, match=r"the top-level names are \['model'\]"):
+        CompositeShardingSpec({"decoder.zzz": "cpu"}).resolve(names)
+
+
+@pytest.mark.parametrize("key", ["model.layers.1*", "model.*layers", "q_*"])
+def test_composite_star_inside_a_component_is_refused(key):
+    with pytest.raises(ValueError, match=r"has a '\*' inside a name component"):
+        CompositeShardingSpec({key: "cpu"})
 
 
 @pytest.mark.parametrize(("mapping", "error", "match"), [
