@@ -93,7 +93,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
            kwargs: Mapping[str, Any] | None = None, *, timeout: float | None = 120,
            collective_timeout: float | None = None, env: Mapping[str, str] | None = None,
            threads: int | None = None, capture_output: bool = True,
-           start_method: str | None = None, grace: float = _GRACE_SECONDS) -> list[Any]:
+           start_method: str | None = None, grace: float = _GRACE_SECONDS,
+           preload: tuple[str, ...] = ()) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` Gloo ranks.
 
     ``fn`` must be a module-level function (it is pickled by name) and its return value must
@@ -117,6 +118,10 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
             else forkserver where available.
         grace: once a rank has failed, seconds the others get to finish or fail on their own
             before they are killed (raise it to see how the survivors of a crash react).
+        preload: more modules for the forkserver to import once, besides torch (e.g.
+            ``"torch._dynamo"``, which building any optimizer imports: seconds per rank on a
+            busy machine, paid by every start of a job that is started many times). Takes
+            effect only if this process has not started its forkserver yet.
 
     Returns:
         The return values of ``fn``, indexed by rank.
@@ -152,7 +157,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
     # Any: the stubs type a context chosen by a runtime string as BaseContext, without Process.
     ctx: Any = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", *preload])
     fn_name = f"{getattr(fn, '__module__', '?')}.{qualname}"
 
     with tempfile.TemporaryDirectory(prefix="shardkit-dist-") as tmp:

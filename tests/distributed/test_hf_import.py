@@ -104,13 +104,15 @@ def _four_ranks(rank: int, world: int, folder: str, work: str) -> dict[str, obje
     with torch.no_grad():
         logits = model(x).logits
     checkpoint.save(model.state_dict(), os.path.join(work, "ckpt"))
+    export = os.path.join(work, "hf")
     if rank == 0:
-        export = os.path.join(work, "hf")
         checkpoint.consolidate(os.path.join(work, "ckpt"), export, max_shard_size="200KB")
         config.save_pretrained(export)
-        again = LlamaForCausalLM.from_pretrained(export)
-        with torch.no_grad():
-            out["export"] = (again(x).logits - logits).abs().max().item()
+    torch.distributed.barrier()
+    # Every rank's logits (gathered from its slices) against the exported model's.
+    again = LlamaForCausalLM.from_pretrained(export)
+    with torch.no_grad():
+        out["export"] = (again(x).logits - logits).abs().max().item()
     with torch.device("meta"):
         meta = LlamaForCausalLM(config)
     st.shard_model(meta, _mlp_spec(world, config.num_hidden_layers), seed=0)
@@ -146,7 +148,8 @@ def test_import_train_save_export_on_four_ranks(folders):
     work = root / "work"
     work.mkdir()
     runs = run_distributed(_four_ranks, 4, fp32, str(work), timeout=300)
-    assert runs[0]["export"] < 1e-5
+    assert [r["export"] < 1e-5 for r in runs] == [True] * 4, [r["export"] for r in runs]
+    assert [r["meta_state"] is None for r in runs[1:]] == [True] * 3  # gathered on rank 0 only
     from transformers import LlamaForCausalLM
     with torch.device("meta"):
         meta = LlamaForCausalLM(_llama_config())

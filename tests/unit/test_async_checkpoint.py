@@ -194,3 +194,74 @@ def test_manager_keeps_best_by_metric(tmp_path):
         manager.save(7, {}, metric=float("nan"))
     with pytest.raises(ValueError, match="best_mode='best' is not an option"):
         checkpoint.CheckpointManager(tmp_path, best_mode="best")
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_manager_keeps_exactly_the_last_n_steps(tmp_path, where):
+    root = str(tmp_path / "run") if where == "local" else f"memory://mgr-{uuid.uuid4().hex}/run"
+    manager = checkpoint.CheckpointManager(root, keep_last=3)
+    for step in range(1, 8):
+        manager.save(step, _state(step), async_=step % 2 == 1)
+        manager.wait()
+        assert manager.steps() == list(range(max(1, step - 2), step + 1))
+    for step in (5, 6, 7):
+        assert torch.equal(manager.load(_empty(), step=step)["w"], _state(step)["w"])
+
+
+class _PausingDict(dict):
+    """A state_dict that stops ``load`` when it sets ``"step"`` (values are set before tensors are read)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        import threading
+        self.paused, self.resume = threading.Event(), threading.Event()
+
+    def __setitem__(self, key, value) -> None:  # type: ignore[no-untyped-def]
+        if key == "step":
+            self.paused.set()
+            assert self.resume.wait(60)
+        super().__setitem__(key, value)
+
+
+def test_manager_never_prunes_the_step_it_is_loading(tmp_path):
+    """A save's retention while another thread loads step 1 from the same manager keeps step 1 until it is read."""
+    import threading
+
+    manager = checkpoint.CheckpointManager(tmp_path, keep_last=1)
+    manager.save(1, _state(1))
+    target = _PausingDict(_empty())
+    outcome: dict = {}
+
+    def load() -> None:
+        try:
+            outcome["loaded"] = manager.load(target, step=1)
+        except BaseException as exc:  # noqa: BLE001 - examined below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        assert target.paused.wait(60)
+        manager.save(2, _state(2))  # keep_last=1 would prune step 1, which is being read
+    finally:
+        target.resume.set()
+        thread.join(60)
+    assert "error" not in outcome, outcome.get("error")
+    assert torch.equal(target["w"], _state(1)["w"]) and target["step"] == 1
+    manager.save(3, _state(3))  # no longer being read: pruned like any other
+    assert manager.steps() == [3]
+
+
+def test_manager_ignores_a_checkpoint_whose_name_is_not_exactly_a_steps(tmp_path):
+    """A committed checkpoint in "step-00000000042" (one zero too many) is not step 42: never listed,
+    loaded or pruned."""
+    foreign = tmp_path / "step-00000000042"
+    checkpoint.save(_state(42), foreign, quiet=True)
+    before = sorted(p.name for p in foreign.iterdir())
+    manager = checkpoint.CheckpointManager(tmp_path, keep_last=1)
+    assert manager.steps() == [] and manager.latest_step() is None
+    for step in (1, 2):
+        manager.save(step, _state(step))
+        assert manager.steps() == [step] and manager.load(_empty())["step"] == step
+    assert sorted(p.name for p in foreign.iterdir()) == before
+    assert torch.equal(checkpoint.load(_empty(), foreign)["w"], _state(42)["w"])

@@ -202,6 +202,40 @@ def test_a_save_in_progress_makes_a_second_save_fail_and_keeps_the_previous(tmp_
     assert torch.equal(out["w"], _ramp(4, 4, shift=1.0))
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_save_that_lost_its_lease_before_commit_commits_nothing(tmp_path: Path, where: str) -> None:
+    """The lease is checked right before the commit: a save whose lease was taken over fails, and the
+    save that took it over is the one the folder holds (without the check, both report success)."""
+    import uuid
+
+    import fsspec
+
+    from checkpoint import _save
+
+    url = str(tmp_path / "ck") if where == "local" else f"memory://lease-{uuid.uuid4().hex}/ck"
+    checkpoint.save({"w": _ramp(4, 4)}, url, quiet=True)
+    fs, root = fsspec.core.url_to_fs(url)
+    state = {"first": True}
+
+    def hook(phase: str) -> None:
+        if phase == "before_commit" and state["first"]:
+            state["first"] = False
+            fs.rm_file(f"{root}/shardkit.lock")  # removed by hand: the next save may take the lease
+            checkpoint.save({"w": _ramp(4, 4, shift=2.0)}, url, quiet=True)
+
+    _save._test_hook = hook
+    try:
+        with pytest.raises(CheckpointError, match="lost its save lease"):
+            checkpoint.save({"w": _ramp(4, 4, shift=1.0)}, url, quiet=True)
+    finally:
+        _save._test_hook = None
+    out = {"w": torch.zeros(4, 4)}
+    checkpoint.load(out, url)
+    assert torch.equal(out["w"], _ramp(4, 4, shift=2.0))
+    left = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    assert [n for n in left if n.startswith("data-")] == sorted(checkpoint.read_metadata(url).files)
+
+
 # -- 2. files save does not own ----------------------------------------------------------------
 
 def test_save_never_deletes_files_it_did_not_write(tmp_path: Path) -> None:

@@ -122,3 +122,21 @@ class _Lin(nn.Linear):
 def test_linear_subclass_with_its_own_forward_is_refused():
     with pytest.raises(ValueError, match=r"\(_Lin\).*\(whose forward is not overridden\)"):
         _plan(_Lin(12, 8), weight=single_split(0, R4))
+
+
+def test_multihead_attention_split_inside_a_head_is_refused():
+    """embed_dim 8 in 2 heads of 4: each rank must hold whole heads of q, k and v (and their out_proj columns)."""
+    mha = nn.MultiheadAttention(8, 2, bias=False)
+    ranks = R4[:2]
+
+    def layouts(sizes):  # type: ignore[no-untyped-def]
+        w = single_split(0, ranks * 3, sizes * 3)
+        out = single_split(1, ranks, sizes)
+        return {"in_proj_weight": layout(w, (24, 8), world=2, name="in_proj_weight"),
+                "out_proj.weight": layout(out, (8, 8), world=2, name="out_proj.weight")}
+
+    plan = plan_module("attn", mha, layouts([4, 4]))
+    assert plan is not None and plan.inner.heads == ((0, 4), (4, 4))
+    with pytest.raises(ValueError, match=r"rank 0 holds embedding rows \(0, 2\) of q, k and v, which cut a head "
+                                         r"\(head size 4\)"):
+        plan_module("attn", mha, layouts([2, 6]))

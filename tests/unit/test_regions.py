@@ -123,3 +123,23 @@ def test_head_boundaries_are_checked_where_a_head_size_is_declared():
     bad = [Endpoint("attn.q", "produces", ((0, 6), (6, 6)))]
     with pytest.raises(ValueError, match=r"'attn.q' is split as \[\(0, 6\), \(6, 6\)\].*head size is 4"):
         _regions.check_head_boundaries("attn", attn, bad)
+
+
+def test_grouped_query_key_and_value_projections_must_split_on_heads():
+    """Llama with 4 query heads and 2 key/value heads of 16: q_proj split on heads is not enough."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    attn = LlamaAttention(config, layer_idx=0)
+    assert (attn.k_proj.out_features, attn.head_dim) == (32, 16)
+    q = Endpoint("attn.q_proj", "produces", ((0, 32), (32, 32)))
+    o = Endpoint("attn.o_proj", "consumes", ((0, 32), (32, 32)))
+    whole_kv = ((0, 16), (16, 16))
+    _regions.check_head_boundaries("attn", attn, [q, Endpoint("attn.k_proj", "produces", whole_kv),
+                                                  Endpoint("attn.v_proj", "produces", whole_kv), o])
+    cut = ((0, 8), (8, 24))
+    for name in ("k_proj", "v_proj"):
+        ends = [q] + [Endpoint(f"attn.{n}", "produces", cut if n == name else whole_kv) for n in ("k_proj", "v_proj")]
+        with pytest.raises(ValueError, match=rf"'attn.{name}' is split as \[\(0, 8\), \(8, 24\)\].*head size is 16"):
+            _regions.check_head_boundaries("attn", attn, [*ends, o])

@@ -144,3 +144,15 @@ def test_all_reduce_grads_in_a_world_of_one():
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
     with pytest.raises(ValueError, match=r"op='max' is not supported; use 'mean' or 'sum'"):
         st.all_reduce_grads(model, None, op="max")  # type: ignore[arg-type]
+
+
+def test_optimizer_check_looks_at_every_param_group():
+    """A replaced parameter in the second group (the first group is fine) still refuses the step."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    old = list(model[1].parameters())
+    st.shard_model(model, composite(), src_rank=0)
+    model(torch.ones(3, 4)).sum().backward()
+    mixed = torch.optim.SGD([{"params": list(model[0].parameters())}, {"params": old, "lr": 0.01}], lr=0.1)
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\): this optimizer holds 2 parameter\(s\) that st.shard_model "
+                                           r"replaced, '1.weight' \(cpu \(2, 4\)\), '1.bias'"):
+        mixed.step()
