@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import sys
@@ -53,7 +54,7 @@ def _ranks() -> list[str]:
     return [f"rank:{r}/cpu" for r in range(WORLD)]
 
 
-def _loop(entry: str, rank: int, root: str) -> tuple[Any, str]:
+def _loop(entry: str, rank: int, root: str, shape: tuple[int, int] = (96, 64)) -> tuple[Any, str]:
     """One call of ``entry`` as a function, prepared on every rank; and the operation it names."""
     import torch  # noqa: PLC0415
     from torch import nn  # noqa: PLC0415
@@ -62,7 +63,7 @@ def _loop(entry: str, rank: int, root: str) -> tuple[Any, str]:
     import sharded_tensor as st  # noqa: PLC0415
     from sharding import composite, single_split  # noqa: PLC0415
 
-    full = torch.arange(96 * 64, dtype=torch.float32).reshape(96, 64) if rank == 0 else None
+    full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape) if rank == 0 else None
     rows = st.shard_tensor(full, single_split(0, _ranks()))
     state = {"w": rows, "b": torch.ones(7), "step": 0}
     if entry == "save":
@@ -71,7 +72,7 @@ def _loop(entry: str, rank: int, root: str) -> tuple[Any, str]:
         return lambda: checkpoint.async_save(state, f"{root}/ck").result(), "checkpoint.async_save"
     if entry == "load":
         checkpoint.save(state, f"{root}/ck")
-        target = {"w": st.zeros(96, 64, sharding_spec=single_split(1, _ranks())), "b": torch.zeros(7), "step": None}
+        target = {"w": st.zeros(*shape, sharding_spec=single_split(1, _ranks())), "b": torch.zeros(7), "step": None}
         return lambda: checkpoint.load(target, f"{root}/ck"), "checkpoint.load"
     if entry == "reshard":
         # Back and forth: each call starts from a new tensor (a tensor remembers its reshards).
@@ -105,18 +106,19 @@ def _loop(entry: str, rank: int, root: str) -> tuple[Any, str]:
         def save_and_load() -> None:
             step = next(steps)
             manager.save(step, {**state, "step": step})
-            manager.load({"w": st.zeros(96, 64, sharding_spec=single_split(1, _ranks())), "b": torch.zeros(7),
+            manager.load({"w": st.zeros(*shape, sharding_spec=single_split(1, _ranks())), "b": torch.zeros(7),
                           "step": None})
         return save_and_load, "CheckpointManager|checkpoint.save|checkpoint.load"  # as its errors name it
     msg = f"entry={entry!r} is not one of {ENTRIES}"
     raise ValueError(msg)
 
 
-def _rank(rank: int, world: int, entry: str, root: str, out: str, delay: float) -> None:
+def _rank(rank: int, world: int, entry: str, root: str, out: str, delay: float,
+          shape: tuple[int, int] = (96, 64)) -> None:
     from _shardkit.comm import CollectiveError  # noqa: PLC0415
     from checkpoint import CheckpointError  # noqa: PLC0415
 
-    call, operation = _loop(entry, rank, root)
+    call, operation = _loop(entry, rank, root, shape)
     call()  # warm: every rank has communicated once (and connected to rank 0) before the kill
     if rank == VICTIM:
         def die() -> None:
@@ -135,7 +137,8 @@ def _rank(rank: int, world: int, entry: str, root: str, out: str, delay: float) 
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def _run_once(entry: str, detection: bool, give_up: float, rng: random.Random) -> list[dict[str, Any]]:
+def _run_once(entry: str, detection: bool, give_up: float, rng: random.Random,
+              shape: tuple[int, int]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out")
         os.makedirs(out)
@@ -143,7 +146,7 @@ def _run_once(entry: str, detection: bool, give_up: float, rng: random.Random) -
         os.environ.pop("SHARDKIT_TIMEOUT", None)
         delay = rng.uniform(0.3, 2.5)
         try:
-            launch(_rank, WORLD, (entry, os.path.join(tmp, "root"), out, delay), timeout=give_up + 60,
+            launch(_rank, WORLD, (entry, os.path.join(tmp, "root"), out, delay, shape), timeout=give_up + 60,
                    collective_timeout=1800, grace=give_up, env=env, threads=1, capture_output=False)
         except LaunchError as exc:
             if "exited with code -9" not in str(exc):
@@ -166,10 +169,16 @@ def _run_once(entry: str, detection: bool, give_up: float, rng: random.Random) -
         return found
 
 
+def _named(message: str) -> set[int]:
+    """The ranks a message says did not answer."""
+    found = re.search(r"no answer from ranks? ([\d, ]+)\.", message)
+    return {int(r) for r in found[1].split(", ")} if found else set()
+
+
 def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = [r["seconds"] for r in reports if "seconds" in r]
     good = [r for r in reports if r.get("type") in ("CollectiveError", "CheckpointError")
-            and any(name in r["message"] for name in r["operation"].split("|")) and "rank 2" in r["message"]]
+            and any(name in r["message"] for name in r["operation"].split("|")) and VICTIM in _named(r["message"])]
     return {"survivors": len(seconds), "median_s": round(statistics.median(seconds), 3) if seconds else None,
             "min_s": round(min(seconds), 3) if seconds else None, "max_s": round(max(seconds), 3) if seconds else None,
             "named_operation_and_rank": f"{len(good)}/{len(reports)}",
@@ -186,10 +195,13 @@ def main() -> None:
     parser.add_argument("--give-up", type=float, default=60.0,
                         help="seconds after which a survivor still waiting is stopped and counted as that")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", default="96x64", help="rows x columns of the fp32 tensor every entry moves")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     entries = [e for e in args.entries.split(",") if e]
-    result: dict[str, Any] = {"command": " ".join(sys.argv), "world": WORLD, "runs": args.runs,
+    rows, _, columns = args.shape.partition("x")
+    shape = (int(rows), int(columns))
+    result: dict[str, Any] = {"command": " ".join(sys.argv), "world": WORLD, "runs": args.runs, "shape": shape,
                               "timeout": "default (600 s)", "entries": {}}
     for entry in entries:
         modes = [True, False] if args.compare else [True]
@@ -197,7 +209,7 @@ def main() -> None:
         for detection in modes:
             reports: list[dict[str, Any]] = []
             for run in range(args.runs):
-                found = _run_once(entry, detection, args.give_up, rng)
+                found = _run_once(entry, detection, args.give_up, rng, shape)
                 reports.extend(found)
                 print(f"{entry} detection={'on' if detection else 'off'} run {run + 1}/{args.runs}: "
                       f"{[round(r['seconds'], 2) if 'seconds' in r else r for r in found]}", file=sys.stderr,
