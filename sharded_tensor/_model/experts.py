@@ -14,15 +14,21 @@ compute it exactly:
   (``single_split(0, ranks)`` on both parameters).
 
 Either way a rank computes a partial sum of the layer's output for every token (its feature
-slice of every chosen expert, or its own experts' contributions), and one all-reduce per layer
-adds them up. The inputs are replicated and consumed by every rank, so their gradients (the
-hidden states, flowing back into attention, and the routing weights, flowing back into the
-router) are summed over ranks in backward: the router, which runs on every rank on the same
-replicated input, then gets the exact gradient.
+slice of every chosen expert, or its own experts' contributions), and the partial sums are
+added up once per layer. The inputs are replicated and consumed by every rank, so their
+gradients (the hidden states, flowing back into attention, and the routing weights, flowing
+back into the router) are summed over ranks in backward (one all-reduce each): the router,
+which runs on every rank on the same replicated input, then gets the exact gradient.
 
-Why an all-reduce and not an all-to-all in expert parallel: inside a tensor-parallel model the
-tokens are already on every rank, so dispatching them moves nothing, and the combined output
-must end up on every rank again. :func:`combine_bytes` counts both ways for a given routing.
+Adding up: tensor-parallel experts all-reduce the dense ``[T, H]`` partial sums (every rank
+contributes to every token). In expert parallel a rank contributes only to the tokens that
+chose one of its experts, so the layer combines with an all-to-all of those rows (each to the
+rank owning the token, ``T/k`` tokens each) and an all-gather of the owned sums, which moves
+fewer bytes than the all-reduce whenever some token skips some rank's experts. Inside a
+tensor-parallel model the tokens are already on every rank, so the dispatch itself (tokens to
+their experts' ranks) moves nothing. :func:`combine_bytes` counts the ways; the layer takes
+the all-to-all only when it moves fewer bytes in total (the routing is replicated, so every
+rank decides the same).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from _shardkit import comm as _comm
 
 from . import registry as _registry
 from .functional import Intervals, copy_to_ranks
@@ -160,7 +168,66 @@ class ShardedExperts(_registry.ShardedModule):
         first = plan.intervals[call.rank][0] if plan.mode == "expert" else 0
         gate_up, down = cast(torch.Tensor, module.gate_up_proj), cast(torch.Tensor, module.down_proj)
         partial = _mix(x, top_k_index, weights, gate_up, down, first, module.act_fn)
+        if plan.mode == "expert" and call.world_size > 1:
+            hits = _hits(top_k_index, plan.intervals)
+            bytes_ = [combine_bytes(top_k_index, plan.intervals, partial.shape[1], partial.element_size(), r)
+                      for r in range(call.world_size)]
+            # The routing is the same on every rank, so every rank makes the same choice.
+            if sum(b.all_to_all for b in bytes_) < sum(b.all_reduce for b in bytes_):
+                return _Combine.apply(partial, hits, call.group)  # type: ignore[no-any-return]
         return call.reduce(partial)
+
+
+def _hits(index: torch.Tensor, intervals: Intervals) -> list[torch.Tensor]:
+    """Per rank, which tokens chose at least one of its experts."""
+    return [((index >= a) & (index < a + n)).any(-1) for a, n in intervals]
+
+
+def _bounds(tokens: int, world: int) -> list[int]:
+    """The tokens each rank owns while combining: contiguous, as even as possible."""
+    return [tokens * q // world for q in range(world + 1)]
+
+
+class _Combine(torch.autograd.Function):
+    """Sum of every rank's partial expert outputs, replicated: all-to-all of the rows, then all-gather.
+
+    Each rank owns a contiguous share of the tokens. Every rank sends each owner only the
+    rows of that owner's tokens its experts produced (which rows is known everywhere: the
+    routing is replicated, so no indices travel), the owner adds them up, and an all-gather
+    makes the sums replicated. Backward passes the gradient through, as for an all-reduce:
+    the output's gradient is the same on every rank, and each rank's partial sum enters the
+    output as it is.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, hits: list[torch.Tensor], group: _comm.ProcessGroup) -> torch.Tensor:
+        rank, world = _comm.rank_and_world(group)
+        bounds = _bounds(partial.shape[0], world)
+        own = slice(bounds[rank], bounds[rank + 1])
+        sends, recvs = {}, {}
+        for peer in range(world):
+            if peer == rank:
+                continue
+            theirs = slice(bounds[peer], bounds[peer + 1])
+            rows = partial[theirs][hits[rank][theirs]]
+            if rows.shape[0]:
+                sends[peer] = rows.contiguous()
+            count = int(hits[peer][own].sum())
+            if count:
+                recvs[peer] = partial.new_empty(count, partial.shape[1])
+        _comm.exchange(sends, recvs, group, what="experts combine (all-to-all)")
+        mine = partial[own].clone()
+        for peer in sorted(recvs):
+            mine[hits[peer][own]] += recvs[peer]
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        padded = partial.new_zeros(longest, partial.shape[1])
+        padded[:mine.shape[0]] = mine
+        pieces = _comm.all_gather_tensor(padded, group, what="experts combine (all-gather)")
+        return torch.cat([piece[:b - a] for piece, a, b in zip(pieces, bounds, bounds[1:])])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 @dataclass(frozen=True)
@@ -184,13 +251,12 @@ def combine_bytes(top_k_index: torch.Tensor, intervals: Intervals, hidden: int, 
     """Count :class:`CombineBytes` for one layer's routing (``top_k_index`` ``[T, k]``) on ``rank``."""
     tokens = top_k_index.shape[0]
     world = len(intervals)
-    hit = [((top_k_index >= a) & (top_k_index < a + n)).any(-1) for a, n in intervals]
+    hits = _hits(top_k_index, intervals)
     row = hidden * element_size
-    # Tokens owned for the all-to-all: contiguous, as even as possible.
-    bounds = [tokens * q // world for q in range(world + 1)]
+    bounds = _bounds(tokens, world)
     owned = slice(bounds[rank], bounds[rank + 1])
     reduce = 2 * (world - 1) * tokens * row // world
-    to_all = sum(int(hit[q][owned].sum()) for q in range(world) if q != rank) * row
+    to_all = sum(int(hits[q][owned].sum()) for q in range(world) if q != rank) * row
     to_all += (tokens - (bounds[rank + 1] - bounds[rank])) * row
-    gather = sum(int(hit[q].sum()) for q in range(world) if q != rank) * row
+    gather = sum(int(hits[q].sum()) for q in range(world) if q != rank) * row
     return CombineBytes(reduce, to_all, gather)

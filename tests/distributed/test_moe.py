@@ -123,11 +123,16 @@ def _case(arch: str, mode: str, rank: int, world: int) -> dict[str, object]:
     out["grad_names"] = sorted(grads) == sorted(n for n, _ in ref.named_parameters())
     out["grad_errors"] = {k: v for k, v in relative_errors(grads, ref).items() if not v < 1e-5}
     out["router_grad_nonzero"] = float(grads["model.layers.0.mlp.gate.weight"].abs().max()) > 0
+    out["forward_bytes"] = dict(fwd.bytes_by_op)
     if mode == "expert":
-        index = want.router_logits[0].topk(2, dim=-1).indices
         share = EXPERTS // world
-        bytes_ = combine_bytes(index, tuple((r * share, share) for r in range(world)), HIDDEN, 4, rank)
-        out["combine_bytes"] = (bytes_.all_reduce, bytes_.all_to_all, bytes_.all_gather)
+        intervals = tuple((r * share, share) for r in range(world))
+        layers = []
+        for logits in want.router_logits:
+            index = logits.topk(2, dim=-1).indices
+            layers.append([combine_bytes(index, intervals, HIDDEN, 4, r) for r in range(world)])
+        out["combine_bytes"] = [[(b.all_reduce, b.all_to_all, b.all_gather) for b in per_rank]
+                                for per_rank in layers]
 
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
     losses, ref_losses = [], []
@@ -193,19 +198,29 @@ def test_moe_sharded_equals_unsharded(moe_runs, arch, mode):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", MODES)
-def test_moe_experts_do_one_all_reduce_per_layer(moe_runs, arch, mode):
-    attention = 0 if arch == "qwen3_moe" else 1
-    shared = 1 if arch == "qwen2_moe" else 0
+def test_moe_experts_communicate_once_per_layer(moe_runs, arch, mode):
+    """Tensor-parallel experts all-reduce; expert parallel takes the all-to-all where it moves fewer bytes."""
+    others = LAYERS * ((0 if arch == "qwen3_moe" else 1) + (1 if arch == "qwen2_moe" else 0))
     for out in moe_runs:
-        assert out[f"{arch}/{mode}"]["forward_comm"] == {"all_reduce": LAYERS * (1 + attention + shared)}
+        case = out[f"{arch}/{mode}"]
+        if mode == "tensor":
+            assert case["forward_comm"] == {"all_reduce": LAYERS + others}
+            continue
+        cheaper = [sum(b[1] for b in per_rank) < sum(b[0] for b in per_rank) for per_rank in case["combine_bytes"]]
+        comm = dict(case["forward_comm"])
+        assert comm.pop("all_reduce", 0) == others + cheaper.count(False)
+        assert comm.pop("all_gather", 0) == cheaper.count(True)
+        assert ("send/recv" in comm) == any(cheaper)
 
 
 def test_expert_parallel_combine_bytes_are_counted(moe_runs):
-    for out in moe_runs:
-        reduce, to_all, gather = out["mixtral/expert"]["combine_bytes"]
-        tokens = 2 * SEQ
-        assert reduce == tokens * HIDDEN * 4  # 2 (k-1)/k T H elements of 4 bytes, k = 2
-        assert 0 < to_all <= reduce and 0 < gather <= reduce
+    row = HIDDEN * 4
+    for rank, out in enumerate(moe_runs):
+        for per_rank in out["mixtral/expert"]["combine_bytes"]:
+            reduce, to_all, gather = per_rank[rank]
+            assert reduce == 2 * SEQ * row  # ring all-reduce: 2 (k-1)/k T rows, T = 2 * SEQ, k = 2
+            assert SEQ * row <= to_all <= reduce  # the all-gather's SEQ rows, plus at most SEQ rows
+            assert 0 < gather <= reduce
 
 
 def test_bad_expert_layouts_are_refused(moe_runs):
