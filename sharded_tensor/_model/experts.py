@@ -99,24 +99,12 @@ def _plan(module: nn.Module, layouts: Mapping[str, Any], name: str) -> ExpertsPl
         which = "gate_up_proj" if gate_up is None or gate_up.kind == "replicated" else "down_proj"
         msg = f"{name}: {which} is whole on every rank while the other experts parameter is split; {how}."
         raise ValueError(msg)
+    if all(layout.kind == "split" and layout.dim in (0, None) for layout in (gate_up, down)):
+        return _expert_plan(num, gate_up.along(0), down.along(0), name)
     for pname, layout in (("gate_up_proj", gate_up), ("down_proj", down)):
         if layout.kind != "split" or layout.dim is None:
             msg = f"{name}: {pname} is split as {layout.describe()}; {how}."
             raise ValueError(msg)
-    if gate_up.dim == 0 and down.dim == 0:
-        for layout in (gate_up, down):
-            if len({n for _, n in layout.intervals}) != 1:
-                ranks = len(layout.intervals)
-                msg = (f"{name}: {num} experts over {ranks} ranks in uneven shares {list(layout.intervals)} "
-                       f"((first, count) per rank); expert parallel needs the number of experts divisible by the "
-                       f"number of ranks, each rank holding as many: use a number of ranks dividing {num}, or "
-                       f"tensor-parallel experts.")
-                raise ValueError(msg)
-        if gate_up.intervals != down.intervals:
-            msg = (f"{name}: gate_up_proj holds experts {list(gate_up.intervals)} and down_proj experts "
-                   f"{list(down.intervals)} ((first, count) per rank); give each rank the same experts in both.")
-            raise ValueError(msg)
-        return ExpertsPlan("expert", gate_up.intervals)
     if gate_up.dim == 1 and down.dim == 2:
         own = down.intervals
         pieces = gate_up.pieces
@@ -131,6 +119,21 @@ def _plan(module: nn.Module, layouts: Mapping[str, Any], name: str) -> ExpertsPl
         return ExpertsPlan("tensor", own)
     msg = (f"{name}: gate_up_proj split on dim {gate_up.dim} and down_proj on dim {down.dim}; {how}.")
     raise ValueError(msg)
+
+
+def _expert_plan(num: int, gate_up: Intervals, down: Intervals, name: str) -> ExpertsPlan:
+    for intervals in (gate_up, down):
+        if len({n for _, n in intervals}) != 1:
+            msg = (f"{name}: {num} experts over {len(intervals)} ranks in uneven shares {list(intervals)} "
+                   f"((first, count) per rank); expert parallel gives each rank an equal share: split with "
+                   f"single_split(0, ranks) (no sizes) over a number of ranks dividing {num} (the number of "
+                   f"experts must be divisible by it), or use tensor-parallel experts.")
+            raise ValueError(msg)
+    if gate_up != down:
+        msg = (f"{name}: gate_up_proj holds experts {list(gate_up)} and down_proj experts {list(down)} "
+               f"((first, count) per rank); give each rank the same experts in both.")
+        raise ValueError(msg)
+    return ExpertsPlan("expert", gate_up)
 
 
 def _mix(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
