@@ -17,7 +17,7 @@ Either way a rank computes a partial sum of the layer's output for every token (
 slice of every chosen expert, or its own experts' contributions), and the partial sums are
 added up once per layer. The inputs are replicated and consumed by every rank, so their
 gradients (the hidden states, flowing back into attention, and the routing weights, flowing
-back into the router) are summed over ranks in backward (one all-reduce each): the router,
+back into the router) are summed over ranks in backward (one all-reduce for both): the router,
 which runs on every rank on the same replicated input, then gets the exact gradient.
 
 Adding up: tensor-parallel experts all-reduce the dense ``[T, H]`` partial sums (every rank
@@ -166,8 +166,10 @@ class ShardedExperts(_registry.ShardedModule):
     def forward(self, call: _registry.ShardedCall, module: nn.Module, hidden_states: torch.Tensor,
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         plan: ExpertsPlan = call.plan
-        x = call.enter(hidden_states)
-        weights = copy_to_ranks(top_k_weights, call.group)
+        if call.world_size > 1 and hidden_states.dtype == top_k_weights.dtype and torch.is_grad_enabled():
+            x, weights = _SharedInputs.apply(call.replicated(hidden_states), top_k_weights, call.group)
+        else:
+            x, weights = call.enter(hidden_states), copy_to_ranks(top_k_weights, call.group)
         first = plan.intervals[call.rank][0] if plan.mode == "expert" else 0
         gate_up, down = cast(torch.Tensor, module.gate_up_proj), cast(torch.Tensor, module.down_proj)
         partial = _mix(x, top_k_index, weights, gate_up, down, first, module.act_fn)
@@ -179,6 +181,27 @@ class ShardedExperts(_registry.ShardedModule):
             if sum(b.all_to_all for b in bytes_) < sum(b.all_reduce for b in bytes_):
                 return _Combine.apply(partial, hits, call.group)  # type: ignore[no-any-return]
         return call.reduce(partial)
+
+
+class _SharedInputs(torch.autograd.Function):
+    """Identity on the hidden states and routing weights; backward sums both gradients over ranks at once.
+
+    Every rank consumes both whole, so each gradient is the sum of the ranks' contributions:
+    one all-reduce of the two, side by side, instead of one each.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weights: torch.Tensor,
+                group: _comm.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.group = group
+        return x.view_as(x), weights.view_as(weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad_x: torch.Tensor, grad_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        both = torch.cat([grad_x.reshape(-1), grad_w.reshape(-1)])
+        _comm.all_reduce(both, ctx.group, what="experts backward (all_reduce)")
+        n = grad_x.numel()
+        return both[:n].view_as(grad_x), both[n:].view_as(grad_w), None
 
 
 def _hits(index: torch.Tensor, intervals: Intervals) -> list[torch.Tensor]:

@@ -117,8 +117,10 @@ def _case(arch: str, mode: str, rank: int, world: int) -> dict[str, object]:
     out["loss"] = (got.loss.item(), want.loss.item())
     out["aux_loss"] = (got.aux_loss.item(), want.aux_loss.item())
     out["forward_comm"] = dict(fwd.counts)
-    got.loss.backward()
+    with st.CommCounter() as bwd:
+        got.loss.backward()
     want.loss.backward()
+    out["backward_comm"] = dict(bwd.counts)
     grads = gathered_grads(model, rank)
     out["grad_names"] = sorted(grads) == sorted(n for n, _ in ref.named_parameters())
     out["grad_errors"] = {k: v for k, v in relative_errors(grads, ref).items() if not v < 1e-5}
@@ -212,6 +214,9 @@ def test_moe_experts_communicate_once_per_layer(moe_runs, arch, mode):
         if f"{arch}/{mode}" not in out:
             pytest.skip(f"{arch} runs on 2 ranks only")
         case = out[f"{arch}/{mode}"]
+        # backward: one all-reduce per layer for the experts' inputs (hidden states and routing
+        # weights together), the combine's none
+        assert case["backward_comm"] == {"all_reduce": LAYERS + others}
         if mode == "tensor":
             assert case["forward_comm"] == {"all_reduce": LAYERS + others}
             continue
