@@ -51,6 +51,7 @@ from sharding.layout import box_slices
 
 from .._reshard import redistribute
 from .._tensor import ShardedTensor
+from . import experts as _experts
 from . import guard as _guard
 from . import parallel as _parallel
 from .init import LayoutInvariantInit
@@ -247,6 +248,7 @@ def _plans(model: nn.Module, entries: Sequence[_Entry],
     ``nn.MultiheadAttention`` with its ``out_proj``) is planned with the layouts of every
     parameter below it, named relative to it, and its descendants are not planned on their own.
     """
+    _experts.register_experts_of(model)  # transformers' fused experts, found by their parameters
     per_module: dict[int, tuple[str, nn.Module, dict[str, ParamLayout]]] = {}
     named = list(model.named_modules())
     owners: dict[int, tuple[str, nn.Module]] = {}

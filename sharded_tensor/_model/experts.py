@@ -1,0 +1,288 @@
+"""Mixture-of-experts layers with split experts: tensor-parallel experts and expert parallel.
+
+transformers 5 keeps a layer's experts as two fused 3-D parameters, ``gate_up_proj``
+``[E, 2I, H]`` (each expert's gate rows, then its up rows) and ``down_proj`` ``[E, H, I]``,
+in one module whose forward takes the replicated hidden states ``[T, H]``, the router's
+choices ``top_k_index`` ``[T, k]`` and weights ``top_k_weights`` ``[T, k]``. Two layouts
+compute it exactly:
+
+* **tensor-parallel experts** (``"tensor"``): every rank holds every expert, with its slice
+  ``(s, n)`` of the intermediate features: rows ``s..s+n`` of the gate half and of the up half
+  of ``gate_up_proj`` (a *packed* split on dim 1: name each rank twice,
+  ``single_split(1, ranks * 2)``) and columns ``s..s+n`` of ``down_proj`` (dim 2);
+* **expert parallel** (``"expert"``): each rank holds whole experts, an equal share of them
+  (``single_split(0, ranks)`` on both parameters).
+
+Either way a rank computes a partial sum of the layer's output for every token (its feature
+slice of every chosen expert, or its own experts' contributions), and the partial sums are
+added up once per layer. The inputs are replicated and consumed by every rank, so their
+gradients (the hidden states, flowing back into attention, and the routing weights, flowing
+back into the router) are summed over ranks in backward (one all-reduce for both): the router,
+which runs on every rank on the same replicated input, then gets the exact gradient.
+
+Adding up: tensor-parallel experts all-reduce the dense ``[T, H]`` partial sums (every rank
+contributes to every token). In expert parallel a rank contributes only to the tokens that
+chose one of its experts, so the layer combines with an all-to-all of those rows (each to the
+rank owning the token, ``T/k`` tokens each) and an all-gather of the owned sums, which moves
+fewer bytes than the all-reduce whenever some token skips some rank's experts. Inside a
+tensor-parallel model the tokens are already on every rank, so the dispatch itself (tokens to
+their experts' ranks) moves nothing. :func:`combine_bytes` counts the ways; the layer takes
+the all-to-all only when it moves fewer bytes in total (the routing is replicated, so every
+rank decides the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _shardkit import comm as _comm
+
+from . import registry as _registry
+from .functional import Intervals, copy_to_ranks
+
+__all__ = ["ExpertsPlan", "ShardedExperts", "is_fused_experts", "register_experts_of", "combine_bytes"]
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """How a sharded experts module computes.
+
+    ``mode``: ``"tensor"`` (``intervals``: each rank's slice of the intermediate features) or
+    ``"expert"`` (``intervals``: each rank's experts, ``(first, count)``).
+    """
+
+    mode: Literal["tensor", "expert"]
+    intervals: Intervals
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers fused-experts module this registration computes.
+
+    It has 3-D ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` in the
+    concatenated (gate rows, then up rows), untransposed, bias-free layout.
+    """
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3 or not callable(getattr(module, "act_fn", None)):
+        return False
+    return (getattr(module, "is_concatenated", True) and not getattr(module, "is_transposed", False)
+            and not getattr(module, "has_bias", False) and getattr(module, "has_gate", True)
+            and not getattr(module, "has_post_expert_norm", False))
+
+
+def register_experts_of(model: nn.Module) -> None:
+    """Register :class:`ShardedExperts` for the fused-experts module types in ``model``.
+
+    Types that already have a registration (the user's own) are left as they are.
+    """
+    for module in model.modules():
+        cls = type(module)
+        if is_fused_experts(module) and _registry.handler_for(module) == (None, None):
+            _registry.register_sharded_module(cls, ShardedExperts())
+
+
+def _plan(module: nn.Module, layouts: Mapping[str, Any], name: str) -> ExpertsPlan:
+    num, two_inter, _ = cast(torch.Tensor, module.gate_up_proj).shape
+    inter = two_inter // 2
+    gate_up, down = layouts.get("gate_up_proj"), layouts.get("down_proj")
+    how = ("split either each expert's intermediate features (gate_up_proj with single_split(1, ranks * 2), "
+           "each half split the same way, and down_proj with single_split(2, ranks)) or the experts "
+           "(single_split(0, ranks) on both)")
+    if gate_up is None or down is None or gate_up.kind == "replicated" or down.kind == "replicated":
+        which = "gate_up_proj" if gate_up is None or gate_up.kind == "replicated" else "down_proj"
+        msg = f"{name}: {which} is whole on every rank while the other experts parameter is split; {how}."
+        raise ValueError(msg)
+    if all(layout.kind == "split" and layout.dim in (0, None) for layout in (gate_up, down)):
+        return _expert_plan(num, gate_up.along(0), down.along(0), name)
+    for pname, layout in (("gate_up_proj", gate_up), ("down_proj", down)):
+        if layout.kind != "split" or layout.dim is None:
+            msg = f"{name}: {pname} is split as {layout.describe()}; {how}."
+            raise ValueError(msg)
+    if gate_up.dim == 1 and down.dim == 2:
+        own = down.intervals
+        pieces = gate_up.pieces
+        want = tuple(((s, n), (inter + s, n)) if n else () for s, n in own)
+        got = pieces if pieces is not None else tuple(((s, n),) if n else () for s, n in gate_up.intervals)
+        if tuple(tuple(p) for p in got) != want:
+            msg = (f"{name}: gate_up_proj packs each expert's gate ({inter} rows) and up ({inter} rows) "
+                   f"projections, so each rank needs the same slice of both halves as of down_proj's inputs "
+                   f"{list(own)}; gate_up_proj is split as {[list(p) for p in got]} ((start, length) per rank). "
+                   f"Split it with single_split(1, ranks * 2) (each rank named twice).")
+            raise ValueError(msg)
+        return ExpertsPlan("tensor", own)
+    msg = (f"{name}: gate_up_proj split on dim {gate_up.dim} and down_proj on dim {down.dim}; {how}.")
+    raise ValueError(msg)
+
+
+def _expert_plan(num: int, gate_up: Intervals, down: Intervals, name: str) -> ExpertsPlan:
+    for intervals in (gate_up, down):
+        if len({n for _, n in intervals}) != 1:
+            msg = (f"{name}: {num} experts over {len(intervals)} ranks in uneven shares {list(intervals)} "
+                   f"((first, count) per rank); expert parallel gives each rank an equal share: split with "
+                   f"single_split(0, ranks) (no sizes) over a number of ranks dividing {num} (the number of "
+                   f"experts must be divisible by it), or use tensor-parallel experts.")
+            raise ValueError(msg)
+    if gate_up != down:
+        msg = (f"{name}: gate_up_proj holds experts {list(gate_up)} and down_proj experts {list(down)} "
+               f"((first, count) per rank); give each rank the same experts in both.")
+        raise ValueError(msg)
+    return ExpertsPlan("expert", gate_up)
+
+
+def _mix(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+         down: torch.Tensor, first: int, act: Any) -> torch.Tensor:
+    """Sum over the local experts ``first..`` of their weighted outputs, per token.
+
+    Every local expert runs, even on no token: its parameters then get a zero gradient, as
+    in the unsharded model, so an optimizer updates them the same way.
+    """
+    out = x.new_zeros(x.shape[0], down.shape[1])
+    for local in range(gate_up.shape[0]):
+        token, slot = torch.where(index == first + local)
+        gate, up = F.linear(x[token], gate_up[local]).chunk(2, dim=-1)
+        y = F.linear(act(gate) * up, down[local]) * weights[token, slot, None]
+        out = out.index_add(0, token, y.to(out.dtype))
+    return out
+
+
+class ShardedExperts(_registry.ShardedModule):
+    """transformers' fused experts (Mixtral, Qwen2-MoE, Qwen3-MoE, ...) split by features or by experts."""
+
+    def plan(self, module: nn.Module, layouts: Mapping[str, Any], *, name: str) -> ExpertsPlan:
+        return _plan(module, layouts, name)
+
+    def empty_dims(self, plan: ExpertsPlan) -> Mapping[str, int]:
+        if plan.mode == "expert":
+            return {"gate_up_proj": 0, "down_proj": 0}
+        return {"gate_up_proj": 1, "down_proj": 2}
+
+    def forward(self, call: _registry.ShardedCall, module: nn.Module, hidden_states: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        plan: ExpertsPlan = call.plan
+        if call.world_size > 1 and hidden_states.dtype == top_k_weights.dtype and torch.is_grad_enabled():
+            x, weights = _SharedInputs.apply(call.replicated(hidden_states), top_k_weights, call.group)
+        else:
+            x, weights = call.enter(hidden_states), copy_to_ranks(top_k_weights, call.group)
+        first = plan.intervals[call.rank][0] if plan.mode == "expert" else 0
+        gate_up, down = cast(torch.Tensor, module.gate_up_proj), cast(torch.Tensor, module.down_proj)
+        partial = _mix(x, top_k_index, weights, gate_up, down, first, module.act_fn)
+        if plan.mode == "expert" and call.world_size > 1:
+            hits = _hits(top_k_index, plan.intervals)
+            bytes_ = [combine_bytes(top_k_index, plan.intervals, partial.shape[1], partial.element_size(), r)
+                      for r in range(call.world_size)]
+            # The routing is the same on every rank, so every rank makes the same choice.
+            if sum(b.all_to_all for b in bytes_) < sum(b.all_reduce for b in bytes_):
+                return _Combine.apply(partial, hits, call.group)  # type: ignore[no-any-return]
+        return call.reduce(partial)
+
+
+class _SharedInputs(torch.autograd.Function):
+    """Identity on the hidden states and routing weights; backward sums both gradients over ranks at once.
+
+    Every rank consumes both whole, so each gradient is the sum of the ranks' contributions:
+    one all-reduce of the two, side by side, instead of one each.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weights: torch.Tensor,
+                group: _comm.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.group = group
+        return x.view_as(x), weights.view_as(weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad_x: torch.Tensor, grad_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        both = torch.cat([grad_x.reshape(-1), grad_w.reshape(-1)])
+        _comm.all_reduce(both, ctx.group, what="experts backward (all_reduce)")
+        n = grad_x.numel()
+        return both[:n].view_as(grad_x), both[n:].view_as(grad_w), None
+
+
+def _hits(index: torch.Tensor, intervals: Intervals) -> list[torch.Tensor]:
+    """Per rank, which tokens chose at least one of its experts."""
+    return [((index >= a) & (index < a + n)).any(-1) for a, n in intervals]
+
+
+def _bounds(tokens: int, world: int) -> list[int]:
+    """The tokens each rank owns while combining: contiguous, as even as possible."""
+    return [tokens * q // world for q in range(world + 1)]
+
+
+class _Combine(torch.autograd.Function):
+    """Sum of every rank's partial expert outputs, replicated: all-to-all of the rows, then all-gather.
+
+    Each rank owns a contiguous share of the tokens. Every rank sends each owner only the
+    rows of that owner's tokens its experts produced (which rows is known everywhere: the
+    routing is replicated, so no indices travel), the owner adds them up, and an all-gather
+    makes the sums replicated. Backward passes the gradient through, as for an all-reduce:
+    the output's gradient is the same on every rank, and each rank's partial sum enters the
+    output as it is.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, hits: list[torch.Tensor], group: _comm.ProcessGroup) -> torch.Tensor:
+        rank, world = _comm.rank_and_world(group)
+        bounds = _bounds(partial.shape[0], world)
+        own = slice(bounds[rank], bounds[rank + 1])
+        sends, recvs = {}, {}
+        for peer in range(world):
+            if peer == rank:
+                continue
+            theirs = slice(bounds[peer], bounds[peer + 1])
+            rows = partial[theirs][hits[rank][theirs]]
+            if rows.shape[0]:
+                sends[peer] = rows.contiguous()
+            count = int(hits[peer][own].sum())
+            if count:
+                recvs[peer] = partial.new_empty(count, partial.shape[1])
+        _comm.exchange(sends, recvs, group, what="experts combine (all-to-all)")
+        mine = partial[own].clone()
+        for peer in sorted(recvs):
+            mine[hits[peer][own]] += recvs[peer]
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        padded = partial.new_zeros(longest, partial.shape[1])
+        padded[:mine.shape[0]] = mine
+        pieces = _comm.all_gather_tensor(padded, group, what="experts combine (all-gather)")
+        return torch.cat([piece[:b - a] for piece, a, b in zip(pieces, bounds, bounds[1:])])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+@dataclass(frozen=True)
+class CombineBytes:
+    """Bytes one rank receives to combine an expert-parallel layer's output, two ways.
+
+    ``all_reduce``: a ring all-reduce of the dense ``[T, H]`` partial sums, ``2 (k-1)/k T H``
+    elements. ``all_to_all``: each rank sends every other rank, for the tokens that rank owns
+    (``T/k`` of them), only the rows its experts produced (``n_r`` of ``T`` tokens hit), then
+    an all-gather makes the output replicated again, ``((k-1)/k) (mean n_r + T) H`` elements.
+    ``all_gather``: every rank gathers the others' compact rows, ``sum_{q != r} n_q H``.
+    """
+
+    all_reduce: int
+    all_to_all: int
+    all_gather: int
+
+
+def combine_bytes(top_k_index: torch.Tensor, intervals: Intervals, hidden: int, element_size: int,
+                  rank: int) -> CombineBytes:
+    """Count :class:`CombineBytes` for one layer's routing (``top_k_index`` ``[T, k]``) on ``rank``."""
+    tokens = top_k_index.shape[0]
+    world = len(intervals)
+    hits = _hits(top_k_index, intervals)
+    row = hidden * element_size
+    bounds = _bounds(tokens, world)
+    owned = slice(bounds[rank], bounds[rank + 1])
+    reduce = 2 * (world - 1) * tokens * row // world
+    to_all = sum(int(hits[q][owned].sum()) for q in range(world) if q != rank) * row
+    to_all += (tokens - (bounds[rank + 1] - bounds[rank])) * row
+    gather = sum(int(hits[q].sum()) for q in range(world) if q != rank) * row
+    return CombineBytes(reduce, to_all, gather)
