@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import liveness as _liveness
 from . import teardown  # binds torch's default-group arguments before any group exists; exit hook
 
-__all__ = ["CommCounter", "rank_and_world", "default_device", "start_exchange", "all_gather_json",
+__all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "broadcast_json", "all_gather_tensor", "CollectiveError",
            "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT",
            "TIMEOUT_ENV", "LIVENESS_ENV", "resolve_timeout", "operation", "operation_name", "collective"]
@@ -151,6 +151,17 @@ def default_device(group: ProcessGroup = None) -> torch.device:
 
 def _global(group: ProcessGroup, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
+             group: ProcessGroup = None, *, timeout: float | None = None, what: str = "exchange") -> None:
+    """Send ``sends[peer]`` to each peer and receive into ``recvs[peer]``, all at once.
+
+    Collective over the peers named: the two sides of each transfer must name each other with
+    tensors of equal byte size. Tensors must be contiguous. Raises ``CollectiveError`` naming
+    the peers that did not answer within ``timeout`` (see ``resolve_timeout``) or died.
+    """
+    start_exchange(sends, recvs, group, timeout=timeout, what=what).wait()
 
 
 # Messages travel in pieces of at most this many bytes, so that a sender can put the first
