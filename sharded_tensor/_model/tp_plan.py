@@ -286,8 +286,10 @@ def _entries(key: str, style: _Style, packed: int, placements: list[DevicePlacem
         return {} if spec is None else {key: spec}
     matched = [(n, m) for n, m in modules.items() if _exact(pattern, n)]
     if not matched:
-        msg = f"the tensor-parallel plan names {key!r}, which matches no module or parameter of the model."
-        raise ValueError(msg)
+        # A model's plan covers every variant of its architecture (Qwen2-MoE's plan names the
+        # dense MLP that only layers listed in mlp_only_layers have): what this model lacks is
+        # skipped, as from_pretrained(tp_plan="auto") skips it.
+        return {}
     name, module = matched[0]
     own = dict(module.named_parameters(recurse=False))
     specs: dict[str, PlacementSpec | None] = {}

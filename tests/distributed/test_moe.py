@@ -105,10 +105,12 @@ def _full_params(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _case(arch: str, mode: str, rank: int, world: int) -> dict[str, object]:
+def _case(arch: str, mode: str, rank: int, world: int, *, planned: bool = False) -> dict[str, object]:
     out: dict[str, object] = {}
     ref, model = _pair(arch, world)
-    st.shard_model(model, moe_spec(arch, world, mode), src_rank=0)
+    ranks = [f"rank:{r}/cpu" for r in range(world)]
+    spec = st.tensor_parallel_spec(model, ranks, experts=mode) if planned else moe_spec(arch, world, mode)
+    st.shard_model(model, spec, src_rank=0)
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     with st.CommCounter() as fwd:
         got = model(x, labels=x, output_router_logits=True)
@@ -173,7 +175,13 @@ def _moe(rank: int, world: int) -> dict[str, object]:
     out: dict[str, object] = {f"{arch}/{mode}": _case(arch, mode, rank, world)
                               for arch in ARCHS[:WORLD_ARCHS[world]] for mode in MODES}
     out["refusals"] = _refusals(world)
+    if world == 2:  # the one-call plan (transformers' own plans, both expert layouts)
+        for arch, mode in PLANNED:
+            out[f"planned/{arch}/{mode}"] = _case(arch, mode, rank, world, planned=True)
     return out
+
+
+PLANNED = [("mixtral", "expert"), ("qwen2_moe", "tensor")]
 
 
 # 4 ranks on a shared 2-core machine cost: Qwen3-MoE runs on 2 only (its experts are Qwen2-MoE's).
@@ -200,6 +208,22 @@ def test_moe_sharded_equals_unsharded(moe_runs, arch, mode):
         assert case["grad_names"]
         assert case["grad_errors"] == {}
         assert case["router_grad_nonzero"]
+        losses, ref_losses = case["train"]
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert case["param_errors"] == {}
+
+
+@pytest.mark.parametrize(("arch", "mode"), PLANNED)
+def test_moe_planned_by_tensor_parallel_spec_equals_unsharded(moe_runs, arch, mode):
+    """``st.tensor_parallel_spec(model, ranks, experts=mode)``: transformers' plan, no spec written by hand."""
+    for out in moe_runs:
+        if f"planned/{arch}/{mode}" not in out:
+            pytest.skip("the planned layouts run on 2 ranks")
+        case = out[f"planned/{arch}/{mode}"]
+        assert case["logits"] < 1e-5
+        got, want = case["aux_loss"]
+        assert got == pytest.approx(want, rel=1e-6)
+        assert case["grad_names"] and case["grad_errors"] == {}
         losses, ref_losses = case["train"]
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert case["param_errors"] == {}
