@@ -12,6 +12,7 @@ from ._model.parallel import ParamLayout
 from ._model.regions import loss_parallel
 from ._model.registry import ShardedCall, ShardedModule, register_sharded_module
 from ._model.sharder import shard_model, shard_parameter
+from ._model.split_rules import register_split_rule
 from ._model.tp_plan import tensor_parallel_spec
 from ._model.training import (
     all_reduce_grads,
@@ -29,7 +30,7 @@ __all__ = [
     "shard_parameter", "shard_model", "tensor_parallel_spec",
     "optim_state_dict", "load_optim_state_dict", "loss_parallel",
     "ShardedModule", "ShardedCall", "ParamLayout", "register_sharded_module",
-    "DFunction", "LayoutDecision", "register_layout_rule",
+    "DFunction", "LayoutDecision", "register_layout_rule", "register_split_rule",
     "clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads",
     "fully_shard", "no_sync",
 ]

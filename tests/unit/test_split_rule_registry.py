@@ -1,0 +1,108 @@
+"""``st.register_split_rule``: a registered rule is used, exact forward and backward, and bad input is refused.
+
+Ranks are simulated in one process as in test_split_rules.py; the number of all-gathers shows
+whether the op ran on slices (its rule) or on gathered tensors (the fallback).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sharded_tensor as st
+from sharded_tensor._model import regions as _regions
+from tests.unit.test_split_rules import _simulated
+
+
+@torch.library.custom_op("shardkit_test::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * w
+
+
+def _backward(ctx, grad):  # type: ignore[no-untyped-def]
+    x, w = ctx.saved_tensors
+    t = torch.tanh(x)
+    gw = grad * t
+    return grad * w * (1 - t * t), gw.sum_to_size(w.shape)
+
+
+def _setup(ctx, inputs, output):  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(*inputs)
+
+
+scaled_tanh.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("shardkit_test::shifted", mutates_args=())
+def shifted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w + 1.0
+
+
+shifted.register_autograd(lambda ctx, g: (g * ctx.w, (g * ctx.x).sum_to_size(ctx.w.shape)),
+                          setup_context=lambda ctx, inputs, output: ctx.__dict__.update(x=inputs[0], w=inputs[1]))
+
+
+def _run(op, w_shape, world=2, shape=(2, 5, 3), dim=1):  # type: ignore[no-untyped-def]
+    """Check every rank's output and gradients against the op on the whole tensor; whether each rank gathered."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    w = torch.randn(w_shape, generator=gen, dtype=torch.float64)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = op(xs, ws)
+    upstream = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    (want * upstream).sum().backward()
+    intervals = ((0, 3), (3, 2))
+
+    def rank_fn(rank: int):  # type: ignore[no-untyped-def]
+        start, length = intervals[rank]
+        local = x.narrow(dim, start, length).clone().requires_grad_()
+        weight = w.clone().requires_grad_()
+        tagged = _regions.tag(local.view_as(local), _regions.Split(dim, intervals))
+        with _regions._region():
+            out = op(tagged, weight)
+        gathered = _regions.split_of(out) is None  # the fallback gathers x and returns a whole tensor
+        out = _regions.to_replicated(out)
+        (out * upstream).sum().backward()
+        return out.detach(), local.grad, weight.grad, gathered
+
+    with _simulated(world) as ranks:
+        results = ranks.run(rank_fn)
+    for rank, (out, local_grad, weight_grad, _) in enumerate(results):
+        start, length = intervals[rank]
+        torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12, msg=f"output on rank {rank}")
+        torch.testing.assert_close(local_grad, xs.grad.narrow(dim, start, length), rtol=1e-12, atol=1e-12,
+                                   msg=f"input grad on rank {rank}")
+        torch.testing.assert_close(weight_grad, ws.grad, rtol=1e-12, atol=1e-12, msg=f"weight grad on rank {rank}")
+    return [gathered for *_, gathered in results]
+
+
+def test_a_registered_rule_keeps_the_op_on_slices_exact_forward_and_backward() -> None:
+    # No rule yet: the engine gathers x and runs the op whole (exact, output no longer split).
+    assert _run(scaled_tanh, (3,)) == [True, True]
+    st.register_split_rule(scaled_tanh, lambda x, w: torch.tanh(x) * w)
+    # A weight broadcast over the split dimension (1): used whole, its gradient summed over the ranks.
+    assert _run(scaled_tanh, (3,)) == [False, False]
+    # A weight along the split dimension: each rank takes its slice, its gradient gathered back.
+    assert _run(scaled_tanh, (5, 1)) == [False, False]
+    assert _run(shifted, (5, 3)) == [True, True]
+    st.register_split_rule(torch.ops.shardkit_test.shifted, "elementwise")
+    assert _run(shifted, (5, 3)) == [False, False]
+    assert _run(shifted, (1, 3)) == [False, False]
+
+
+def test_bad_registrations_are_refused_with_the_offending_value() -> None:
+    with pytest.raises(TypeError, match=r"op must be a torch function.*got <function .*plain.*\(function\)"):
+        def plain(x):  # type: ignore[no-untyped-def]
+            return x
+        st.register_split_rule(plain, "elementwise")
+    with pytest.raises(TypeError, match=r"rule must be 'elementwise' or a callable decomposition, got 3 \(int\)"):
+        st.register_split_rule(torch.special.erfcx, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"rule 'pointwise' names no split rule; use one of \['elementwise'\]"):
+        st.register_split_rule(torch.special.erfcx, "pointwise")
+    with pytest.raises(ValueError, match=r"op <built-in method tanh .*> already has a split rule \(_elementwise\); "
+                                         r"pass replace=True"):
+        st.register_split_rule(torch.tanh, "elementwise")
+    with pytest.raises(ValueError, match=r"is the op itself"):
+        st.register_split_rule(torch.special.erfcx, torch.special.erfcx)
+    rules = _regions._tables()[0]
+    assert rules[torch.tanh] is _regions._elementwise  # refused registrations changed nothing
