@@ -38,22 +38,11 @@ def move(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: Sharde
          *, rank: int, group: _comm.ProcessGroup = None, reuse: bool = False) -> dict[int, torch.Tensor]:
     """Move data laid out as ``src`` into new tensors laid out as ``dst`` (both plain). Collective.
 
-    Args:
-        local: this rank's source shards, keyed by their index in ``src.shards``.
-        src: the current layout.
-        dst: the wanted layout (same size and dtype).
-        rank: this process's rank in ``group``.
-        group: the process group whose ranks the layouts name.
-        reuse: the caller gives up ``local``. A destination shard that is a contiguous block
-            of a source shard nothing else refers to then keeps that memory, without a copy,
-            and the rest of the source shard's pages go back to the OS.
-
-    Returns:
-        This rank's destination shards, keyed by their index in ``dst.shards``. Without
-        ``reuse`` they never share memory with ``local``.
-
-    Peak extra memory is this rank's staging buffers (only for blocks that are not contiguous
-    on their side), never the whole tensor.
+    The arguments and the result are ``_reshard.redistribute``'s. With ``reuse``, a destination
+    shard that is a contiguous block of a source shard nothing else refers to keeps that
+    memory, without a copy, and the rest of the source shard's pages go back to the OS. Peak
+    extra memory is this rank's staging buffers (only for blocks that are not contiguous on
+    their side), never the whole tensor.
     """
     plan = plan_reshard(src, dst, rank)
     kept, spans = _blocks_to_keep(plan, local, src, dst) if reuse else ({}, {})
