@@ -8,6 +8,9 @@ itself (tiny configs, no downloads):
 * a decoder layer's forward does exactly 2 all-reduces and no all-gather, and so does its
   backward (q, k and v share one input copy);
 * 3 AdamW steps give the same losses as the unsharded model;
+* greedy ``generate`` with the key/value cache (Llama, and Mistral with a sliding window) gives
+  the unsharded model's tokens; every decode step does 2 all-reduces per layer and no
+  all-gather, and each rank's cache holds its own key/value head, tagged with the head split;
 * a meta model initialized by the model's own ``_init_weights`` with ``seed`` holds the same
   values on 2 ranks as in a world of one;
 * ``loss_parallel`` with ``lm_head`` split on the vocabulary gives the unsharded loss and
@@ -24,12 +27,13 @@ pytest.importorskip("transformers")
 
 import checkpoint  # noqa: E402
 import sharded_tensor as st  # noqa: E402
+from sharded_tensor._model.regions import split_of  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
 from tests.distributed._grads import local_grad_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.distributed
-VOCAB, LAYERS = 96, 2
+VOCAB, LAYERS, NEW_TOKENS = 96, 2, 8
 
 
 def _llama_config():  # type: ignore[no-untyped-def]
@@ -37,6 +41,14 @@ def _llama_config():  # type: ignore[no-untyped-def]
     return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                        use_cache=False, attention_dropout=0.0)
+
+
+def _mistral_config():  # type: ignore[no-untyped-def]
+    from transformers import MistralConfig
+    # A sliding window shorter than the prompt plus the new tokens: the cache drops its oldest entries.
+    return MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         sliding_window=6, attention_dropout=0.0)
 
 
 def _bert_config():  # type: ignore[no-untyped-def]
@@ -85,6 +97,42 @@ def _pair(cls, config):  # type: ignore[no-untyped-def]
     return ref, model
 
 
+def _sharded_pair(cls, config, world: int):  # type: ignore[no-untyped-def]
+    ref, model = _pair(cls, config)
+    st.shard_model(model, llama_spec(world), src_rank=0)
+    return model, ref
+
+
+def _generate(model, ref) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """Greedy decoding of NEW_TOKENS with the cache: tokens, collectives per forward, the cache's layout."""
+    model.eval()
+    ref.eval()
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    kwargs = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "use_cache": True}
+    steps: list[st.CommCounter] = []
+
+    def opened(module, args, kw):  # type: ignore[no-untyped-def]
+        steps.append(st.CommCounter().__enter__())
+
+    def closed(module, args, kw, output):  # type: ignore[no-untyped-def]
+        steps[-1].__exit__(None, None, None)
+
+    hooks = [model.register_forward_pre_hook(opened, with_kwargs=True),
+             model.register_forward_hook(closed, with_kwargs=True)]
+    try:
+        got = model.generate(prompt, return_dict_in_generate=True, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    cache = []
+    for layer in got.past_key_values.layers:
+        splits = [split_of(t) for t in (layer.keys, layer.values)]
+        cache.append([(tuple(t.shape), s.dim, s.intervals) if s else None
+                      for t, s in zip((layer.keys, layer.values), splits)])
+    return {"tokens": got.sequences.tolist(), "want": ref.generate(prompt, **kwargs).tolist(),
+            "steps": [dict(c.counts) for c in steps], "cache": cache}
+
+
 def _hf_models(rank: int, world: int) -> dict[str, object]:
     from transformers import BertForMaskedLM, LlamaForCausalLM
     out: dict[str, object] = {}
@@ -118,12 +166,10 @@ def _hf_models(rank: int, world: int) -> dict[str, object]:
             sink.append(loss.item())
     out["llama_train"] = (losses, ref_losses)
 
-    # Generation with a key/value cache: the cached keys and values stay split by heads.
-    model.eval()
-    ref.eval()
-    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
-    out["generate"] = (model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True).tolist(),
-                       ref.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True).tolist())
+    # Greedy generation with the key/value cache: the cached keys and values stay split by heads.
+    out["generate_llama"] = _generate(model, ref)
+    from transformers import MistralForCausalLM
+    out["generate_mistral"] = _generate(*_sharded_pair(MistralForCausalLM, _mistral_config(), world))
 
     # Meta init by the model's own _init_weights, layout-invariant with seed.
     with torch.device("meta"):
@@ -188,10 +234,20 @@ def test_llama_sharded_equals_unsharded(hf_runs):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
-def test_generation_with_a_cache_matches(hf_runs):
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_generation_with_a_cache_matches_and_gathers_nothing(hf_runs, arch):
     for out in hf_runs:
-        got, want = out["generate"]
-        assert got == want
+        run = out[f"generate_{arch}"]
+        assert run["tokens"] == run["want"]
+        assert len(run["tokens"][0]) == 5 + NEW_TOKENS
+        prefill, *decode = run["steps"]
+        assert prefill == {"all_reduce": 2 * LAYERS}
+        # every decode step: o_proj's and down_proj's all-reduce in each layer, no all-gather
+        assert decode == [{"all_reduce": 2 * LAYERS}] * (NEW_TOKENS - 1)
+        # each rank caches its own key/value head (2 of them over 2 ranks), tagged with the head split
+        kept = 5 + NEW_TOKENS - 1 if arch == "llama" else 6 - 1
+        for keys, values in run["cache"]:
+            assert keys == values == ((2, 1, kept, 16), 1, ((0, 1), (1, 1)))
 
 
 def test_decoder_layer_does_two_all_reduces_each_way(hf_runs):

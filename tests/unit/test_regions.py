@@ -93,6 +93,25 @@ def test_in_place_op_on_a_split_activation_is_refused():
         _run(lambda t: t.index_fill_(0, torch.tensor([0]), 0.0), x)
 
 
+def test_a_key_value_cache_keeps_its_heads_split_and_its_length_reads_no_values(monkeypatch):
+    """transformers' DynamicLayer through prefill and a decode step: the cached keys stay tagged
+    slices and ``get_seq_length`` (``keys.numel()``, ``keys.shape``) gathers nothing."""
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    gathered = []
+    real = _regions.to_replicated
+    monkeypatch.setattr(_regions, "to_replicated", lambda t: gathered.append(t.shape) or real(t))
+    heads = Split(1, ((0, 1), (1, 1)))  # (batch, kv heads, seq, head_dim): one key/value head per rank
+    layer = cache_utils.DynamicLayer()
+    for seq in (5, 1):
+        k, v = (_regions.tag(torch.randn(2, 1, seq, 4), heads) for _ in range(2))
+        keys, values = _run(lambda a, b: layer.update(a, b), k, v)
+        assert _run(lambda: layer.get_seq_length()) == keys.shape[2]
+    assert keys.shape == (2, 1, 6, 4)
+    assert _regions.split_of(layer.keys) == _regions.split_of(layer.values) == heads
+    assert torch.equal(layer.keys[:, :, 5:], k)
+    assert gathered == []
+
+
 def test_untagged_code_is_untouched():
     x = torch.randn(3, 4)
     out = _run(lambda t: (t @ t.T).softmax(-1), x)
