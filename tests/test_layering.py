@@ -274,9 +274,7 @@ def test_cycles_finds_mutual_and_longer_loops():
 
 
 # Import cycles tolerated for now, each with why; each must still exist (so it goes away with the fix).
-KNOWN_CYCLES: dict[tuple[str, ...], str] = {
-    ("sharded_tensor._model.guard", "sharded_tensor._model.sharder"): "the parameter record lives in sharder",
-}
+KNOWN_CYCLES: dict[tuple[str, ...], str] = {}
 
 
 def test_no_import_cycles():

@@ -26,7 +26,8 @@ from sharding import EnumerableShardingSpec, RemoteDevice, ShardMetadata
 
 from .._model import guard as _guard
 from .._model.parallel import classify
-from .._model.sharder import ShardedParameter, _load_hook, _state_dict_hook, sharded_parameters
+from .._model.record import ShardedParameter, sharded_parameters
+from .._model.sharder import _load_hook, _state_dict_hook
 from .plan import FlatParam, partition, plan_unit, shard_spec
 from .unit import Unit, unit_of
 

@@ -29,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
-    from .sharder import ShardedParameter
+    from .record import ShardedParameter
 
 __all__ = ["remember", "retire", "layout_of", "check_optimizer"]
 

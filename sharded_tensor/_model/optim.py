@@ -26,7 +26,7 @@ from torch import nn
 from _shardkit import comm as _comm
 
 from .._tensor import ShardedTensor
-from .sharder import ShardedParameter, sharded_parameters
+from .record import ShardedParameter, sharded_parameters
 
 __all__ = ["optim_state_dict", "load_optim_state_dict"]
 

@@ -56,94 +56,12 @@ from . import guard as _guard
 from . import parallel as _parallel
 from .init import LayoutInvariantInit
 from .parallel import ParamLayout, Plan
+from .record import ShardedParameter, assemble, sharded_parameters
 
-__all__ = ["shard_parameter", "shard_model", "sharded_parameters", "ShardedParameter"]
+__all__ = ["shard_parameter", "shard_model"]
 
 _TENSOR_SPECS = (DevicePlacement, SingleSplitShardingSpec, MeshShardingSpec, EnumerableShardingSpec)
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-
-@dataclass(frozen=True)
-class ShardedParameter:
-    """What a module remembers about one of its sharded parameters."""
-
-    layout: ParamLayout
-    spec: PlacementSpec
-    group: _comm.ProcessGroup
-    compute_dim: int | None = None
-
-    @property
-    def metadata(self) -> ShardedTensorMetadata:
-        return self.layout.metadata
-
-    def box(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(offsets, sizes)`` of ``rank``'s local tensor in the global tensor."""
-        box = self.layout.boxes[rank]
-        if box is not None:
-            return box
-        shape = self.layout.local_shape(rank, self.compute_dim)
-        return ((0,) * len(shape), shape)
-
-    def wrap(self, local: torch.Tensor, rank: int) -> ShardedTensor:
-        """A ShardedTensor whose local shards are views of ``local`` (no copy, no communication)."""
-        offsets, _ = self.box(rank)
-        tensors = {}
-        for i, shard in self.metadata.shards_on(rank):
-            if self.layout.boxes[rank] is None:
-                tensors[i] = local[box_slices(shard.region, offsets)]
-                continue
-            where = self.layout.local_region(rank, shard.region)
-            whole = where == ((0,) * local.dim(), tuple(local.shape))
-            tensors[i] = local if whole else local[box_slices(where, (0,) * local.dim())]
-        metadata = self.metadata
-        if local.dtype != metadata.dtype:  # e.g. model.double() after sharding
-            metadata = ShardedTensorMetadata(metadata.shards, metadata.size, local.dtype)
-        return ShardedTensor._make(tensors, metadata, self.spec, rank=rank, group=self.group)
-
-    def local_from(self, value: object, key: str, rank: int) -> torch.Tensor:
-        """This rank's block of ``value`` (a ShardedTensor in any layout, or the full tensor)."""
-        shape = self.layout.global_shape
-        offsets, sizes = self.box(rank)
-        if isinstance(value, ShardedTensor):
-            if tuple(value.shape) != shape:
-                msg = (f"size mismatch for {key}: the ShardedTensor has shape {tuple(value.shape)}, the model's "
-                       f"parameter has {shape}.")
-                raise ValueError(msg)
-            source = value.sharding_metadata()
-            if source.shards == self.metadata.shards:
-                pieces = value._local_by_index()
-            else:
-                target = ShardedTensorMetadata(self.metadata.shards, shape, source.dtype)
-                pieces = redistribute(value._local_by_index(), source, target, rank=rank, group=self.group)
-            return _assemble(pieces, self.layout, rank, sizes, source.dtype)
-        if isinstance(value, torch.Tensor):
-            if tuple(value.shape) != shape:
-                msg = (f"size mismatch for {key}: got a tensor of shape {tuple(value.shape)}; this sharded "
-                       f"parameter takes the full tensor of shape {shape} or a ShardedTensor.")
-                raise ValueError(msg)
-            if self.layout.boxes[rank] is None:
-                return value[box_slices((offsets, sizes), (0,) * len(shape))]
-            return self.layout.local_of(rank, value)
-        msg = f"{key}: expected a ShardedTensor or a torch.Tensor, got {type(value).__name__}."
-        raise ValueError(msg)
-
-
-def _assemble(pieces: Mapping[int, torch.Tensor], layout: ParamLayout, rank: int,
-              sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``rank``'s local tensor from its shards (keyed by index in the layout's metadata)."""
-    mine = layout.metadata.shards_on(rank)
-    if len(mine) == 1 and layout.boxes[rank] is not None and tuple(mine[0][1].dims) == tuple(sizes):
-        return pieces[mine[0][0]]
-    device = mine[0][1].device.device if mine else torch.device("cpu")
-    out = torch.empty(sizes, dtype=dtype, device=device)
-    for i, shard in mine:
-        out[box_slices(layout.local_region(rank, shard.region), (0,) * len(sizes))] = pieces[i]
-    return out
-
-
-def sharded_parameters(module: nn.Module) -> dict[str, ShardedParameter]:
-    """The sharded parameters of ``module`` itself (not its children), by attribute name."""
-    return dict(module.__dict__.get("_shardkit_params", {}))
 
 
 # -- collecting what is to be sharded -------------------------------------------------------------
@@ -699,7 +617,7 @@ def _new_param(entry: _Entry, rank: int, group: _comm.ProcessGroup, src_rank: in
         target = layout.metadata if layout is not None else _full_metadata(shape, dtype, range(world))
         pieces = _from_src(param if rank == src_rank else None, shape, dtype, target, src_rank, rank, group)  # type: ignore[arg-type]
         if layout is not None:
-            local = _assemble(pieces, layout, rank, sizes, dtype)
+            local = assemble(pieces, layout, rank, sizes, dtype)
         else:
             local = pieces[rank].to(device)
     return nn.Parameter(local, requires_grad=param.requires_grad)

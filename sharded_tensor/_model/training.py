@@ -34,7 +34,7 @@ from sharding.layout import Box
 
 from . import guard as _guard
 from .optim import load_optim_state_dict, optim_state_dict
-from .sharder import ShardedParameter, sharded_parameters
+from .record import ShardedParameter, sharded_parameters
 
 __all__ = ["clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads"]
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from sharded_tensor._model.sharder import sharded_parameters
+from sharded_tensor._model.record import sharded_parameters
 
 __all__ = ["full_grads", "full_mismatches", "full_params", "gathered_grads", "local_grad_mismatches",
            "relative_errors"]

@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 
 import sharded_tensor as st  # noqa: E402
 from sharded_tensor._model.experts import combine_bytes  # noqa: E402
-from sharded_tensor._model.sharder import sharded_parameters  # noqa: E402
+from sharded_tensor._model.record import sharded_parameters  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
 from tests.distributed._grads import gathered_grads, relative_errors  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402

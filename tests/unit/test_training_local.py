@@ -104,7 +104,7 @@ def test_set_state_dict_names_missing_entries():
 
 def _layout(shards: list[tuple[tuple[int, int], tuple[int, int], int]], size: tuple[int, int]):  # noqa: ANN202
     from sharded_tensor._model.parallel import classify
-    from sharded_tensor._model.sharder import ShardedParameter
+    from sharded_tensor._model.record import ShardedParameter
     from sharding import EnumerableShardingSpec, ShardMetadata
 
     spec = EnumerableShardingSpec([ShardMetadata(o, d, f"rank:{r}/cpu") for o, d, r in shards])
