@@ -91,7 +91,7 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
     without anonymous mappings, ``SHARDKIT_PLAIN_MEMORY=1``) this is ``torch.empty``. ``populate=False`` leaves a new
     mapping's pages to be faulted in by the first write: cheaper when that write is the
     kernel's (a file read straight into the tensor), where committing first would touch
-    every page twice; such a mapping asks for transparent huge pages, so the faults are few.
+    every page twice.
     """
     shape = tuple(shape)
     device = torch.device(device)
@@ -105,8 +105,6 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
             buffer = mmap.mmap(-1, nbytes, flags=_FLAGS if populate else _FLAGS & ~getattr(mmap, "MAP_POPULATE", 0))
         except (OSError, ValueError):
             return torch.empty(shape, dtype=dtype, device=device)
-        if not populate:
-            _advise_huge_pages(buffer)
     # The storage holds this memoryview for as long as any tensor uses the memory; its end
     # hands the mapping back. The result is set on the storage rather than viewed from the
     # bytes, so it is not a view of another tensor and sole_owner can tell when nothing else
@@ -120,21 +118,6 @@ def empty_for_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.devic
     weakref.finalize(exported, _release_mapping, address).atexit = False
     # The stubs lack set_(source, offset, size) (contiguous strides), which torch has.
     return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload,no-any-return]
-
-
-def _advise_huge_pages(buffer: mmap.mmap) -> None:
-    """Ask for transparent huge pages on a mapping whose pages the first write will fault in.
-
-    A file read into fresh memory pays one page fault per 4 KiB page; with 2 MiB pages it pays
-    one per 512 of them, which made reading a page-cached file into a new mapping about 2.8x
-    faster (docs/benchmarks-history.md, "hf_tp"). Where the kernel does not offer huge pages
-    (or only under ``enabled=never``) the advice is refused or ignored and nothing changes.
-    """
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return
-    with contextlib.suppress(OSError):
-        buffer.madvise(advice)
 
 
 def _reuse(nbytes: int) -> mmap.mmap | None:

@@ -42,8 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# After the repository root: scripts/bench/checkpoint.py must not shadow the package.
-sys.path.append(str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 from _harness import (  # noqa: E402
     ROOT,
     MiB,
