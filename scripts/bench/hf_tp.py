@@ -11,7 +11,9 @@ rotated from one repetition to the next:
 - **transformers_tp**: ``LlamaForCausalLM.from_pretrained(folder,
   distributed_config=DistributedConfig(tp_size=2))``, transformers 5's form of
   ``tp_plan="auto"`` (its plan also splits the embedding and ``lm_head``);
-- **from_pretrained**: plain ``from_pretrained(folder)`` on every rank (the whole model each).
+- **from_pretrained**: plain ``from_pretrained(folder)`` on every rank (the whole model each);
+- **shardkit_mmap** (with ``--mmap``): shardkit with ``checkpoint.load(model.state_dict(keep_vars=True),
+  folder, mmap=True)``: blocks contiguous in a file map its pages, as transformers' do.
 
 Time runs from the model's construction until every rank holds its weights (slowest rank);
 memory is each rank's peak RSS growth over the same span against the bytes of the parameters
@@ -28,6 +30,7 @@ of gradients and optimizer state per rank and side).
 
     python scripts/bench/hf_tp.py                   # 2 GiB, 3 repetitions, 6 steps
     python scripts/bench/hf_tp.py --small           # ~100 MiB, 2 repetitions, 4 steps
+    python scripts/bench/hf_tp.py --mmap --skip-step  # the loads, with shardkit's mapped load too
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
+# After the repository root: scripts/bench/checkpoint.py must not shadow the package.
+sys.path.append(str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     ROOT,
     MiB,
@@ -81,7 +85,7 @@ def _write_folder(root: Path, small: bool) -> Path:
     return folder
 
 
-def _shardkit_model(folder: Path, world: int) -> Any:
+def _shardkit_model(folder: Path, world: int, mmap: bool = False) -> Any:
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
@@ -90,7 +94,10 @@ def _shardkit_model(folder: Path, world: int) -> Any:
     with torch.device("meta"):
         model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))
     st.shard_model(model, st.tensor_parallel_spec(model, list(range(world))), init=False)
-    checkpoint.load(model.state_dict(), folder)
+    if mmap:  # the parameters themselves, so they can map the files' pages
+        checkpoint.load(model.state_dict(keep_vars=True), folder, mmap=True)
+    else:
+        checkpoint.load(model.state_dict(), folder)
     return model
 
 
@@ -105,8 +112,8 @@ def _transformers_model(folder: Path, world: int, parallel: bool) -> Any:
 
 
 def _load(way: str, folder: Path, world: int) -> Any:
-    if way == "shardkit":
-        return _shardkit_model(folder, world)
+    if way in ("shardkit", "shardkit_mmap"):
+        return _shardkit_model(folder, world, mmap=way == "shardkit_mmap")
     return _transformers_model(folder, world, parallel=way == "transformers_tp")
 
 
@@ -209,6 +216,8 @@ def main() -> None:
                         help="the model of the training step: the ~100 MiB one, or the loaded one")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--mmap", action="store_true",
+                        help="also load with checkpoint.load(..., mmap=True), transformers' way of not copying")
     parser.add_argument("--skip-load", action="store_true", help="only the training step")
     parser.add_argument("--skip-step", action="store_true", help="only the loads")
     args = parser.parse_args()
@@ -222,13 +231,14 @@ def main() -> None:
         report["folder_mib"] = round(sum(f.stat().st_size for f in files) / MiB)
         report["files"] = len(files)
         if not args.skip_load:
-            runs: dict[str, list[list[dict[str, Any]]]] = {w: [] for w in WAYS}
+            ways = (*WAYS, "shardkit_mmap") if args.mmap else WAYS
+            runs: dict[str, list[list[dict[str, Any]]]] = {w: [] for w in ways}
             for rep in range(repeat):
-                for way in WAYS[rep % len(WAYS):] + WAYS[:rep % len(WAYS)]:  # rotate the order
+                for way in ways[rep % len(ways):] + ways[:rep % len(ways)]:  # rotate the order
                     runs[way].append(run_fresh(_load_rank, world, way, str(folder), what=way))
             reference = torch.tensor(runs["shardkit"][0][0]["logits"])
             loads: dict[str, Any] = {}
-            for way in WAYS:
+            for way in ways:
                 walls = [run[0]["seconds"] for run in runs[way]]
                 touched = [run[0]["seconds_touched"] for run in runs[way]]
                 peaks = [max(run[i]["peak_growth"] for run in runs[way]) for i in range(world)]
@@ -253,6 +263,12 @@ def main() -> None:
             loads["time_with_first_touch_shardkit_over_transformers_tp"] = _median_range(
                 [s[0]["seconds_touched"] / t[0]["seconds_touched"]
                  for s, t in zip(runs["shardkit"], runs["transformers_tp"])])
+            if args.mmap:
+                loads["time_shardkit_mmap_over_transformers_tp"] = _median_range(
+                    [s[0]["seconds"] / t[0]["seconds"] for s, t in zip(runs["shardkit_mmap"], runs["transformers_tp"])])
+                loads["time_with_first_touch_shardkit_mmap_over_transformers_tp"] = _median_range(
+                    [s[0]["seconds_touched"] / t[0]["seconds_touched"]
+                     for s, t in zip(runs["shardkit_mmap"], runs["transformers_tp"])])
             loads["repetitions"] = repeat
             report["load"] = loads
             report["load_goals"] = {
