@@ -224,8 +224,8 @@ class PendingExchange:
         raise _fail(self._what, exc, self._started, self._timeout, sorted(ranks)) from exc
 
     def _finish(self, works: list[tuple[int | None, Any]]) -> None:
-        liveness = _watchdog() if self._bounded else None
-        if liveness is None or not works:
+        liveness = _watchdog() if self._bounded and works else None
+        if liveness is None:
             self._wait_each(works, self._note)
             return
         # A Gloo send or receive can be waited on only by blocking: a pool thread does that,
@@ -601,12 +601,17 @@ def _gone_ranks(group: ProcessGroup, settle: float) -> list[int]:
         time.sleep(0.02)
 
 
-def _check_alive(step: str, group: ProcessGroup, limit: float) -> None:
-    """Raise ``CollectiveError`` at once when a rank of ``group`` is already known to be gone."""
-    liveness = _watchdog()
+def _check_alive(step: str, group: ProcessGroup, limit: float, liveness: _liveness.Liveness | None = None,
+                 members: list[int] | None = None) -> None:
+    """Raise ``CollectiveError`` at once when a rank of ``group`` is already known to be gone.
+
+    ``liveness`` and ``members``: ``_watchdog()`` and ``_members(group)`` when the caller has them.
+    """
+    if liveness is None:
+        liveness = _watchdog()
     if liveness is None:
         return
-    gone = liveness.gone(_members(group))
+    gone = liveness.gone(_members(group) if members is None else members)
     if gone:
         raise _fail(step, _liveness.PeerGone(gone), time.monotonic(), limit, gone)
 
@@ -708,7 +713,10 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
          marked: bool = True) -> None:
     """Post a group-wide collective with ``post()`` and wait for it, within the timeout. Collective."""
     limit = resolve_timeout(timeout)
-    _check_alive(step, group, limit)
+    # Looked up once per call (each costs a lock or a walk of torch's group tables).
+    liveness = _watchdog()
+    members = _members(group) if liveness is not None else []
+    _check_alive(step, group, limit, liveness, members)
     if marked:
         _begin(step)
     count = _arrivals.arrive(group) if marked else None
@@ -716,12 +724,11 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
     try:
         work = post()
         cpu = default_device(group).type == "cpu"
-        liveness = _watchdog() if cpu else None
-        future = _future(work) if liveness is not None else None
-        if future is not None:
+        future = _future(work) if liveness is not None and cpu else None
+        if future is not None and not future.done():
             done = threading.Event()
             future.add_done_callback(lambda _: done.set())
-            _liveness.wait_until(future.done, done, started + limit, liveness, _members(group))
+            _liveness.wait_until(future.done, done, started + limit, liveness, members)
         _wait_work(work, started + limit, cpu)
     except _liveness.PeerGone as gone:
         raise _fail(step, gone, started, limit, gone.ranks) from None
@@ -752,6 +759,11 @@ def _gather_lengths(n: int, group: ProcessGroup, timeout: float | None, what: st
     return [int(x) for x in lengths]
 
 
+# Bytes of each rank's slot in the first round of ``all_gather_json``: an 8-byte length, then
+# the payload's start. Agreement reports (an error or a small value) fit, so they take one round.
+_SLOT_BYTES = 1024
+
+
 def all_gather_json(value: object, group: ProcessGroup = None, *, timeout: float | None = None,
                     what: str = "all_gather") -> list[Any]:
     """Every rank's JSON-serializable ``value``, in group rank order. Collective.
@@ -759,19 +771,38 @@ def all_gather_json(value: object, group: ProcessGroup = None, *, timeout: float
     JSON rather than pickle: what one rank sends is only ever parsed as data. A rank that does
     not arrive within ``timeout`` seconds (see ``resolve_timeout``), or died, makes it raise
     ``CollectiveError`` naming ``what`` and the ranks that never arrived.
+
+    One all-gather of fixed-size slots (the length and the first bytes of every payload) when
+    every payload fits (``_SLOT_BYTES``); a second one, of the longest remainder, otherwise.
+    Every rank learns every length in the first, so all take the second alike.
     """
     if not _initialized():
         return [json.loads(json.dumps(value))]
     limit = resolve_timeout(timeout)
-    payload = _encode_json(value, default_device(group))
-    lengths = _gather_lengths(payload.numel(), group, limit, what)
-    longest = max(lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
-    padded[: payload.numel()] = payload
-    gathered = [torch.empty_like(padded) for _ in lengths]
-    _run(what, group, limit, lambda: dist.all_gather(gathered, padded, group=group, async_op=True), marked=False)
-    _record("all_gather", 8 + longest)
-    return _decode_json(gathered, lengths)
+    device = default_device(group)
+    data = json.dumps(value).encode()
+    room = _SLOT_BYTES - 8
+    slot = bytearray(_SLOT_BYTES)
+    slot[:8] = len(data).to_bytes(8, "little")
+    slot[8:8 + min(len(data), room)] = data[:room]
+    mine = torch.frombuffer(slot, dtype=torch.uint8).to(device)
+    slots = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    _run(what, group, limit, lambda: dist.all_gather(slots, mine, group=group, async_op=True))
+    _record("all_gather", _SLOT_BYTES)
+    firsts = [bytes(s.cpu().numpy()) for s in slots]
+    lengths = [int.from_bytes(f[:8], "little") for f in firsts]
+    payloads = [f[8:8 + min(n, room)] for f, n in zip(firsts, lengths)]
+    longest = max(lengths) - room
+    if longest > 0:
+        rest = torch.zeros(longest, dtype=torch.uint8, device=device)
+        tail = data[room:]
+        if tail:
+            rest[:len(tail)] = torch.frombuffer(bytearray(tail), dtype=torch.uint8).to(device)
+        gathered = [torch.empty_like(rest) for _ in lengths]
+        _run(what, group, limit, lambda: dist.all_gather(gathered, rest, group=group, async_op=True), marked=False)
+        _record("all_gather", longest)
+        payloads = [p + bytes(g[:max(n - room, 0)].cpu().numpy()) for p, g, n in zip(payloads, gathered, lengths)]
+    return [json.loads(p.decode()) for p in payloads]
 
 
 def broadcast_int(value: int, src: int = 0, group: ProcessGroup = None, *, timeout: float | None = None,

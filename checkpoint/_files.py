@@ -287,9 +287,10 @@ class _FileSource(Source):
              mmap: bool = False) -> None:
         tasks: list[_Task] = []
         for block in blocks:
-            planned = _plan_block(block, self._folder)
-            self._checks.check(block.name, block.entry, [t.shard for t in planned])
-            tasks.extend(planned)
+            tasks.extend(_plan_block(block, self._folder))
+        # All regions at once: each data file's header is then read and parsed once per load,
+        # not once per tensor that has regions in it.
+        self._checks.check_all((t.name, t.entry, t.shard) for t in tasks)
         tasks.sort(key=lambda t: (t.path, t.shard.byte_range[0]))
         with progress(sum(t.nbytes for t in tasks), "load", rank=rank, quiet=quiet) as bar:
             scratch = memoryview(bytearray(_SCRATCH_BYTES))
@@ -346,15 +347,21 @@ class _FileChecks:
         self._done: set[tuple[str, str]] = set()
 
     def check(self, name: str, entry: TensorEntry, shards: Any) -> None:
+        self.check_all((name, entry, shard) for shard in shards)
+
+    def check_all(self, regions: Iterable[tuple[str, TensorEntry, SavedShard]]) -> None:
+        """Check the files of ``(tensor, entry, saved region)`` triples: one header read per file."""
         if not self._enabled:  # Hugging Face files: their metadata comes from these very headers
             return
         by_file: dict[str, list[tuple[str, SavedShard, torch.dtype]]] = {}
-        for shard in shards:
+        for name, entry, shard in regions:
             if (shard.file, shard.key) not in self._done:
                 by_file.setdefault(shard.file, []).append((name, shard, entry.dtype))
-        for file, regions in by_file.items():
-            self._reader.check_data_file(member(self._root, file), self._metadata.files[file], regions)
-            self._done.update((file, shard.key) for _, shard, _ in regions)
+        for file, found in by_file.items():
+            # A file's size is reported for the first tensor that needs it, as when read one by one.
+            self._reader.check_data_file(member(self._root, file), self._metadata.files[file], found,
+                                         tensors=found[0][0])
+            self._done.update((file, shard.key) for _, shard, _ in found)
 
 
 def _verify_files(reader: DataReader, root: str, metadata: CheckpointMetadata, quiet: bool | None) -> list[str]:

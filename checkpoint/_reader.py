@@ -308,16 +308,18 @@ class DataReader:
         length = header_length(self.read(path, 0, 8, tensors=tensors), size, file=path)
         return parse_header(self.read(path, 8, 8 + length, tensors=tensors), file=path), 8 + length, size
 
-    def check_data_file(self, path: str, expected: int, regions: Sequence[tuple[str, SavedShard, torch.dtype]]
-                        ) -> None:
+    def check_data_file(self, path: str, expected: int, regions: Sequence[tuple[str, SavedShard, torch.dtype]],
+                        *, tensors: Tensors = None) -> None:
         """Check a shardkit data file before reading from it: its size is the ``expected`` one, and its
         safetensors header describes each of ``regions`` (``(tensor, shard, dtype)``) as the metadata does.
 
         So a relabelled dtype or shape, or sizes the file does not have, are refused before any
-        allocation or copy (``CheckpointError`` naming the file and the tensor).
+        allocation or copy (``CheckpointError`` naming the file and the tensor: ``tensors``, else
+        every tensor of ``regions``).
         """
-        names = sorted({name for name, _, _ in regions})
-        tensors: Tensors = names[0] if len(names) == 1 else names
+        if tensors is None:
+            names = sorted({name for name, _, _ in regions})
+            tensors = names[0] if len(names) == 1 else names
         self.check_size(path, expected, tensors=tensors)
         header, data_start, _ = self.read_header(path, tensors=tensors)
         for name, shard, dtype in regions:

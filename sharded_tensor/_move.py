@@ -44,7 +44,7 @@ def move(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: Sharde
     extra memory is this rank's staging buffers (only for blocks that are not contiguous on
     their side), never the whole tensor.
     """
-    plan = plan_reshard(src, dst, rank)
+    plan = _plan_for(src, dst, rank)
     kept, spans = _blocks_to_keep(plan, local, src, dst) if reuse else ({}, {})
     out = {i: kept[i] if i in kept else empty_for_fill(shard.dims, dst.dtype, shard.device.device)
            for i, shard in dst.shards_on(rank)}
@@ -69,8 +69,9 @@ def move(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: Sharde
         if not progressive:
             for peer, views in packs:
                 sends[peer] = staging.pack(views)
-        pending = _comm.start_exchange(sends, recvs, group)
-        if progressive:
+        # No message in the plan (e.g. replicate -> split): no communication at all.
+        pending = _comm.start_exchange(sends, recvs, group) if plan.sends or plan.recvs else None
+        if pending is not None and progressive:
             for peer, views in packs:
                 message = staging.take(views)
                 for ready in _pack(message, views):
@@ -79,7 +80,8 @@ def move(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: Sharde
         for p in plan.copies:
             if p.dst_shard not in kept:
                 dst_view(p).copy_(src_view(p))
-        pending.wait()
+        if pending is not None:
+            pending.wait()
         for peer, views in unpacks:
             _unpack(recvs[peer], views)
         for first, other in plan.duplicates:
@@ -88,6 +90,25 @@ def move(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: Sharde
     for index, keep in spans.items():
         release_outside(local[index].untyped_storage(), keep)
     return out
+
+
+# Recent plans by (source layout, destination layout, rank): a training loop reshards between
+# the same layouts every step, and planning is most of the cost of a reshard that moves little
+# (replicate -> split moves nothing). Layouts are frozen values, compared by value; plans are
+# only read by ``move``.
+_PLANS: dict[tuple[ShardedTensorMetadata, ShardedTensorMetadata, int], ReshardPlan] = {}
+_PLANS_KEPT = 16
+
+
+def _plan_for(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: int) -> ReshardPlan:
+    key = (src, dst, rank)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = plan_reshard(src, dst, rank)
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
+        _PLANS[key] = plan
+    return plan
 
 
 def _blocks_to_keep(plan: ReshardPlan, local: dict[int, torch.Tensor], src: ShardedTensorMetadata,

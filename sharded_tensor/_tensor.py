@@ -490,7 +490,25 @@ def _build(spec: PlacementSpec, size: Sequence[int], dtype: torch.dtype | None,
         msg = (f"sharding_spec must be a SingleSplitShardingSpec, MeshShardingSpec, DevicePlacement or "
                f"EnumerableShardingSpec, got {type(spec).__name__} {spec!r}.")
         raise TypeError(msg)
-    return spec.build_metadata(tuple(size), dtype, names, world_size=world)
+    dtype = dtype if dtype is not None else torch.get_default_dtype()  # the default may change between calls
+    key = (spec, tuple(size), dtype, None if names is None else tuple(names), world)
+    try:
+        built = _BUILT.get(key)
+    except TypeError:  # a spec holding something unhashable: build it every time
+        return spec.build_metadata(tuple(size), dtype, names, world_size=world)
+    if built is None:
+        built = spec.build_metadata(tuple(size), dtype, names, world_size=world)
+        if len(_BUILT) >= _BUILT_KEPT:
+            _BUILT.pop(next(iter(_BUILT)), None)  # the oldest
+        _BUILT[key] = built
+    return built
+
+
+# Recent layouts by (spec, size, dtype, names, world): specs and layouts are frozen values, and
+# a loop that reshards every step asks for the same few again and again. Only layouts that
+# built (passed every check) are kept.
+_BUILT: dict[tuple[Any, ...], ShardedTensorMetadata] = {}
+_BUILT_KEPT = 64
 
 
 torch.serialization.add_safe_globals([_rebuild_sharded_tensor])

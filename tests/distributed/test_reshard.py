@@ -9,6 +9,7 @@ report already names the failing case.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -155,23 +156,38 @@ NAMED = [
 ]
 
 
-def _named(rank: int, world: int) -> list[int]:
+# Agreement payloads on either side of all_gather_json's one-round slot (1016 bytes of JSON).
+def _payload(rank: int) -> object:
+    return ["é" * 30, "x" * (5 + 1100 * (rank % 2)), rank, {"r": rank}] if rank != 3 else "y" * 1010
+
+
+def _named(rank: int, world: int) -> dict[str, object]:
+    from _shardkit import comm
+
+    gathered = comm.all_gather_json(_payload(rank))
     sent = []
     for i, (_, src, dst, _) in enumerate(NAMED):
         x = _tensor((8, 12), torch.float32, seed=i)
         t = st.shard_tensor(x, src)
-        with st.CommCounter() as comm:
+        with st.CommCounter() as counter:
             t.reshard(dst)
         for s in t.local_shards():
             assert torch.equal(s.tensor, _region(x, s.metadata)), (NAMED[i][0], s.metadata)
-        sent.append(comm.bytes_sent)
-    return sent
+        sent.append(counter.bytes_sent)
+    # The same again on an agreement that fits in one round, after the reshards.
+    short = comm.all_gather_json({"rank": rank})
+    return {"sent": sent, "gathered": gathered, "short": short}
 
 
 def test_named_transitions_send_the_minimum():
     results = run_distributed(_named, 4)
     for i, (name, _, _, expected) in enumerate(NAMED):
-        assert sum(r[i] for r in results) == expected, name
+        assert sum(r["sent"][i] for r in results) == expected, name
+    # Every rank learns every rank's JSON value, short or longer than the first round's slot.
+    want = [json.loads(json.dumps(_payload(r))) for r in range(4)]
+    for r in results:
+        assert r["gathered"] == want
+        assert r["short"] == [{"rank": q} for q in range(4)]
 
 
 def _resident_bytes(storage: torch.UntypedStorage) -> int:
