@@ -761,7 +761,7 @@ def _gather_lengths(n: int, group: ProcessGroup, timeout: float | None, what: st
 
 # Bytes of each rank's slot in the first round of ``all_gather_json``: an 8-byte length, then
 # the payload's start. Agreement reports (an error or a small value) fit, so they take one round.
-_SLOT_BYTES = 1024
+_SLOT_BYTES = 512
 
 
 def all_gather_json(value: object, group: ProcessGroup = None, *, timeout: float | None = None,

@@ -156,7 +156,7 @@ NAMED = [
 ]
 
 
-# Agreement payloads on either side of all_gather_json's one-round slot (1016 bytes of JSON).
+# Agreement payloads on either side of all_gather_json's one-round slot (504 bytes of JSON).
 def _payload(rank: int) -> object:
     return ["é" * 30, "x" * (5 + 1100 * (rank % 2)), rank, {"r": rank}] if rank != 3 else "y" * 1010
 
