@@ -172,7 +172,18 @@ def tensor_parallel_spec(model: nn.Module, ranks: Sequence[str | RemoteDevice | 
                    f"shardkit does not map; known styles: {sorted(_STYLES)}. Write that entry by hand.")
             raise ValueError(msg)
         parts.update(_entries(key, style, factor if style.packed else 1, placements, modules, params))
+    unmatched = [key for key in plan if not _matches_any(key, modules, params)]
+    if unmatched and len(unmatched) == len(plan):  # a plan for another model, not a variant of this one
+        msg = (f"the tensor-parallel plan names {unmatched[0]!r}, which matches no module or parameter of the "
+               f"model, and none of its other entries match either: it is not a plan for "
+               f"{type(model).__name__}.")
+        raise ValueError(msg)
     return CompositeShardingSpec(parts)
+
+
+def _matches_any(key: str, modules: Mapping[str, nn.Module], params: Mapping[str, nn.Parameter]) -> bool:
+    pattern = key.split(".")
+    return any(_exact(pattern, n) for n in (*modules, *params))
 
 
 def _placements(ranks: Sequence[str | RemoteDevice | DevicePlacement | int]) -> list[DevicePlacement]:
@@ -288,7 +299,8 @@ def _entries(key: str, style: _Style, packed: int, placements: list[DevicePlacem
     if not matched:
         # A model's plan covers every variant of its architecture (Qwen2-MoE's plan names the
         # dense MLP that only layers listed in mlp_only_layers have): what this model lacks is
-        # skipped, as from_pretrained(tp_plan="auto") skips it.
+        # skipped, as from_pretrained(tp_plan="auto") skips it (a plan matching nothing at all
+        # is refused by the caller).
         return {}
     name, module = matched[0]
     own = dict(module.named_parameters(recurse=False))

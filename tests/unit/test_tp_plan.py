@@ -157,6 +157,9 @@ def test_unknown_styles_and_bad_ranks_are_refused():
     model.config.base_model_tp_plan = {"layers.*.mlp.nothing": "colwise"}
     with pytest.raises(ValueError, match=r"names 'model.layers.\*.mlp.nothing', which matches no module"):
         st.tensor_parallel_spec(model, R2)
+    # An entry for a variant of the architecture this model lacks is skipped, as from_pretrained does.
+    model.config.base_model_tp_plan = {"layers.*.mlp.nothing": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    assert list(st.tensor_parallel_spec(model, R2).param_placement) == ["model.layers.*.mlp.down_proj"]
     with pytest.raises(ValueError, match=r"ranks must be a non-empty list"):
         st.tensor_parallel_spec(model, "rank:0/cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"ranks entry 'cpu' has no rank"):
