@@ -128,8 +128,10 @@ def test_collect_memory_is_streamed() -> None:
     assert results[0]["collected"] == n * tensor_bytes
     # interpreter, Gloo bookkeeping, allocator rounding, thread stacks; far below a second copy of the state dict
     slack = 10 << 20
-    # dst: the full state dict plus about one tensor's receive buffers.
-    assert results[0]["growth"] <= n * tensor_bytes + tensor_bytes + slack, results
+    # dst: the full state dict plus at most two tensors' receive buffers (the peer-death watch
+    # waits on each receive from a pool thread, which can release the previous tensor's buffer
+    # just after the next one is posted); a second copy of the state dict would be 8 more.
+    assert results[0]["growth"] <= n * tensor_bytes + 2 * tensor_bytes + slack, results
     # Others: only one tensor's send buffers at a time (a column shard must be packed),
     # never anything of the size of the whole state dict.
     for rank in range(1, WORLD):
