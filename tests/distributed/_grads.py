@@ -31,7 +31,7 @@ def local_grad_mismatches(model: nn.Module, ref: nn.Module, rank: int) -> list[s
     return bad
 
 
-def _full(model: nn.Module, rank: int, grad: bool) -> dict[str, torch.Tensor]:
+def _full(model: nn.Module, rank: int, grad: bool, absent_as_zero: bool = False) -> dict[str, torch.Tensor]:
     # Collective for split parameters: every rank walks the parameters in the same order.
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()  # a tied parameter once, under its first name (as named_parameters does)
@@ -43,6 +43,8 @@ def _full(model: nn.Module, rank: int, grad: bool) -> dict[str, torch.Tensor]:
             seen.add(id(param))
             name = f"{mod_name}.{attr}" if mod_name else attr
             value = param.grad if grad else param.detach()
+            if value is None and absent_as_zero:
+                value = torch.zeros_like(param)
             if value is None:
                 msg = f"{name} has no gradient"
                 raise AssertionError(msg)
@@ -77,15 +79,8 @@ def full_mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Te
 
 
 def gathered_grads(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient (split ones gathered from all ranks; collective)."""
-    out = {}
-    for mod_name, module in model.named_modules():
-        sharded = sharded_parameters(module)
-        for attr, param in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{attr}" if mod_name else attr
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            out[name] = sharded[attr].wrap(grad, rank).full_tensor() if attr in sharded else grad.clone()
-    return out
+    """Like ``full_grads``, with zeros for a parameter that got no gradient (collective)."""
+    return _full(model, rank, grad=True, absent_as_zero=True)
 
 
 def relative_errors(got: dict[str, torch.Tensor], ref: nn.Module) -> dict[str, float]:
