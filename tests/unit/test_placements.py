@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from sharded_tensor._model import regions
+from sharded_tensor._model import regions as _regions
 from sharded_tensor._model.param_layout import classify, split_placement
 from sharding import (
     DevicePlacement,
@@ -84,14 +84,14 @@ def test_packed_coalesces_into_a_split_when_each_rank_holds_adjacent_slices():
 
 def test_engine_tags_are_the_layout_placements_with_a_group():
     group = object()
-    tag = regions.Split(0, ((0, 2), (2, 2)), group)
+    tag = _regions.Split(0, ((0, 2), (2, 2)), group)
     assert isinstance(tag, Split) and tag.group is group
-    assert tag.moved(1) == regions.Split(1, ((0, 2), (2, 2)), group)
-    assert tag.scaled(2, 2, 1) == regions.Split(2, ((0, 4), (4, 4)), group)
+    assert tag.moved(1) == _regions.Split(1, ((0, 2), (2, 2)), group)
+    assert tag.scaled(2, 2, 1) == _regions.Split(2, ((0, 4), (4, 4)), group)
     assert tag != Split(0, ((0, 2), (2, 2)))  # a tag also says which group the ranks belong to
-    assert isinstance(regions.Packed(0, (((0, 1), (2, 1)), ((1, 1), (3, 1)))), Packed)
+    assert isinstance(_regions.Packed(0, (((0, 1), (2, 1)), ((1, 1), (3, 1)))), Packed)
     with pytest.raises(ValueError, match="overlap"):
-        regions.Split(0, ((0, 2), (1, 2)))
+        _regions.Split(0, ((0, 2), (1, 2)))
 
 
 @pytest.mark.parametrize(("spec", "size", "world", "expected"), [
