@@ -77,6 +77,8 @@ if [ -n "$left" ]; then
     echo "$left" >&2
     exit 1
 fi
+# The renamed imports sort differently.
+"${PYTHON:-python}" -m ruff check --quiet --fix --select I sharding _shardkit sharded_tensor checkpoint tests scripts
 PYTHONPATH=. "${PYTHON:-python}" -c "import sharded_tensor, sharded_tensor._model.zones"
 
 git add -A
