@@ -26,8 +26,7 @@ from sharding import EnumerableShardingSpec, RemoteDevice, ShardMetadata
 
 from .._model import guard as _guard
 from .._model.parallel import classify
-from .._model.record import ShardedParameter, sharded_parameters
-from .._model.sharder import _load_hook, _state_dict_hook
+from .._model.record import ShardedParameter, attach, install_hooks, sharded_parameters
 from .plan import FlatParam, partition, plan_unit, shard_spec
 from .unit import Unit, unit_of
 
@@ -275,14 +274,11 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
         shape = tuple(global_shapes[len(local)])
         metadata = spec.build_metadata(shape, param.dtype, world_size=world)
         sp = ShardedParameter(classify(pname, metadata, world), spec, None)
-        _guard.remember(new, sp)
+        attach(new, owners, sp)
         _ours[new] = tp_ranks
         for owner, attr in owners:
             owner._parameters[attr] = new
-            owner.__dict__.setdefault("_shardkit_params", {})[attr] = sp
-            if "_shardkit_hooks" not in owner.__dict__:
-                owner.__dict__["_shardkit_hooks"] = (owner.register_state_dict_post_hook(_state_dict_hook),
-                                                     owner.register_load_state_dict_pre_hook(_load_hook))
+            install_hooks(owner)
         _replaced[param] = label
         local.append(new)
     _guard.retire(((pname, param) for pname, param, _ in params), by="fully_shard")

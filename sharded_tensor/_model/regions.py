@@ -130,15 +130,18 @@ class Packed:
 # A tag lives on the tensor object itself: reading an attribute costs far less per op than a
 # weak dictionary lookup, and it goes away with the tensor just the same.
 _TAG = "_shardkit_split"
-# Local blocks of split parameters -> how to name them in a message. Inside a region, an op
-# that reads one directly (not through its module's registration) would see only this rank's
-# block, so it is refused instead of computing wrong numbers.
-_OWNED = "_shardkit_owned"
+# A sharded parameter carries its record (``record.ShardedParameter``) under this attribute.
+# Inside a region, an op that reads a parameter whose record has a ``label`` directly (not
+# through its module's registration) would see only this rank's block, so it is refused
+# instead of computing wrong numbers.
+RECORD = "_shardkit_record"
+_OWNED = RECORD
 
 
-def own(parameter: torch.Tensor, label: str) -> None:
-    """Mark ``parameter`` as the local block of a split parameter, named ``label`` in messages."""
-    setattr(parameter, _OWNED, label)
+def _split_label(tensor: torch.Tensor) -> str | None:
+    """How messages name ``tensor`` when it is a split parameter only its module may use, else ``None``."""
+    label: str | None = getattr(getattr(tensor, _OWNED, None), "label", None)
+    return label
 
 
 class _State(threading.local):
@@ -932,9 +935,9 @@ class _Propagate(TorchFunctionMode):
         flat = _shallow_tensors(args, kwargs)
         if flat is None:
             flat = tree_flatten((args, kwargs))[0]
-        owned = next((x for x in flat if isinstance(x, torch.Tensor) and hasattr(x, _OWNED)), None)
+        owned = next((x for x in flat if isinstance(x, torch.Tensor) and _split_label(x)), None)
         if owned is not None:
-            msg = (f"parameter {getattr(owned, _OWNED)} is split across ranks, but the model's code uses it directly "
+            msg = (f"parameter {_split_label(owned)} is split across ranks, but the model's code uses it directly "
                    f"in {_describe(func)} instead of calling its module, so that op would see only this rank's block "
                    f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
                    f"its module.")
