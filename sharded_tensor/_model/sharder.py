@@ -2,8 +2,8 @@
 
 After sharding, a parameter is an ordinary ``nn.Parameter`` holding this rank's block of the
 global tensor (so ``model.parameters()`` and any ``torch.optim`` optimizer work unchanged),
-and its module remembers the layout (``_shardkit_params``). Three things follow from that
-layout:
+and it carries its record (``record.ShardedParameter``, also kept by its module). Three
+things follow from that record:
 
 * compute: ``nn.Linear`` / ``nn.Embedding`` get a sharded forward (see ``_parallel``);
   anything else with a split parameter is refused at shard time;

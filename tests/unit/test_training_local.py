@@ -82,7 +82,7 @@ def test_optimizer_created_before_shard_model_fails_at_first_step(meta):
 
 
 def test_optimizer_check_leaves_other_optimizers_alone():
-    st.shard_model(_meta_model(), composite(), seed=0)  # registers the global hook
+    st.shard_model(_meta_model(), composite(), seed=0)  # replaces parameters: the check is armed
     plain = nn.Linear(3, 3)
     optim = torch.optim.SGD(plain.parameters(), lr=0.1)
     plain(torch.ones(1, 3)).sum().backward()
