@@ -981,12 +981,13 @@ class RegionForward:
     def __init__(self, original: Callable[..., Any]) -> None:
         self._original = original
         functools.update_wrapper(self, original)  # inspect.signature(model.forward) keeps working
+        self._ties = _ties(original.__self__)  # type: ignore[attr-defined]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.depth:
             return self._original(*args, **kwargs)
         if torch.compiler.is_compiling():
-            return _traced_region(self._original.__self__, *args, **kwargs)  # type: ignore[attr-defined]
+            return _traced_region(self._original.__self__, self._ties, *args, **kwargs)  # type: ignore[attr-defined]
         with _region():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
@@ -994,15 +995,34 @@ class RegionForward:
         return _gather_outputs(out)
 
 
+def _ties(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Names under which ``module`` holds one parameter or buffer several times (tied embeddings), in order."""
+    names: dict[int, list[str]] = {}
+    held = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, value in held:
+        names.setdefault(id(value), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def _attribute(module: torch.nn.Module, name: str) -> Any:
+    owner, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(owner), attr)
+
+
 @torch._dynamo.nonstrict_trace
-def _traced_region(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _traced_region(module: torch.nn.Module, ties: tuple[tuple[str, ...], ...], *args: Any, **kwargs: Any) -> Any:
     """A region's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
 
     Dynamo does not step into the propagation (its tags and rules are plain Python, decided
     from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
     local ops and the collectives each rule chose, and their backward.
+
+    AOTAutograd swaps each parameter for its traced value under its first name only; a tied
+    parameter's other names (an ``lm_head`` tied to the embedding) would keep the real tensor,
+    a constant without gradient, so they are pointed at the traced value too.
     """
-    with _region():
+    aliases = {alias: _attribute(module, group[0]) for group in ties for alias in group[1:]}
+    with torch.nn.utils.stateless._reparametrize_module(module, aliases), _region():
         out = type(module).forward(module, *args, **kwargs)
     if _STATE.keep_split_outputs:
         return out
