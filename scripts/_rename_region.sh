@@ -57,9 +57,6 @@ done
 # Everywhere else: only the module's name and path, the identifiers it exports, and the alias
 # _regions in the files that import the module under it.
 mapfile -t ALIASED < <(git grep -l -E 'import regions as _regions' -- '*.py')
-if [ "${#ALIASED[@]}" -gt 0 ]; then
-    sed -i -e 's/\b_regions\b/_zones/g' "${ALIASED[@]}"
-fi
 mapfile -t OTHERS < <(git ls-files '*.py' '*.md' '*.sh' '*.toml' '*.cfg' '*.yml' | grep -v '^scripts/_rename_region.sh$')
 sed -i \
     -e 's/_model\.regions\b/_model.zones/g' \
@@ -71,6 +68,9 @@ sed -i \
     -e 's/\bfind_regions\b/find_zones/g' \
     -e 's/\bin_region\b/in_zone/g' \
     "${OTHERS[@]}"
+if [ "${#ALIASED[@]}" -gt 0 ]; then
+    sed -i -e 's/\b_regions\b/_zones/g' "${ALIASED[@]}"
+fi
 # A test's docstring that speaks of the module subtree.
 sed -i -e 's/layer run as a region/layer run as a zone/' tests/distributed/test_extension.py
 
