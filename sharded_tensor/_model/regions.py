@@ -982,11 +982,28 @@ class RegionForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.depth:
             return self._original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return _traced_region(self._original.__self__, *args, **kwargs)  # type: ignore[attr-defined]
         with _region():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
             return out
         return _gather_outputs(out)
+
+
+@torch._dynamo.nonstrict_trace
+def _traced_region(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A region's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
+
+    Dynamo does not step into the propagation (its tags and rules are plain Python, decided
+    from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
+    local ops and the collectives each rule chose, and their backward.
+    """
+    with _region():
+        out = type(module).forward(module, *args, **kwargs)
+    if _STATE.keep_split_outputs:
+        return out
+    return _gather_outputs(out)
 
 
 @contextlib.contextmanager
