@@ -406,8 +406,7 @@ class ShardedLinear(_registry.ShardedModule):
         if plan.bias == "disjoint":
             start, length = plan.bias_intervals[call.rank]  # type: ignore[index]
             y = y + F.pad(bias, (start, module.out_features - start - length))
-        y = call.reduce(y)
-        return y + bias if plan.bias == "replicated" else y
+        return call.pending_sum(y, bias if plan.bias == "replicated" else None)
 
 
 class ShardedEmbedding(_registry.ShardedModule):

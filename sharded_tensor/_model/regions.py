@@ -74,7 +74,8 @@ from _shardkit import comm as _comm
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
-__all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
+__all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "split_of", "tag", "in_region", "shared_copy",
+           "RegionForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
 
 
@@ -127,6 +128,47 @@ class Packed:
         return max((s + n for slices in self.pieces for s, n in slices), default=0)
 
 
+@dataclass(frozen=True)
+class Partial:
+    """A tensor that holds this rank's addend of a logical tensor: the sum over the ranks' tensors.
+
+    A row-parallel projection (``o_proj``, ``down_proj``: input features split) computes one
+    such addend per rank. It stays pending through ops that are linear in it (adding another
+    pending sum, adding a whole tensor once, scaling by a whole tensor, reshaping) until an op
+    needs its values, which sums it with one all-reduce (see ``pending``).
+    """
+
+    group: _comm.ProcessGroup = None
+
+
+@dataclass(frozen=True)
+class Strided:
+    """A split dimension merged with dimensions outside it: ``blocks`` blocks, each split by ``intervals``.
+
+    ``reshape(batch * num_heads, ...)`` of a tensor split on its heads gives one: along ``dim``,
+    block ``b`` covers global positions ``[b * size, (b + 1) * size)`` and rank ``r`` holds
+    ``intervals[r]`` of each block, its blocks laid one after the other locally (see ``strided``).
+    """
+
+    dim: int
+    intervals: Intervals
+    blocks: int
+    group: _comm.ProcessGroup = None
+
+    @property
+    def size(self) -> int:
+        """The global size of one block."""
+        return max((s + n for s, n in self.intervals), default=0)
+
+    def moved(self, dim: int) -> Strided:
+        return Strided(dim, self.intervals, self.blocks, self.group)
+
+
+# Tags beyond Split and Packed, by type: (the rule for an op reading a tensor so tagged, its whole
+# tensor). The modules that give their meaning fill it (``pending``, ``strided``).
+TAG_KINDS: dict[type, tuple[Callable[..., Any], Callable[[torch.Tensor, Any], torch.Tensor]]] = {}
+
+
 # A tag lives on the tensor object itself: reading an attribute costs far less per op than a
 # weak dictionary lookup, and it goes away with the tensor just the same.
 _TAG = "_shardkit_split"
@@ -159,7 +201,7 @@ def split_of(tensor: object) -> Split | None:
     return None
 
 
-def tag(tensor: torch.Tensor, split: Split | Packed) -> torch.Tensor:
+def tag(tensor: torch.Tensor, split: Split | Packed | Partial | Strided) -> torch.Tensor:
     """Mark ``tensor`` as this rank's slice of a logical tensor split as ``split``."""
     setattr(tensor, _TAG, split)
     return tensor
@@ -200,6 +242,9 @@ def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     if isinstance(found, Split):
         return gather(tensor, found.dim, found.intervals, found.group)
+    kind = TAG_KINDS.get(type(found))
+    if kind is not None:
+        return kind[1](tensor, found)
     # Packed: the j-th slices of all ranks are gathered together, then laid side by side.
     counts = {len(slices) for slices in found.pieces}
     if len(counts) != 1:
@@ -942,8 +987,15 @@ class _Propagate(TorchFunctionMode):
         if not any(isinstance(x, torch.Tensor) and hasattr(x, _TAG) for x in flat):
             return func(*args, **kwargs)
         rule = _getter if getter else rules.get(func)
-        if any(isinstance(getattr(x, _TAG, None), Packed) for x in flat if isinstance(x, torch.Tensor)):
-            rule = _split_packed if aten_name(func) in ("split", "chunk") else None
+        for x in flat:
+            found = getattr(x, _TAG, None) if isinstance(x, torch.Tensor) else None
+            if found is None or type(found) is Split:
+                continue
+            if type(found) is Packed:
+                rule = _split_packed if aten_name(func) in ("split", "chunk", "getitem") else None
+            else:
+                rule = TAG_KINDS[type(found)][0]
+            break
         if rule is not None:
             try:
                 return rule(func, args, kwargs)
@@ -980,18 +1032,21 @@ def _region() -> Iterator[None]:
         _STATE.depth -= 1
 
 
-def _gather_outputs(value: Any) -> Any:
+def _gather_outputs(value: Any, pending_only: bool = False) -> Any:
+    """``value`` with its tagged tensors whole (with ``pending_only``, its pending sums only: splits stay)."""
     if isinstance(value, torch.Tensor):
+        if pending_only and not isinstance(getattr(value, _TAG, None), Partial):
+            return value
         return to_replicated(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_gather_outputs(v) for v in value)
+        return tuple(_gather_outputs(v, pending_only) for v in value)
     if isinstance(value, list):
-        return [_gather_outputs(v) for v in value]
+        return [_gather_outputs(v, pending_only) for v in value]
     if isinstance(value, dict) and type(value) is dict:
-        return {k: _gather_outputs(v) for k, v in value.items()}
+        return {k: _gather_outputs(v, pending_only) for k, v in value.items()}
     if isinstance(value, dict):  # e.g. transformers' ModelOutput: update in place, keep the type
         for k, v in list(value.items()):
-            value[k] = _gather_outputs(v)
+            value[k] = _gather_outputs(v, pending_only)
         return value
     return value
 
@@ -1009,7 +1064,7 @@ class RegionForward:
         with _region():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
-            return out
+            return _gather_outputs(out, pending_only=True)
         return _gather_outputs(out)
 
 

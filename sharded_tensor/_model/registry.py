@@ -33,6 +33,7 @@ from torch import nn
 
 from _shardkit import comm as _comm
 
+from . import pending as _pending
 from . import regions as _regions
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 
@@ -155,6 +156,20 @@ class ShardedCall:
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of the partial results ``y``: one all-reduce, replicated after."""
         return reduce_from_ranks(y, self.group)
+
+    def pending_sum(self, y: torch.Tensor, once: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum over ranks of the partial results ``y``, plus ``once`` (whole on every rank, e.g. a bias).
+
+        Inside a region the sum stays pending (each rank keeps its addend, ``once`` added on one
+        rank) until an op needs it whole, so sums that meet first (attention and MLP in parallel)
+        share one all-reduce; outside, it is :meth:`reduce` then ``+ once``.
+        """
+        if not _regions.in_region():
+            y = self.reduce(y)
+            return y if once is None else y + once
+        if once is not None:
+            y = y + _pending.add_once(once, self.group)
+        return _pending.pending(y, self.group)
 
     def gather(self, y: torch.Tensor, dim: int, intervals: Intervals) -> torch.Tensor:
         """Concatenate every rank's slice ``y`` along ``dim``."""

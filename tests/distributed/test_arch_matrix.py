@@ -335,6 +335,9 @@ def _register_falcon_linear() -> None:
 
 
 L2 = 2 * LAYERS  # a layer with attention and an MLP: two row-parallel projections
+# Attention and MLP in parallel: their two row-parallel sums stay pending (Partial), are added to
+# each other and to the residual (added once), and cost one all-reduce per layer together.
+PARALLEL = LAYERS
 ARCHS = [
     Arch("llama", "GQA, RoPE, SwiGLU", "decoders", _llama, _llama_like, L2),
     Arch("llama_eager", "GQA, attention as matmul + softmax (eager)", "decoders", _llama_eager, _llama_like, L2),
@@ -343,7 +346,7 @@ ARCHS = [
     Arch("qwen3", "GQA, qk-norm per head", "decoders", _qwen3, _llama_like, L2),
     Arch("gemma2", "GQA, sliding window, logit soft-capping", "decoders", _gemma2, _llama_like, L2),
     Arch("gemma3", "GQA, qk-norm per head, sliding window", "decoders", _gemma3, _llama_like, L2),
-    Arch("cohere", "GQA, parallel attention+MLP, LayerNorm", "decoders", _cohere, _llama_like, L2),
+    Arch("cohere", "GQA, parallel attention+MLP, LayerNorm", "decoders", _cohere, _llama_like, PARALLEL),
     # The norm across all heads needs one statistic (a sum of squares) summed over the ranks: 2 more
     # all-reduces per layer, for q and for k.
     Arch("olmo2", "GQA, qk-norm across heads", "decoders", _olmo2, _llama_like, 2 * L2),
@@ -354,10 +357,10 @@ ARCHS = [
     Arch("phi3", "fused qkv and gate/up (packed), GQA", "decoders", _phi3, _phi3_spec, L2),
     Arch("gpt_neox", "fused qkv per head, parallel attention+MLP, partial rotary", "others", _gpt_neox,
          lambda r: _tp(r, "gpt_neox.layers", ("attention.query_key_value", "mlp.dense_h_to_4h"),
-                       ("attention.dense", "mlp.dense_4h_to_h")), L2),
+                       ("attention.dense", "mlp.dense_4h_to_h")), PARALLEL),
     Arch("gptj", "parallel attention+MLP, interleaved rotary", "others", _gptj,
          lambda r: _tp(r, "transformer.h", ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"),
-                       ("attn.out_proj", "mlp.fc_out")), L2),
+                       ("attn.out_proj", "mlp.fc_out")), PARALLEL),
     Arch("gpt2", "Conv1D fused qkv (packed), learned positions", "others", _gpt2_model, _gpt2, L2,
          register=_register_conv1d),
     Arch("opt", "learned positions, biases, view to a fixed num_heads", "others", _opt,

@@ -48,6 +48,7 @@ class _Ranks:
         return everyone
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, *, op: str = "sum", **_: Any) -> torch.Tensor:
+        self.local.all_reduces = getattr(self.local, "all_reduces", 0) + 1
         everyone = self._exchange(tensor)
         total = everyone[0].clone()
         for other in everyone[1:]:
@@ -200,3 +201,75 @@ def test_rule_on_slices_equals_op_on_the_whole(case):
         if wshape is not None and ws.grad is not None:
             got_w = weight_grad if weight_grad is not None else torch.zeros_like(ws.grad)
             torch.testing.assert_close(got_w, ws.grad, rtol=1e-9, atol=1e-9, msg=f"weight grad on rank {rank}")
+
+
+# -- pending sums (Partial): each rank holds an addend, the logical tensor is their sum ------------
+
+def _inplace_then_pending(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    q = p * 1.0
+    q += w  # a whole tensor added once, in place
+    q -= p * 0.5  # another pending sum, in place
+    return q
+
+
+PENDING_OPS: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], int]] = {
+    # name: (op(p, w), forward all-reduces: the pending sums that meet add up before one)
+    "add-whole": (lambda p, w: p + w, 1),
+    "whole-minus": (lambda p, w: w - p, 1),
+    "add-number": (lambda p, w: 1.5 + p, 1),
+    "add-pending": (lambda p, w: p + p * 0.5 + w, 1),
+    "torch-add-alpha": (lambda p, w: torch.add(w, p, alpha=2.0), 1),
+    "mul-whole": (lambda p, w: p * w, 1),
+    "div-whole": (lambda p, w: p / (w.abs() + 1.0), 1),
+    "neg-reshape": (lambda p, w: (-p).reshape(-1), 1),
+    "transpose-getitem": (lambda p, w: p.transpose(0, -1)[..., :1], 1),
+    "dropout-nothing": (lambda p, w: F.dropout(p, 0.0, True) + w, 1),
+    "in-place": (_inplace_then_pending, 1),
+    "sum-first": (lambda p, w: torch.tanh(p) * w + p, 1),  # the sum taken once, then used whole
+    "norm": (lambda p, w: w * (p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + 1e-6)), 1),
+    "mean": (lambda p, w: p.mean(-1) + 1.0, 1),
+}
+
+
+@hs.composite
+def _pending_cases(draw: Any) -> dict[str, Any]:
+    ndim = draw(hs.integers(1, 3))
+    return {"name": draw(hs.sampled_from(sorted(PENDING_OPS))), "world": draw(hs.integers(2, 3)),
+            "shape": tuple(draw(hs.integers(1, 4)) for _ in range(ndim)), "seed": draw(hs.integers(0, 2**16))}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(case=_pending_cases())
+def test_pending_sum_on_addends_equals_op_on_the_sum(case):
+    from sharded_tensor._model import pending
+
+    op, all_reduces = PENDING_OPS[case["name"]]
+    gen = torch.Generator().manual_seed(case["seed"])
+    world, shape = case["world"], case["shape"]
+    addends = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(world)]
+    w = torch.randn(shape[-1:], generator=gen, dtype=torch.float64)
+    xs, ws = sum(addends).clone().requires_grad_(), w.clone().requires_grad_()
+    want = op(xs, ws)
+    upstream = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    (want * upstream).sum().backward()
+
+    def rank_fn(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+        local = addends[rank].clone().requires_grad_()
+        weight = w.clone().requires_grad_()
+        with _regions._region():
+            out = _regions.to_replicated(op(pending.pending(local.view_as(local), None), weight))
+        count = ranks.local.all_reduces
+        (out * upstream).sum().backward()
+        return out.detach(), local.grad, weight.grad, count
+
+    with _simulated(world) as ranks:
+        results = ranks.run(rank_fn)
+    for rank, (out, local_grad, weight_grad, count) in enumerate(results):
+        torch.testing.assert_close(out, want.detach(), rtol=1e-9, atol=1e-9, msg=f"output on rank {rank}")
+        # The addend's gradient is the whole gradient of the sum, on every rank.
+        got = local_grad if local_grad is not None else torch.zeros_like(xs.grad)
+        torch.testing.assert_close(got, xs.grad, rtol=1e-9, atol=1e-9, msg=f"addend grad on rank {rank}")
+        if ws.grad is not None:
+            got_w = weight_grad if weight_grad is not None else torch.zeros_like(ws.grad)
+            torch.testing.assert_close(got_w, ws.grad, rtol=1e-9, atol=1e-9, msg=f"weight grad on rank {rank}")
+        assert count == all_reduces, f"rank {rank}: {count} forward all-reduces, want {all_reduces}"
