@@ -808,11 +808,13 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     if not isinstance(packed, Packed):
         raise _Fallback
     name = aten_name(func)
+    total = packed.size
+    if name == "getitem":
+        return _packed_getitem(x, args[1], packed)
     named = _named(func, args, kwargs)
     dim = named.get("dim", 0)
     if not isinstance(dim, int) or _norm(dim, x.dim()) != packed.dim:
         raise _Fallback
-    total = packed.size
     if name == "chunk":
         count = named["chunks"]
         step = -(-total // count)
@@ -836,6 +838,36 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
             per_part[j].append((inside[0][0] - low, inside[0][1]))
     local = x.split([part[rank][1] for part in per_part], packed.dim)
     return tuple(tag(t, Split(packed.dim, tuple(part), packed.group)) for t, part in zip(local, per_part))
+
+
+def _packed_getitem(x: torch.Tensor, index: Any, packed: Packed) -> torch.Tensor:
+    """``qkv[..., low:high]``: one slice of each rank's along the packed dimension, as an ordinary split."""
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(1 for i in index if i is Ellipsis) > 1 or any(
+            not (i is Ellipsis or isinstance(i, slice)) for i in index):
+        raise _Fallback
+    before = index.index(Ellipsis) if Ellipsis in index else len(index)
+    positions = list(range(before)) + [x.dim() - (len(index) - j) for j in range(before + 1, len(index))]
+    picked = None
+    for position, i in zip(positions, (i for i in index if i is not Ellipsis)):
+        if i == slice(None):
+            continue
+        if position != packed.dim or picked is not None:
+            raise _Fallback
+        picked = i
+    if picked is None or picked.step not in (None, 1):
+        raise _Fallback
+    low, high, _ = picked.indices(packed.size)
+    rank, _ = _comm.rank_and_world(packed.group)
+    part, offset = [], 0
+    for r, slices in enumerate(packed.pieces):
+        inside = [(s, n) for s, n in slices if low <= s and s + n <= high]
+        if len(inside) != 1 or sum(n for s, n in slices if s < high and s + n > low) != inside[0][1]:
+            raise _Fallback  # a slice straddles a boundary, or the part holds several of a rank's slices
+        part.append((inside[0][0] - low, inside[0][1]))
+        if r == rank:
+            offset = sum(n for s, n in slices if s < inside[0][0])
+    return tag(x.narrow(packed.dim, offset, part[rank][1]), Split(packed.dim, tuple(part), packed.group))
 
 
 _ELEMENTWISE = {

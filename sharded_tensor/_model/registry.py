@@ -92,6 +92,13 @@ class ShardedModule:
         """The module's forward on this rank's local parameters; communicate through ``call``."""
         raise NotImplementedError
 
+    def computes_alike(self, module: nn.Module) -> bool:
+        """Whether ``module``, of a subclass that overrides the registered type's forward, computes the same.
+
+        The default says no, so such a subclass needs a registration of its own.
+        """
+        return False
+
 
 @dataclass(frozen=True)
 class ShardedCall:
@@ -224,7 +231,8 @@ def handler_for(module: nn.Module) -> tuple[ShardedModule | None, str | None]:
         handler = _REGISTRY.get(base)
         if handler is None:
             continue
-        if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward:
+        if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward \
+                and not handler.computes_alike(module):
             return None, (f"{cls.__name__} overrides the forward of {base.__name__}, whose registration "
                           f"therefore does not apply")
         return handler, None
