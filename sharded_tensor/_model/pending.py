@@ -57,7 +57,7 @@ def pending(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
     """Inside a region, ``tensor`` (this rank's addend) tagged as a pending sum; outside, the sum (all-reduce)."""
     if not _regions.in_region() or _comm.rank_and_world(group)[1] == 1:
         return reduce_from_ranks(tensor, group)
-    return _regions.tag(tensor, Partial(group))
+    return _regions.tag(tensor, Partial(group=group))
 
 
 def _summed(tensor: torch.Tensor, tag: Partial) -> torch.Tensor:

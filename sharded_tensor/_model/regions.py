@@ -70,6 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from _shardkit import comm as _comm
+from sharding import layout
 
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
@@ -79,38 +80,19 @@ __all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "split_of", "ta
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
 
 
-@dataclass(frozen=True)
-class Split:
-    """A tensor that holds this rank's slice of a logical tensor split along ``dim``.
+@dataclass(frozen=True, slots=True)
+class Split(layout.Split):
+    """A tensor that holds this rank's slice of a logical tensor split along ``dim``: the
+    placement ``sharding.layout.Split`` (``intervals[r]`` is group rank ``r``'s ``(start,
+    length)``) over the process group ``group``."""
 
-    ``intervals[r]`` is group rank ``r``'s ``(start, length)`` along ``dim``.
-    """
-
-    dim: int
-    intervals: Intervals
     group: _comm.ProcessGroup = None
 
-    @property
-    def size(self) -> int:
-        """The logical (global) size along ``dim``."""
-        return max((s + n for s, n in self.intervals), default=0)
 
-    def moved(self, dim: int) -> Split:
-        return Split(dim, self.intervals, self.group)
-
-    def scaled(self, dim: int, num: int, den: int) -> Split | None:
-        """The split after each interval is multiplied by ``num / den``; ``None`` if not exact."""
-        out = []
-        for start, length in self.intervals:
-            if (start * num) % den or (length * num) % den:
-                return None
-            out.append((start * num // den, length * num // den))
-        return Split(dim, tuple(out), self.group)
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A tensor that holds, concatenated along ``dim``, several slices of a logical tensor.
+@dataclass(frozen=True, slots=True)
+class Packed(layout.Packed):
+    """A tensor that holds, concatenated along ``dim``, several slices of a logical tensor: the
+    placement ``sharding.layout.Packed`` over the process group ``group``.
 
     ``pieces[r]`` lists group rank ``r``'s ``(start, length)`` slices in order, as a fused
     projection split by heads produces them (its rows of q, then of k, then of v). The one
@@ -119,18 +101,13 @@ class Packed:
     gathers it first.
     """
 
-    dim: int
-    pieces: tuple[Intervals, ...]
     group: _comm.ProcessGroup = None
 
-    @property
-    def size(self) -> int:
-        return max((s + n for slices in self.pieces for s, n in slices), default=0)
 
-
-@dataclass(frozen=True)
-class Partial:
-    """A tensor that holds this rank's addend of a logical tensor: the sum over the ranks' tensors.
+@dataclass(frozen=True, slots=True)
+class Partial(layout.Partial):
+    """A tensor that holds this rank's addend of a logical tensor: the placement
+    ``sharding.layout.Partial`` (``reduce_op="sum"``) over the process group ``group``.
 
     A row-parallel projection (``o_proj``, ``down_proj``: input features split) computes one
     such addend per rank. It stays pending through ops that are linear in it (adding another
@@ -1093,11 +1070,28 @@ class RegionForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.depth:
             return self._original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return _traced_region(self._original.__self__, *args, **kwargs)  # type: ignore[attr-defined]
         with _region():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
             return _gather_outputs(out, pending_only=True)
         return _gather_outputs(out)
+
+
+@torch._dynamo.nonstrict_trace
+def _traced_region(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A region's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
+
+    Dynamo does not step into the propagation (its tags and rules are plain Python, decided
+    from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
+    local ops and the collectives each rule chose, and their backward.
+    """
+    with _region():
+        out = type(module).forward(module, *args, **kwargs)
+    if _STATE.keep_split_outputs:
+        return out
+    return _gather_outputs(out)
 
 
 @contextlib.contextmanager

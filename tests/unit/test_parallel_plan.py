@@ -9,11 +9,11 @@ from torch import nn
 from sharded_tensor._model.parallel import (
     EmbeddingPlan,
     LinearPlan,
-    PackedSplit,
     classify,
     plan_module,
 )
 from sharding import DevicePlacement, mesh, single_split
+from sharding.layout import Packed
 
 R4 = [f"rank:{r}/cpu" for r in range(4)]
 
@@ -54,7 +54,7 @@ def test_linear_packed_on_its_outputs_gives_packed_outputs():
     pieces = (((0, 2), (4, 2)), ((2, 2), (6, 2)), (), ())
     plan = _plan(nn.Linear(4, 8), weight=single_split(0, R4[:2] * 2))
     assert plan == LinearPlan("out", (), "replicated", None, 0, pieces)
-    assert plan.output_split == PackedSplit(pieces)
+    assert plan.output_split == Packed(0, pieces)
     both = _plan(nn.Linear(4, 8), weight=single_split(0, R4[:2] * 2), bias=single_split(0, R4[:2] * 2))
     assert both == LinearPlan("out", (), "local", None, 0, pieces)
 
