@@ -44,6 +44,7 @@ from sharding.layout import Packed
 
 from . import regions as _regions
 from . import registry as _registry
+from . import strided as _strided  # noqa: F401 - the strided split (heads merged with the batch)
 from .functional import Intervals, copy_to_ranks
 from .param_layout import ParamLayout, classify, split_placement
 

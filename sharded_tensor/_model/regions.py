@@ -75,7 +75,8 @@ from sharding import layout
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
-__all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "split_of", "tag", "in_region", "shared_copy",
+__all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "GLOBAL_SIZES",
+           "split_of", "tag", "in_region", "shared_copy",
            "RegionForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
 
@@ -144,6 +145,12 @@ class Strided:
 # Tags beyond Split and Packed, by type: (the rule for an op reading a tensor so tagged, its whole
 # tensor). The modules that give their meaning fill it (``pending``, ``strided``).
 TAG_KINDS: dict[type, tuple[Callable[..., Any], Callable[[torch.Tensor, Any], torch.Tensor]]] = {}
+
+
+# Tags whose tensors tell the model's code their global sizes (``x.shape``, ``x.size(0)``), by type:
+# the metadata read to run instead. A strided split does (see ``strided``): code such as BLOOM's
+# ``x.shape[0] // num_heads`` reads the merged dimension as the whole batch times the heads.
+GLOBAL_SIZES: dict[type, Callable[..., Any]] = {}
 
 
 # A tag lives on the tensor object itself: reading an attribute costs far less per op than a
@@ -982,6 +989,9 @@ class _Propagate(TorchFunctionMode):
         rules, metadata, effects = _tables()
         getter = getattr(func, "__name__", "") == "__get__"
         if func in metadata or (getter and not _reads_values(func)):
+            found = getattr(args[0], _TAG, None) if args and isinstance(args[0], torch.Tensor) else None
+            if found is not None and type(found) in GLOBAL_SIZES:
+                return GLOBAL_SIZES[type(found)](func, args, kwargs)
             return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
         flat = _shallow_tensors(args, kwargs)
         if flat is None:

@@ -472,8 +472,6 @@ def _matrix(rank: int, world: int, names: list[str], folder: str) -> dict[str, d
 # The current failure of each architecture the engine does not handle yet (strict: a fix turns the
 # test red until its entry goes).
 XFAIL: dict[str, str] = {
-    "bloom": "exact, but 6 all-gathers per forward: reshape(batch_size * num_heads, -1, head_dim) merges the batch "
-             "with the split heads, so q, k and v are gathered",
 }
 
 

@@ -25,6 +25,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
 from _shardkit import comm as _comm  # noqa: E402
+from sharded_tensor._model import parallel as _parallel  # noqa: E402, F401 - every tag kind registered
 from sharded_tensor._model import regions as _regions  # noqa: E402
 
 
@@ -58,6 +59,7 @@ class _Ranks:
         return tensor
 
     def all_gather_tensor(self, tensor: torch.Tensor, group: Any = None, **_: Any) -> list[torch.Tensor]:
+        self.local.all_gathers = getattr(self.local, "all_gathers", 0) + 1
         return self._exchange(tensor)
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
@@ -103,6 +105,21 @@ def _weight_last(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[-1],)
 
 
+def _merged_heads(x: torch.Tensor, w: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    """BLOOM's attention: heads merged with the batch for baddbmm / bmm, the batch read back from a shape."""
+    b, h, s, d = p["global"]
+    q = x.reshape(b * h, s, d)
+    k = (x * 0.5).reshape(b * h, s, d).transpose(-1, -2)
+    scores = w.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=0.3)  # w: one bias row per batch and head (ALiBi)
+    probs = scores.view(b, h, s, -1).softmax(-1)
+    context = torch.bmm(probs.view(b * h, s, -1), q)
+    batch = context.shape[0] // h
+    return context.view(batch, h, s, d).permute(0, 2, 1, 3).reshape(batch, s, h * d)
+
+
+# Ops that must run on the slices without an all-gather (before the output leaves the region).
+NO_GATHER = {"merged-heads"}
+
 OPS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[tuple[int, ...], Any], tuple[int, ...] | None]]] = {
     # name: (op(x, w, p), weight shape from (x shape, p) or None)
     "mul-weight": (lambda x, w, p: x * w, lambda s, p: _weight_last(s)),
@@ -138,15 +155,16 @@ OPS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[tuple[int, ...], Any
     "layer-norm": (lambda x, w, p: F.layer_norm(x, (p["global"][-1],), w), lambda s, p: _weight_last(s)),
     "batched-matmul-self": (lambda x, w, p: x @ x.transpose(-1, -2), lambda s, p: None),
     "sdpa": (lambda x, w, p: F.scaled_dot_product_attention(x, x * 0.5, x), lambda s, p: None),
+    "merged-heads": (_merged_heads, lambda s, p: (s[0] * s[1], 1, s[2])),
 }
 
 
 @hs.composite
 def _cases(draw: Any) -> dict[str, Any]:
     name = draw(hs.sampled_from(sorted(OPS)))
-    ndim = 4 if name == "sdpa" else draw(hs.integers(2, 4))
+    ndim = 4 if name in ("sdpa", "merged-heads") else draw(hs.integers(2, 4))
     world = draw(hs.integers(2, 3))
-    split_dim = draw(hs.integers(0, ndim - 3 if name == "sdpa" else ndim - 1))
+    split_dim = 1 if name == "merged-heads" else draw(hs.integers(0, ndim - 3 if name == "sdpa" else ndim - 1))
     shape = [draw(hs.integers(1, 4)) for _ in range(ndim)]
     lengths = [draw(hs.integers(1, 3)) for _ in range(world)]
     shape[split_dim] = sum(lengths)
@@ -179,20 +197,23 @@ def test_rule_on_slices_equals_op_on_the_whole(case):
     (want * upstream).sum().backward()
     dim, intervals = case["split"], case["intervals"]
 
-    def rank_fn(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def rank_fn(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
         start, length = intervals[rank]
         local = x.narrow(dim, start, length).clone().requires_grad_()
         weight = w.clone().requires_grad_()
         tagged = _regions.tag(local.view_as(local), _regions.Split(dim, intervals))
         with _regions._region():
             out = op(tagged, weight, p)
+        gathers = getattr(ranks.local, "all_gathers", 0)
         out = _regions.to_replicated(out)  # as a region's outputs leave it
         (out * upstream).sum().backward()
-        return out.detach(), local.grad, weight.grad
+        return out.detach(), local.grad, weight.grad, gathers
 
     with _simulated(case["world"]) as ranks:
         results = ranks.run(rank_fn)
-    for rank, (out, local_grad, weight_grad) in enumerate(results):
+    for rank, (out, local_grad, weight_grad, gathers) in enumerate(results):
+        if case["name"] in NO_GATHER:
+            assert gathers == 0, f"rank {rank}: {gathers} all-gathers inside the region"
         start, length = intervals[rank]
         torch.testing.assert_close(out, want.detach(), rtol=1e-9, atol=1e-9, msg=f"output on rank {rank}")
         want_local = xs.grad.narrow(dim, start, length)
