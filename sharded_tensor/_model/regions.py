@@ -75,7 +75,9 @@ from sharding import layout
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
-__all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
+__all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "GLOBAL_SIZES",
+           "split_of", "tag", "in_region", "shared_copy",
+           "RegionForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
 
 
@@ -101,6 +103,54 @@ class Packed(layout.Packed):
     """
 
     group: _comm.ProcessGroup = None
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(layout.Partial):
+    """A tensor that holds this rank's addend of a logical tensor: the placement
+    ``sharding.layout.Partial`` (``reduce_op="sum"``) over the process group ``group``.
+
+    A row-parallel projection (``o_proj``, ``down_proj``: input features split) computes one
+    such addend per rank. It stays pending through ops that are linear in it (adding another
+    pending sum, adding a whole tensor once, scaling by a whole tensor, reshaping) until an op
+    needs its values, which sums it with one all-reduce (see ``pending``).
+    """
+
+    group: _comm.ProcessGroup = None
+
+
+@dataclass(frozen=True)
+class Strided:
+    """A split dimension merged with dimensions outside it: ``blocks`` blocks, each split by ``intervals``.
+
+    ``reshape(batch * num_heads, ...)`` of a tensor split on its heads gives one: along ``dim``,
+    block ``b`` covers global positions ``[b * size, (b + 1) * size)`` and rank ``r`` holds
+    ``intervals[r]`` of each block, its blocks laid one after the other locally (see ``strided``).
+    """
+
+    dim: int
+    intervals: Intervals
+    blocks: int
+    group: _comm.ProcessGroup = None
+
+    @property
+    def size(self) -> int:
+        """The global size of one block."""
+        return max((s + n for s, n in self.intervals), default=0)
+
+    def moved(self, dim: int) -> Strided:
+        return Strided(dim, self.intervals, self.blocks, self.group)
+
+
+# Tags beyond Split and Packed, by type: (the rule for an op reading a tensor so tagged, its whole
+# tensor). The modules that give their meaning fill it (``pending``, ``strided``).
+TAG_KINDS: dict[type, tuple[Callable[..., Any], Callable[[torch.Tensor, Any], torch.Tensor]]] = {}
+
+
+# Tags whose tensors tell the model's code their global sizes (``x.shape``, ``x.size(0)``), by type:
+# the metadata read to run instead. A strided split does (see ``strided``): code such as BLOOM's
+# ``x.shape[0] // num_heads`` reads the merged dimension as the whole batch times the heads.
+GLOBAL_SIZES: dict[type, Callable[..., Any]] = {}
 
 
 # A tag lives on the tensor object itself: reading an attribute costs far less per op than a
@@ -138,7 +188,7 @@ def split_of(tensor: object) -> Split | None:
     return None
 
 
-def tag(tensor: torch.Tensor, split: Split | Packed) -> torch.Tensor:
+def tag(tensor: torch.Tensor, split: Split | Packed | Partial | Strided) -> torch.Tensor:
     """Mark ``tensor`` as this rank's slice of a logical tensor split as ``split``."""
     setattr(tensor, _TAG, split)
     return tensor
@@ -179,6 +229,9 @@ def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     if isinstance(found, Split):
         return gather(tensor, found.dim, found.intervals, found.group)
+    kind = TAG_KINDS.get(type(found))
+    if kind is not None:
+        return kind[1](tensor, found)
     # Packed: the j-th slices of all ranks are gathered together, then laid side by side.
     counts = {len(slices) for slices in found.pieces}
     if len(counts) != 1:
@@ -742,11 +795,13 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     if not isinstance(packed, Packed):
         raise _Fallback
     name = aten_name(func)
+    total = packed.size
+    if name == "getitem":
+        return _packed_getitem(x, args[1], packed)
     named = _named(func, args, kwargs)
     dim = named.get("dim", 0)
     if not isinstance(dim, int) or _norm(dim, x.dim()) != packed.dim:
         raise _Fallback
-    total = packed.size
     if name == "chunk":
         count = named["chunks"]
         step = -(-total // count)
@@ -770,6 +825,36 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
             per_part[j].append((inside[0][0] - low, inside[0][1]))
     local = x.split([part[rank][1] for part in per_part], packed.dim)
     return tuple(tag(t, Split(packed.dim, tuple(part), packed.group)) for t, part in zip(local, per_part))
+
+
+def _packed_getitem(x: torch.Tensor, index: Any, packed: Packed) -> torch.Tensor:
+    """``qkv[..., low:high]``: one slice of each rank's along the packed dimension, as an ordinary split."""
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(1 for i in index if i is Ellipsis) > 1 or any(
+            not (i is Ellipsis or isinstance(i, slice)) for i in index):
+        raise _Fallback
+    before = index.index(Ellipsis) if Ellipsis in index else len(index)
+    positions = list(range(before)) + [x.dim() - (len(index) - j) for j in range(before + 1, len(index))]
+    picked = None
+    for position, i in zip(positions, (i for i in index if i is not Ellipsis)):
+        if i == slice(None):
+            continue
+        if position != packed.dim or picked is not None:
+            raise _Fallback
+        picked = i
+    if picked is None or picked.step not in (None, 1):
+        raise _Fallback
+    low, high, _ = picked.indices(packed.size)
+    rank, _ = _comm.rank_and_world(packed.group)
+    part, offset = [], 0
+    for r, slices in enumerate(packed.pieces):
+        inside = [(s, n) for s, n in slices if low <= s and s + n <= high]
+        if len(inside) != 1 or sum(n for s, n in slices if s < high and s + n > low) != inside[0][1]:
+            raise _Fallback  # a slice straddles a boundary, or the part holds several of a rank's slices
+        part.append((inside[0][0] - low, inside[0][1]))
+        if r == rank:
+            offset = sum(n for s, n in slices if s < inside[0][0])
+    return tag(x.narrow(packed.dim, offset, part[rank][1]), Split(packed.dim, tuple(part), packed.group))
 
 
 _ELEMENTWISE = {
@@ -907,6 +992,9 @@ class _Propagate(TorchFunctionMode):
         rules, metadata, effects = _tables()
         getter = getattr(func, "__name__", "") == "__get__"
         if func in metadata or (getter and not _reads_values(func)):
+            found = getattr(args[0], _TAG, None) if args and isinstance(args[0], torch.Tensor) else None
+            if found is not None and type(found) in GLOBAL_SIZES:
+                return GLOBAL_SIZES[type(found)](func, args, kwargs)
             return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
         flat = _shallow_tensors(args, kwargs)
         if flat is None:
@@ -921,8 +1009,15 @@ class _Propagate(TorchFunctionMode):
         if not any(isinstance(x, torch.Tensor) and hasattr(x, _TAG) for x in flat):
             return func(*args, **kwargs)
         rule = _getter if getter else rules.get(func)
-        if any(isinstance(getattr(x, _TAG, None), Packed) for x in flat if isinstance(x, torch.Tensor)):
-            rule = _split_packed if aten_name(func) in ("split", "chunk") else None
+        for x in flat:
+            found = getattr(x, _TAG, None) if isinstance(x, torch.Tensor) else None
+            if found is None or type(found) is Split:
+                continue
+            if type(found) is Packed:
+                rule = _split_packed if aten_name(func) in ("split", "chunk", "getitem") else None
+            else:
+                rule = TAG_KINDS[type(found)][0]
+            break
         if rule is not None:
             try:
                 return rule(func, args, kwargs)
@@ -959,18 +1054,21 @@ def _region() -> Iterator[None]:
         _STATE.depth -= 1
 
 
-def _gather_outputs(value: Any) -> Any:
+def _gather_outputs(value: Any, pending_only: bool = False) -> Any:
+    """``value`` with its tagged tensors whole (with ``pending_only``, its pending sums only: splits stay)."""
     if isinstance(value, torch.Tensor):
+        if pending_only and not isinstance(getattr(value, _TAG, None), Partial):
+            return value
         return to_replicated(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_gather_outputs(v) for v in value)
+        return tuple(_gather_outputs(v, pending_only) for v in value)
     if isinstance(value, list):
-        return [_gather_outputs(v) for v in value]
+        return [_gather_outputs(v, pending_only) for v in value]
     if isinstance(value, dict) and type(value) is dict:
-        return {k: _gather_outputs(v) for k, v in value.items()}
+        return {k: _gather_outputs(v, pending_only) for k, v in value.items()}
     if isinstance(value, dict):  # e.g. transformers' ModelOutput: update in place, keep the type
         for k, v in list(value.items()):
-            value[k] = _gather_outputs(v)
+            value[k] = _gather_outputs(v, pending_only)
         return value
     return value
 
@@ -991,7 +1089,7 @@ class RegionForward:
         with _region():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
-            return out
+            return _gather_outputs(out, pending_only=True)
         return _gather_outputs(out)
 
 
