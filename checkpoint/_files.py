@@ -182,7 +182,8 @@ def _execute(task: _Task, reader: DataReader, scratch: memoryview, mmap: bool = 
         return
     first, last = _span(task)
     lo, hi = covering(shard, first, last)
-    direct = _raw(task.dest, dtype) if _run_structure(task) == 0 else None
+    # One run of bytes in the file (leading dims of size 1 too: one expert's rows of a fused tensor).
+    direct = _raw(task.dest, dtype) if math.prod(task.common[1][:_run_structure(task)]) == 1 else None
     if direct is not None and not shard.checksum and not shard.chunks:
         # Nothing to verify (a Hugging Face file): straight from the file into the target.
         reader.readinto(task.path, first, direct, tensors=task.name)
