@@ -604,7 +604,8 @@ def _write_split(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     else:
         source, dim, index = bound.get("source"), bound.get("dim"), bound.get("index")
     split = split_of(source)
-    if (split is None or not isinstance(dest, torch.Tensor) or hasattr(index, _TAG) or dest.dim() != source.dim()
+    if (split is None or not isinstance(dest, torch.Tensor) or not isinstance(source, torch.Tensor)
+            or hasattr(index, _TAG) or dest.dim() != source.dim()
             or (dim is None and dest.shape != source.shape)
             or (dim is not None and (not isinstance(dim, int) or _norm(dim, dest.dim()) == split.dim))):
         raise _Fallback
