@@ -59,7 +59,9 @@ def _bert_config():  # type: ignore[no-untyped-def]
                       attention_probs_dropout_prob=0.0)
 
 
-def llama_spec(world: int, *, lm_head: bool = False, q_split: list[int] | None = None):  # type: ignore[no-untyped-def]
+def llama_spec(world: int, *, lm_head: bool = False, q_split: list[int] | None = None,  # type: ignore[no-untyped-def]
+               vocab: bool = False):
+    """Attention by heads, MLPs by features; ``lm_head`` (and ``vocab``: the embedding too) on the vocabulary."""
     ranks = [f"rank:{r}/cpu" for r in range(world)]
     col, row = single_split(0, ranks), single_split(1, ranks)
     parts = {}
@@ -70,8 +72,10 @@ def llama_spec(world: int, *, lm_head: bool = False, q_split: list[int] | None =
         parts[f"{attn}.o_proj"] = row
         parts[f"{mlp}.gate_proj"] = parts[f"{mlp}.up_proj"] = col
         parts[f"{mlp}.down_proj"] = row
-    if lm_head:
+    if lm_head or vocab:
         parts["lm_head"] = col
+    if vocab:
+        parts["model.embed_tokens"] = col
     return composite(**parts)
 
 
