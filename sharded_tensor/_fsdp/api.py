@@ -139,10 +139,6 @@ def _refuse(module: nn.Module, params: Sequence[tuple[str, nn.Parameter, list[tu
                        f"on every rank of its group, which fully_shard cannot split further; give every rank one "
                        f"block of it.")
                 raise ValueError(msg)
-        if param.is_meta:
-            msg = (f"parameter {name!r} is on the meta device; fully_shard shards real values. Build the model "
-                   f"with real weights (the same on every rank, e.g. under torch.manual_seed), or load them first.")
-            raise ValueError(msg)
 
 
 def _data_parallel_groups(tp_of: Sequence[list[int] | None], world: int) -> list[list[int]]:
@@ -194,7 +190,13 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
     [`no_sync`][sharded_tensor.no_sync].
 
     Every rank must hold the same model with the same values (build it under the same
-    seed, or load a checkpoint afterwards).
+    seed, or load a checkpoint afterwards). A model built on the meta device is never
+    materialized whole: ``fully_shard`` on meta parameters records the layout and keeps
+    this rank's rows on meta (no memory); ``st.shard_model(model, composite(), seed=...)``
+    afterwards allocates only those rows and initializes them with the model's own
+    initialization, layout-invariant (the values of the whole model built with the same
+    seed, on any number of ranks); ``init=False`` instead leaves them for a
+    ``checkpoint.load``.
 
     Args:
         module: the block (or root) to shard; modified in place.
@@ -213,8 +215,8 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
         ``module``.
 
     Raises:
-        ValueError: the module is already fully sharded; a parameter is already sharded, on the
-            meta device, 0-d, or shared with another unit; ``ranks`` do not include this rank,
+        ValueError: the module is already fully sharded; a parameter is already sharded, 0-d,
+            or shared with another unit; ``ranks`` do not include this rank,
             name ranks outside the world, or the groups do not divide the world; the model
             differs between ranks. Raised identically on every rank, before anything changes.
         TypeError: an argument of the wrong type.
@@ -227,6 +229,13 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
         >>> st.fully_shard(model)  # doctest: +SKIP
         >>> optim = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
         >>> # a (10, 4) weight: rows 0-2, 3-5, 6-8, 9 on ranks 0-3
+        >>> # From the meta device: only each rank's rows are ever allocated.
+        >>> with torch.device("meta"):  # doctest: +SKIP
+        ...     model = LlamaForCausalLM(config)
+        >>> for layer in model.model.layers:  # doctest: +SKIP
+        ...     st.fully_shard(layer)
+        >>> st.fully_shard(model)  # doctest: +SKIP
+        >>> st.shard_model(model, composite(), seed=0)  # doctest: +SKIP
     """
     rank, world = _comm.rank_and_world(None)
     requested = _check_arguments(module, ranks, reshard_after_forward, param_dtype, reduce_dtype)
@@ -268,10 +277,12 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
         with torch.no_grad():
             shard = param.detach()[start:start + length].clone()
         new = nn.Parameter(shard, requires_grad=param.requires_grad)
+        # Rows on the meta device are materialized later (shard_model) on the backend's device.
+        device = _comm.default_device(group) if param.is_meta else param.device
         if tp_sp is None:
-            spec = shard_spec(parts, flat.shape, param.device)
+            spec = shard_spec(parts, flat.shape, device)
         else:
-            spec = _composed_spec(tp_sp, tp_of, parts, param.device, pname)
+            spec = _composed_spec(tp_sp, tp_of, parts, device, pname)
         shape = tuple(global_shapes[len(local)])
         metadata = spec.build_metadata(shape, param.dtype, world_size=world)
         sp = ShardedParameter(classify(pname, metadata, world), spec, None)

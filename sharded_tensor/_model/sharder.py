@@ -82,8 +82,17 @@ class _Entry:
     source: Source = "keep"
     new: nn.Parameter | None = None
     compute_dim: int | None = None
+    # A meta parameter fully_shard already laid out (its rows): materialized here, computed by fully_shard.
+    recorded: ShardedParameter | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's global shape."""
+        return tuple(self.layout.global_shape) if self.recorded is not None else tuple(self.param.shape)  # type: ignore[union-attr]
 
     def sharded(self, group: _comm.ProcessGroup) -> ShardedParameter:
+        if self.recorded is not None:
+            return self.recorded
         assert self.layout is not None and self.spec is not None
         return ShardedParameter(self.layout, self.spec, group, self.compute_dim)
 
@@ -183,7 +192,7 @@ def _plans(model: nn.Module, entries: Sequence[_Entry],
         for sub_name, sub in module.named_modules():
             owner_of[id(sub)] = (key, sub_name)
     for entry in entries:
-        if entry.layout is None:
+        if entry.layout is None or entry.recorded is not None:
             continue
         for mod_name, module, attr in entry.owners:
             if id(module) in owner_of:
@@ -328,6 +337,9 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
       (a counter-based generator computes each rank's block). Without ``seed``, rank 0 draws
       one and each block is drawn from an ordinary (faster) generator seeded from it and the
       block's place: replicas agree, but values differ between layouts;
+    * parameters ``st.fully_shard`` laid out on the meta device (its rows) are allocated and
+      initialized the same way, each rank only its rows (leave them out of ``sharding_spec``;
+      an empty ``composite()`` will do);
     * with ``src_rank``, the model on that rank is the source of truth: each rank receives only
       its blocks, and unsharded parameters are broadcast (other ranks may build on meta);
     * otherwise each rank keeps its block of its own (identical) copy.
@@ -406,6 +418,7 @@ def _plan_model(model: nn.Module, sharding_spec: PlacementSpec, group: _comm.Pro
     entries = _collect(model)
     _resolve(sharding_spec, entries)
     for entry in entries:
+        _adopt_fully_sharded(entry, group)
         if entry.spec is None:
             continue
         for _, module, attr in entry.owners:
@@ -417,6 +430,24 @@ def _plan_model(model: nn.Module, sharding_spec: PlacementSpec, group: _comm.Pro
     return entries, _plans(model, entries, group)
 
 
+def _adopt_fully_sharded(entry: _Entry, group: _comm.ProcessGroup) -> None:
+    """Take the layout ``fully_shard`` gave a parameter still on the meta device (its rows, to materialize)."""
+    _, module, attr = entry.owners[0]
+    recorded = sharded_parameters(module).get(attr)
+    if recorded is None or not entry.param.is_meta:
+        return
+    if entry.spec is not None:
+        msg = (f"parameter {entry.name!r} is fully sharded (st.fully_shard on the meta device); leave it out of the "
+               f"spec, and shard_model allocates and initializes this rank's rows of it.")
+        raise ValueError(msg)
+    if group is not None:
+        msg = (f"parameter {entry.name!r} is fully sharded over global ranks; materialize it with shard_model "
+               f"over the whole world (process_group=None), not over a subgroup.")
+        raise ValueError(msg)
+    entry.layout = recorded.layout
+    entry.recorded = recorded
+
+
 def _agree_on_model(entries: Sequence[_Entry], sharding_spec: PlacementSpec, src_rank: int | None,
                     seed: int | None, group: _comm.ProcessGroup, world: int) -> int:
     """Agree across ranks on the model, the arguments and the seed before any data moves.
@@ -425,7 +456,7 @@ def _agree_on_model(entries: Sequence[_Entry], sharding_spec: PlacementSpec, src
     """
     is_meta = [e.param.is_meta for e in entries]
     proposal = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()) if any(is_meta) else 0
-    payload: dict[str, Any] = {"params": [[e.name, list(e.param.shape), str(e.param.dtype)] for e in entries],
+    payload: dict[str, Any] = {"params": [[e.name, list(e.shape), str(e.param.dtype)] for e in entries],
                "spec": sharding_spec.to_dict(),
                "src_rank": src_rank, "seed_given": seed is not None, "meta": is_meta, "seed": proposal}
     everyone = _everyones_payload(payload, group, world)
@@ -514,7 +545,7 @@ def _everyones_payload(payload: dict[str, Any], group: _comm.ProcessGroup, world
 def _split_labels(entries: Sequence[_Entry]) -> dict[str, str]:
     split = {}
     for entry in entries:
-        if entry.layout is not None and entry.layout.kind != "replicated":
+        if entry.layout is not None and entry.layout.kind != "replicated" and entry.recorded is None:
             mod_name, module, _ = entry.owners[0]
             for alias in entry.aliases:
                 split[alias] = _label(mod_name, module)
@@ -566,7 +597,7 @@ def _materialize(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int
                               f"have no reset_parameters() to fill them; they are zeros now.", stacklevel=3)
         if whole:  # torchtitan style: one init_weights() for the whole model
             for _, entry in whole:
-                ctx.register(entry.new, entry.name, tuple(entry.param.shape), entry.box(rank)[0])  # type: ignore[arg-type]
+                ctx.register(entry.new, entry.name, entry.shape, entry.box(rank)[0])  # type: ignore[arg-type]
             with ctx.module_scope(""), torch.no_grad():
                 model.init_weights()  # type: ignore[operator]
         if src_rank is not None:
@@ -593,7 +624,7 @@ def _broadcast_buffers(model: nn.Module, rank: int, group: _comm.ProcessGroup, s
 def _new_param(entry: _Entry, rank: int, group: _comm.ProcessGroup, src_rank: int | None,
                default_device: torch.device, populate: bool = True) -> nn.Parameter:
     param = entry.param
-    shape, dtype = tuple(param.shape), param.dtype
+    shape, dtype = entry.shape, param.dtype
     layout = entry.layout
     _, world = _comm.rank_and_world(group)
     if entry.source == "keep":
@@ -639,16 +670,16 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
             sizes[dim] = last[0] + last[1] - first[0]  # type: ignore[index]
             span = nn.Parameter(torch.empty(sizes, dtype=entry.new.dtype, device=entry.new.device),  # type: ignore[union-attr]
                                 requires_grad=False)
-            ctx.register(span, entry.name, tuple(entry.param.shape), tuple(offsets))
+            ctx.register(span, entry.name, entry.shape, tuple(offsets))
             spans.append((attr, entry, span))
             continue
-        ctx.register(entry.new, entry.name, tuple(entry.param.shape), entry.box(rank)[0])  # type: ignore[arg-type]
+        ctx.register(entry.new, entry.name, entry.shape, entry.box(rank)[0])  # type: ignore[arg-type]
     # Parameters initialized elsewhere (tied to an earlier module) or holding real values are
     # swapped for scratch tensors, so this module's reset cannot overwrite them.
     swapped = {}
     for attr, entry in others:
         scratch = nn.Parameter(torch.empty_like(entry.new), requires_grad=False)  # type: ignore[arg-type]
-        ctx.register(scratch, f"{entry.name}#scratch", tuple(entry.param.shape), entry.box(rank)[0])
+        ctx.register(scratch, f"{entry.name}#scratch", entry.shape, entry.box(rank)[0])
         swapped[attr] = module._parameters[attr]
         module._parameters[attr] = scratch
     for attr, _, span in spans:

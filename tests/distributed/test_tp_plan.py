@@ -162,7 +162,8 @@ def plan_runs() -> list[dict[str, object]]:
     return run_distributed(_plans, 2, timeout=400)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "gpt2", "bert", "opt", "distilbert", "vit", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "gpt2", "bert", "opt", "distilbert", "vit",
+                                  "gpt_neox"])
 def test_planned_spec_equals_hand_written_and_unsharded(plan_runs, name):
     for out in plan_runs:
         result = out[name]
