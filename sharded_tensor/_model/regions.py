@@ -599,6 +599,60 @@ def _along_dim(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     return tag(func(*args, **kwargs), split)
 
 
+def _setitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``buffer[key] = value`` where ``key`` leaves the buffer's split whole and ``value`` is split alike."""
+    if len(args) != 3 or kwargs or split_of(args[0]) is None:
+        raise _Fallback
+    view = _getitem(torch.Tensor.__getitem__, args[:2], {})
+    if not isinstance(args[2], torch.Tensor) or split_of(args[2]) != split_of(view) or args[2].dim() != view.dim():
+        raise _Fallback
+    return func(*args, **kwargs)
+
+
+def _roll(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``roll`` along dimensions other than the split."""
+    x, split = _first_split(args)
+    dims = _named(func, args, kwargs).get("dims")
+    dims = (dims,) if isinstance(dims, int) else dims
+    if not dims or not all(isinstance(d, int) for d in dims) or split.dim in {_norm(d, x.dim()) for d in dims}:
+        raise _Fallback
+    return tag(func(*args, **kwargs), split)
+
+
+def _write_split(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``buffer.index_copy_(dim, index, source)`` (along another dimension than the split) and
+    ``buffer.copy_(source)`` (same shape) of a split source into a buffer.
+
+    A buffer tagged with the source's split takes its slice as is. An untagged buffer whose
+    extent along the split is this rank's slice, not the whole, can only have been sized from
+    split tensors' shapes (which read local): a static key/value cache allocated from the first
+    keys. The whole tensor would not fit in it, so the unsharded program cannot mean that: it
+    takes this rank's slice and is tagged with the split from then on.
+    """
+    bound = _named(func, args, kwargs)
+    dest = bound.get("self")
+    if aten_name(func) == "copy_":
+        source, dim, index = bound.get("src"), None, None
+    else:
+        source, dim, index = bound.get("source"), bound.get("dim"), bound.get("index")
+    split = split_of(source)
+    if (split is None or not isinstance(dest, torch.Tensor) or not isinstance(source, torch.Tensor)
+            or hasattr(index, _TAG) or dest.dim() != source.dim()
+            or (dim is None and dest.shape != source.shape)
+            or (dim is not None and (not isinstance(dim, int) or _norm(dim, dest.dim()) == split.dim))):
+        raise _Fallback
+    held = getattr(dest, _TAG, None)
+    if held is None:
+        local = source.shape[split.dim]
+        if dest.shape[split.dim] != local or local == split.size:
+            raise _Fallback
+    elif held != split:
+        raise _Fallback
+    out = func(*args, **kwargs)
+    tag(dest, split)
+    return out
+
+
 def _reduce(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """sum / mean / amax / amin / var / std / logsumexp over dimensions other than the split one."""
     x, split = _first_split(args)
@@ -880,6 +934,7 @@ _NAMED_RULES: dict[str, Callable[..., Any]] = {
     "layer_norm": _norm_last, "rms_norm": _norm_last,
     "scaled_dot_product_attention": _sdpa,
     "cross_entropy": _cross_entropy,
+    "index_copy_": _write_split, "copy_": _write_split, "__setitem__": _setitem, "roll": _roll,
 }
 _METADATA = {"size", "dim", "stride", "is_contiguous", "is_floating_point", "is_complex", "element_size",
              "data_ptr", "__len__", "storage_offset", "get_device", "untyped_storage", "__hash__", "__format__",
