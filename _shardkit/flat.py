@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, teardown
 
 # Newer torch names these ``*_single`` and deprecates the ``*_tensor`` names; older torch has only those.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -117,6 +117,7 @@ def start_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: comm.P
 
 _groups: dict[tuple[tuple[int, ...], ...], list[Any]] = {}
 _groups_lock = threading.Lock()
+teardown.on_exit(_groups.clear)  # so that the groups are freed before the interpreter finalizes
 
 
 def partition_group(partition: Sequence[Sequence[int]], rank: int) -> comm.ProcessGroup:
@@ -133,7 +134,7 @@ def partition_group(partition: Sequence[Sequence[int]], rank: int) -> comm.Proce
     with _groups_lock:
         made = _groups.get(key)
         if made is None:
-            made = [dist.new_group(list(part)) for part in key]
+            made = [teardown.created(dist.new_group(list(part))) for part in key]
             _groups[key] = made
     for part, group in zip(key, made):
         if rank in part:

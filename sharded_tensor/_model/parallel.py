@@ -2,12 +2,12 @@
 
 From data to execution:
 
-1. :func:`classify` reads a parameter's shard layout (``ShardedTensorMetadata``) and says
-   what it is for compute: *replicated* (whole on every rank), *split* along one dimension
-   (each element on exactly one rank; ``intervals`` give each rank's slice, or ``pieces`` its
-   several slices for a packed layout such as a fused q/k/v weight split by heads), or
-   something no registration here computes with (blocks split along several dimensions, or
-   elements held by some ranks but not all).
+1. :func:`classify` (``param_layout``) reads a parameter's metadata as a compute layout: the
+   placement the spec attached to it (``sharding.layout``): *replicated* (whole on every
+   rank), a ``Split`` along one dimension (``intervals`` give each rank's slice) or a
+   ``Packed`` one (``pieces`` give each rank's several slices, as a fused q/k/v weight split
+   by heads holds them), or something no registration here computes with (blocks split along
+   several dimensions, or elements held by some ranks but not all).
 2. :func:`plan_module` hands the layouts of one module's parameters to the module type's
    registration (``_registry``), which returns a plan or refuses with a ``ValueError`` that
    names the module and says why. Refusal happens at shard time: a layout that cannot be
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -39,187 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from _shardkit import comm as _comm
-from sharding import ShardedTensorMetadata
-from sharding.layout import Box
+from sharding.layout import Packed
 
 from . import regions as _regions
 from . import registry as _registry
 from .functional import Intervals
+from .param_layout import ParamLayout, classify, split_placement
 
 __all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install", "optimize"]
-
-# -- 1. layouts -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParamLayout:
-    """How one parameter is laid out over the ranks of a group, as compute sees it.
-
-    Attributes:
-        name: the parameter's full name in the model (the first one, for tied parameters).
-        metadata: the full shard layout.
-        boxes: per group rank, the block its shards form together (``None``: it holds none).
-        kind: ``"replicated"``, ``"split"``, ``"blocks"`` (split along several dimensions) or
-            ``"partial"`` (some elements on several ranks but not all).
-        dim: the split dimension for ``"split"``; ``None`` when one rank holds everything.
-        intervals: per group rank, ``(start, length)`` along ``dim`` (for ``"split"`` when each
-            rank holds one slice; ``None`` when some rank holds several, see ``pieces``).
-        pieces: for a *packed* split, where a rank holds several non-adjacent slices along
-            ``dim`` (e.g. its heads of q, k and v in one fused weight): per group rank, its
-            slices in order; its local tensor is their concatenation along ``dim``.
-    """
-
-    name: str
-    metadata: ShardedTensorMetadata
-    boxes: tuple[Box | None, ...]
-    kind: Literal["replicated", "split", "blocks", "partial"]
-    dim: int | None
-    intervals: Intervals | None
-    pieces: tuple[Intervals, ...] | None = None
-
-    def local_region(self, rank: int, region: Box) -> Box:
-        """Where the global ``region`` (one of ``rank``'s shards) sits in ``rank``'s local tensor."""
-        box = self.boxes[rank]
-        assert box is not None
-        if self.pieces is None:
-            return tuple(o - b for o, b in zip(region[0], box[0])), region[1]
-        dim = self.dim
-        assert dim is not None
-        local = 0
-        for start, length in self.pieces[rank]:
-            if start == region[0][dim]:
-                offsets = [o - b for o, b in zip(region[0], box[0])]
-                offsets[dim] = local
-                return tuple(offsets), region[1]
-            local += length
-        raise KeyError(region)
-
-    def local_of(self, rank: int, full: torch.Tensor) -> torch.Tensor:
-        """``rank``'s local tensor cut from the full tensor (a view when it is one block)."""
-        box = self.boxes[rank]
-        assert box is not None
-        if self.pieces is None:
-            return full[tuple(slice(o, o + n) for o, n in zip(*box))]
-        dim = self.dim
-        assert dim is not None
-        return torch.cat([full.narrow(dim, start, length) for start, length in self.pieces[rank]], dim)
-
-    @property
-    def global_shape(self) -> tuple[int, ...]:
-        return tuple(self.metadata.size)
-
-    def owner(self) -> int | None:
-        """The only rank holding any element, for a split with ``dim is None``."""
-        holders = [r for r, box in enumerate(self.boxes) if box is not None and _volume(box) > 0]
-        return holders[0] if len(holders) == 1 else None
-
-    def along(self, dim: int) -> Intervals:
-        """Per-rank ``(start, length)`` along ``dim`` (for a one-owner layout too)."""
-        if self.dim == dim and self.intervals is not None:
-            return self.intervals
-        size = self.global_shape[dim]
-        return tuple((0, size) if box is not None and _volume(box) > 0 else (0, 0) for box in self.boxes)
-
-    def local_shape(self, rank: int, compute_dim: int | None = None) -> tuple[int, ...]:
-        """Shape of ``rank``'s local tensor (empty along the split dimension if it holds nothing)."""
-        box = self.boxes[rank]
-        if box is not None:
-            return box[1]
-        shape = list(self.global_shape)
-        dim = compute_dim if compute_dim is not None else (self.dim if self.dim is not None else 0)
-        if shape:
-            shape[dim] = 0
-        return tuple(shape)
-
-    def describe(self) -> str:
-        """A short human-readable account of who holds what."""
-        parts = [f"rank {r}: offsets {b[0]} sizes {b[1]}" for r, b in enumerate(self.boxes) if b is not None]
-        return "; ".join(parts) if parts else "no rank holds it"
-
-
-def _volume(box: Box) -> int:
-    n = 1
-    for s in box[1]:
-        n *= s
-    return n
-
-
-def _union_box(regions: Sequence[Box]) -> Box | None:
-    """The block covered by ``regions`` (distinct, disjoint) if they form one block, else ``None``."""
-    ndim = len(regions[0][0])
-    lo = tuple(min(o[d] for o, _ in regions) for d in range(ndim))
-    hi = tuple(max(o[d] + s[d] for o, s in regions) for d in range(ndim))
-    box = (lo, tuple(high - low for high, low in zip(hi, lo)))
-    return box if _volume(box) == sum(_volume(r) for r in regions) else None
-
-
-def classify(name: str, metadata: ShardedTensorMetadata, world: int) -> ParamLayout:
-    """Read ``metadata`` as a compute layout. Pure; identical on every rank.
-
-    Raises:
-        ValueError: if some rank's shards do not form a single block (the model keeps one local
-            tensor per parameter and rank).
-    """
-    size = tuple(metadata.size)
-    boxes: list[Box | None] = []
-    packed: dict[int, tuple[int, Intervals]] = {}
-    for rank in range(world):
-        regions = list(dict.fromkeys(s.region for _, s in metadata.shards_on(rank)))
-        if not regions:
-            boxes.append(None)
-            continue
-        nonempty = [r for r in regions if _volume(r) > 0]
-        box = _union_box(nonempty) if nonempty else regions[0]
-        if box is None:
-            along = _packed(nonempty)
-            if along is None:
-                shown = ", ".join(f"offsets {o} sizes {s}" for o, s in nonempty)
-                msg = (f"parameter {name!r} (size {size}): rank {rank} would hold shards [{shown}], which neither "
-                       f"form one block nor differ along a single dimension; a sharded model keeps one local "
-                       f"tensor per parameter on each rank, so give each rank one shard (or slices of one "
-                       f"dimension) of every parameter.")
-                raise ValueError(msg)
-            dim, slices = along
-            packed[rank] = along
-            sizes = list(nonempty[0][1])
-            sizes[dim] = sum(n for _, n in slices)
-            offsets = list(nonempty[0][0])
-            offsets[dim] = slices[0][0]
-            box = (tuple(offsets), tuple(sizes))
-        boxes.append(box)
-    full: Box = ((0,) * len(size), size)
-    numel = _volume(full)
-    if all(b == full for b in boxes) and not packed:
-        return ParamLayout(name, metadata, tuple(boxes), "replicated", None, None)
-    held = sum(_volume(b) for b in boxes if b is not None)
-    if held != numel:
-        return ParamLayout(name, metadata, tuple(boxes), "partial", None, None)
-    split_dims = sorted({d for b in boxes if b is not None and _volume(b) > 0
-                         for d in range(len(size)) if b[1][d] != size[d]} | {d for d, _ in packed.values()})
-    if len(split_dims) > 1:
-        return ParamLayout(name, metadata, tuple(boxes), "blocks", None, None)
-    if not split_dims:
-        return ParamLayout(name, metadata, tuple(boxes), "split", None, None)
-    dim = split_dims[0]
-    if packed:
-        pieces = tuple(packed[r][1] if r in packed else ((b[0][dim], b[1][dim]),) if b is not None else ()
-                       for r, b in enumerate(boxes))
-        return ParamLayout(name, metadata, tuple(boxes), "split", dim, None, pieces)
-    intervals = tuple((b[0][dim], b[1][dim]) if b is not None else (0, 0) for b in boxes)
-    return ParamLayout(name, metadata, tuple(boxes), "split", dim, intervals)
-
-
-def _packed(regions: Sequence[Box]) -> tuple[int, Intervals] | None:
-    """``(dim, slices)`` when ``regions`` differ only along one dimension (slices in order), else ``None``."""
-    ndim = len(regions[0][0])
-    dims = [d for d in range(ndim) if len({(o[d], s[d]) for o, s in regions}) > 1]
-    if len(dims) != 1:
-        return None
-    dim = dims[0]
-    slices = tuple(sorted((o[dim], s[dim]) for o, s in regions))
-    if any(a + n > b for (a, n), (b, _) in zip(slices, slices[1:])):
-        return None
-    return dim, slices
-
 
 # -- 2. plans -----------------------------------------------------------------------------------------
 
@@ -561,12 +388,18 @@ def endpoints(model: nn.Module) -> list[_regions.Endpoint]:
             continue
         takes, gives = plan.activations
         if gives is not None:
-            pieces = getattr(gives, "pieces", None)
-            intervals = getattr(gives, "intervals", gives)
-            found.append(_regions.Endpoint(name, "produces", None if pieces else tuple(intervals),
-                                           tuple(pieces) if pieces else None))
+            split = split_placement(gives, 0)
+            if isinstance(split, Packed):
+                found.append(_regions.Endpoint(name, "produces", None, split.pieces))
+            else:
+                found.append(_regions.Endpoint(name, "produces", split.intervals))
         if takes is not None:
-            found.append(_regions.Endpoint(name, "consumes", tuple(getattr(takes, "intervals", takes))))
+            split = split_placement(takes, 0)
+            if isinstance(split, Packed):
+                msg = (f"module {name!r}: its registration says it takes an input packed as {split.pieces!r}; a "
+                       f"sharded layer takes its input split with one slice per rank.")
+                raise ValueError(msg)
+            found.append(_regions.Endpoint(name, "consumes", split.intervals))
     return found
 
 

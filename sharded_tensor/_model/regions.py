@@ -70,6 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from _shardkit import comm as _comm
+from sharding import layout
 
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
@@ -78,38 +79,19 @@ __all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "Re
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
 
 
-@dataclass(frozen=True)
-class Split:
-    """A tensor that holds this rank's slice of a logical tensor split along ``dim``.
+@dataclass(frozen=True, slots=True)
+class Split(layout.Split):
+    """A tensor that holds this rank's slice of a logical tensor split along ``dim``: the
+    placement ``sharding.layout.Split`` (``intervals[r]`` is group rank ``r``'s ``(start,
+    length)``) over the process group ``group``."""
 
-    ``intervals[r]`` is group rank ``r``'s ``(start, length)`` along ``dim``.
-    """
-
-    dim: int
-    intervals: Intervals
     group: _comm.ProcessGroup = None
 
-    @property
-    def size(self) -> int:
-        """The logical (global) size along ``dim``."""
-        return max((s + n for s, n in self.intervals), default=0)
 
-    def moved(self, dim: int) -> Split:
-        return Split(dim, self.intervals, self.group)
-
-    def scaled(self, dim: int, num: int, den: int) -> Split | None:
-        """The split after each interval is multiplied by ``num / den``; ``None`` if not exact."""
-        out = []
-        for start, length in self.intervals:
-            if (start * num) % den or (length * num) % den:
-                return None
-            out.append((start * num // den, length * num // den))
-        return Split(dim, tuple(out), self.group)
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A tensor that holds, concatenated along ``dim``, several slices of a logical tensor.
+@dataclass(frozen=True, slots=True)
+class Packed(layout.Packed):
+    """A tensor that holds, concatenated along ``dim``, several slices of a logical tensor: the
+    placement ``sharding.layout.Packed`` over the process group ``group``.
 
     ``pieces[r]`` lists group rank ``r``'s ``(start, length)`` slices in order, as a fused
     projection split by heads produces them (its rows of q, then of k, then of v). The one
@@ -118,13 +100,7 @@ class Packed:
     gathers it first.
     """
 
-    dim: int
-    pieces: tuple[Intervals, ...]
     group: _comm.ProcessGroup = None
-
-    @property
-    def size(self) -> int:
-        return max((s + n for slices in self.pieces for s, n in slices), default=0)
 
 
 # A tag lives on the tensor object itself: reading an attribute costs far less per op than a
@@ -1006,11 +982,28 @@ class RegionForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.depth:
             return self._original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return _traced_region(self._original.__self__, *args, **kwargs)  # type: ignore[attr-defined]
         with _region():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
             return out
         return _gather_outputs(out)
+
+
+@torch._dynamo.nonstrict_trace
+def _traced_region(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A region's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
+
+    Dynamo does not step into the propagation (its tags and rules are plain Python, decided
+    from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
+    local ops and the collectives each rule chose, and their backward.
+    """
+    with _region():
+        out = type(module).forward(module, *args, **kwargs)
+    if _STATE.keep_split_outputs:
+        return out
+    return _gather_outputs(out)
 
 
 @contextlib.contextmanager

@@ -32,9 +32,11 @@ import torch
 from torch import nn
 
 from _shardkit import comm as _comm
+from sharding.layout import Packed, Split
 
 from . import regions as _regions
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
+from .param_layout import ParamLayout, split_placement
 
 __all__ = ["ShardedModule", "ShardedCall", "register_sharded_module", "handler_for", "registered_types"]
 
@@ -134,12 +136,12 @@ class ShardedCall:
             return x
         return scatter(_regions.to_replicated(x), -1, intervals, self.group)
 
-    def split_output(self, y: torch.Tensor, split: Intervals | Any) -> torch.Tensor:
+    def split_output(self, y: torch.Tensor, split: Intervals | Split | Packed | ParamLayout) -> torch.Tensor:
         """Hand out this rank's slice ``y`` of the output: kept split inside a region, else gathered.
 
         ``split`` is the output's split along its last dimension: per-rank ``(start, length)``,
-        or the ``ParamLayout`` of the weight whose split it follows (a packed layout gives a
-        packed output: this rank's slices side by side).
+        a ``sharding.layout`` ``Split`` or ``Packed``, or the ``ParamLayout`` of the weight whose
+        split it follows (a packed layout gives a packed output: this rank's slices side by side).
         """
         tag = _as_tag(split, y.dim() - 1, self.group)
         if _regions.in_region():
@@ -161,12 +163,12 @@ class ShardedCall:
         return gather(y, dim, intervals, self.group)
 
 
-def _as_tag(split: Any, dim: int, group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
-    pieces = getattr(split, "pieces", None)
-    if pieces is not None:
-        return _regions.Packed(dim, tuple(pieces), group)
-    intervals = getattr(split, "intervals", split)
-    return _regions.Split(dim, tuple(intervals), group)
+def _as_tag(split: Intervals | Split | Packed | ParamLayout, dim: int,
+            group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
+    placement = split_placement(split, dim)
+    if isinstance(placement, Packed):
+        return _regions.Packed(dim, placement.pieces, group)
+    return _regions.Split(dim, placement.intervals, group)
 
 
 def register_sharded_module(module_type: type[nn.Module], handler: ShardedModule, *, replace: bool = False) -> None:
