@@ -123,13 +123,13 @@ teardown.on_exit(_groups.clear)  # so that the groups are freed before the inter
 def partition_group(partition: Sequence[Sequence[int]], rank: int) -> comm.ProcessGroup:
     """The process group of the part of ``partition`` holding global ``rank``. Collective over the world.
 
-    ``partition`` lists disjoint groups of global ranks covering the world, identical on
-    every rank; every rank calls this with it. Groups are created once per partition and
+    ``partition`` lists disjoint groups of global ranks, identical on every rank; every rank
+    calls this with it (a rank in no part gets ``None`` and must not use it). Groups are created once per partition and
     reused (creating a group is a collective of the whole world). A part equal to the world
     is the default group (``None``).
     """
     key = tuple(tuple(part) for part in partition)
-    if len(key) == 1:
+    if len(key) == 1 and len(key[0]) == comm.rank_and_world(None)[1]:
         return None
     with _groups_lock:
         made = _groups.get(key)
@@ -139,8 +139,7 @@ def partition_group(partition: Sequence[Sequence[int]], rank: int) -> comm.Proce
     for part, group in zip(key, made):
         if rank in part:
             return group
-    msg = f"rank {rank} is in no part of the partition {[list(p) for p in key]}."
-    raise ValueError(msg)
+    return None  # a rank in no part: it never communicates within one
 
 
 def group_ranks(group: comm.ProcessGroup) -> list[int]:
