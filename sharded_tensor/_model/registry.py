@@ -34,6 +34,7 @@ from torch import nn
 from _shardkit import comm as _comm
 from sharding.layout import Packed, Split
 
+from . import pending as _pending
 from . import regions as _regions
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .param_layout import ParamLayout, split_placement
@@ -92,6 +93,13 @@ class ShardedModule:
     def forward(self, call: ShardedCall, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The module's forward on this rank's local parameters; communicate through ``call``."""
         raise NotImplementedError
+
+    def computes_alike(self, module: nn.Module) -> bool:
+        """Whether ``module``, of a subclass that overrides the registered type's forward, computes the same.
+
+        The default says no, so such a subclass needs a registration of its own.
+        """
+        return False
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,20 @@ class ShardedCall:
         """The sum over ranks of the partial results ``y``: one all-reduce, replicated after."""
         return reduce_from_ranks(y, self.group)
 
+    def pending_sum(self, y: torch.Tensor, once: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum over ranks of the partial results ``y``, plus ``once`` (whole on every rank, e.g. a bias).
+
+        Inside a region the sum stays pending (each rank keeps its addend, ``once`` added on one
+        rank) until an op needs it whole, so sums that meet first (attention and MLP in parallel)
+        share one all-reduce; outside, it is :meth:`reduce` then ``+ once``.
+        """
+        if not _regions.in_region():
+            y = self.reduce(y)
+            return y if once is None else y + once
+        if once is not None:
+            y = y + _pending.add_once(once, self.group)
+        return _pending.pending(y, self.group)
+
     def gather(self, y: torch.Tensor, dim: int, intervals: Intervals) -> torch.Tensor:
         """Concatenate every rank's slice ``y`` along ``dim``."""
         return gather(y, dim, intervals, self.group)
@@ -211,7 +233,8 @@ def handler_for(module: nn.Module) -> tuple[ShardedModule | None, str | None]:
         handler = _REGISTRY.get(base)
         if handler is None:
             continue
-        if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward:
+        if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward \
+                and not handler.computes_alike(module):
             return None, (f"{cls.__name__} overrides the forward of {base.__name__}, whose registration "
                           f"therefore does not apply")
         return handler, None
