@@ -72,6 +72,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from _shardkit import comm as _comm
 from sharding import layout
 
+from . import rule_table as _rule_table
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
@@ -920,8 +921,9 @@ def _tables() -> tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[
     """Rules, metadata reads and side-effecting ops, keyed by the op objects torch hands the mode.
 
     Built on the first op inside a region, not at import (reading ATen's op tags takes a while).
+    The rules go into the one table of every sharded compute rule (``rule_table``).
     """
-    rules: dict[Any, Callable[..., Any]] = {}
+    rules: dict[Any, Callable[..., Any]] = _rule_table.RULES
     for name in _ELEMENTWISE | _pointwise():
         for obj in _objects(name):
             rules[obj] = _elementwise
