@@ -25,6 +25,11 @@ op, while the code runs:
 * A consumer whose input is tagged the way it is split takes the slice as it is; the
   region's outputs that are still tagged are gathered, so a region looks replicated-in,
   replicated-out from outside.
+* A consumer inside a region hands out its partial sum tagged :class:`Partial` (``pending``):
+  it stays pending through ops linear in it (another pending sum, a whole tensor added once)
+  until an op needs it whole, so sums that meet first share one all-reduce.
+* A reshape that merges the split heads with the batch (``reshape(batch * num_heads, ...)``)
+  gives a :class:`Strided` split (``strided``), kept through batched matmuls and reshaped back.
 * Producers of one region that read the same input share one ``copy_to_ranks``: q, k and v
   then cost one all-reduce of the input's gradient in backward instead of three.
 

@@ -11,8 +11,10 @@ features; everything else whole), from rank 0's weights. On every rank:
   shows here);
 * 3 SGD steps give the same losses, the same parameters (gathered) and the same logits;
 * the forward's collectives are counted: one all-reduce per row-parallel projection (and per
-  statistic over split features, as OLMo2's norms across heads) and no all-gather (every model
-  here has heads that divide the 2 ranks).
+  statistic over split features, as OLMo2's norms across heads), one per layer where attention
+  and MLP run in parallel (their pending sums are added before one all-reduce), and no
+  all-gather (every model here has heads that divide the 2 ranks; BLOOM's merge of the batch
+  with the heads keeps them split).
 
 Each architecture is also imported as docs/huggingface.md does (``save_pretrained`` on rank 0,
 a meta model sharded with ``init=False``, ``checkpoint.load``): the gathered parameters must
