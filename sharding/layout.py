@@ -23,7 +23,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol, Self, TypeVar
 
 import torch
 
@@ -145,18 +145,18 @@ class Split:
         """The global size along ``dim``."""
         return max((s + n for s, n in self.intervals), default=0)
 
-    def moved(self: _Self, dim: int) -> _Self:
+    def moved(self, dim: int) -> Self:
         """The same intervals on another dimension (after a transpose or a reshape)."""
-        if dim == self.dim:  # type: ignore[attr-defined]
+        if dim == self.dim:
             return self
         if type(dim) is not int or dim < 0:
             _check_dim("Split", dim)
         return _replaced(self, dim=dim)
 
-    def scaled(self: _Self, dim: int, num: int, den: int) -> _Self | None:
+    def scaled(self, dim: int, num: int, den: int) -> Self | None:
         """On ``dim``, every interval multiplied by ``num / den``; ``None`` where that is not exact."""
         out = []
-        for start, length in self.intervals:  # type: ignore[attr-defined]
+        for start, length in self.intervals:
             if (start * num) % den or (length * num) % den:
                 return None
             out.append((start * num // den, length * num // den))

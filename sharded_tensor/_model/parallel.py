@@ -549,7 +549,5 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
         for root in roots:
             module = named[root]
             module.__dict__["forward"] = _regions.RegionForward(type(module).forward.__get__(module))
-        for name, label in split_params.items():
-            _regions.own(model.get_parameter(name), f"{name!r} of {label}")
         return roots
     return commit

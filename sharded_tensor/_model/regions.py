@@ -162,15 +162,18 @@ GLOBAL_SIZES: dict[type, Callable[..., Any]] = {}
 # A tag lives on the tensor object itself: reading an attribute costs far less per op than a
 # weak dictionary lookup, and it goes away with the tensor just the same.
 _TAG = "_shardkit_split"
-# Local blocks of split parameters -> how to name them in a message. Inside a region, an op
-# that reads one directly (not through its module's registration) would see only this rank's
-# block, so it is refused instead of computing wrong numbers.
-_OWNED = "_shardkit_owned"
+# A sharded parameter carries its record (``record.ShardedParameter``) under this attribute.
+# Inside a region, an op that reads a parameter whose record has a ``label`` directly (not
+# through its module's registration) would see only this rank's block, so it is refused
+# instead of computing wrong numbers.
+RECORD = "_shardkit_record"
+_OWNED = RECORD
 
 
-def own(parameter: torch.Tensor, label: str) -> None:
-    """Mark ``parameter`` as the local block of a split parameter, named ``label`` in messages."""
-    setattr(parameter, _OWNED, label)
+def _split_label(tensor: torch.Tensor) -> str | None:
+    """How messages name ``tensor`` when it is a split parameter only its module may use, else ``None``."""
+    label: str | None = getattr(getattr(tensor, _OWNED, None), "label", None)
+    return label
 
 
 class _State(threading.local):
@@ -602,6 +605,60 @@ def _along_dim(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     return tag(func(*args, **kwargs), split)
 
 
+def _setitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``buffer[key] = value`` where ``key`` leaves the buffer's split whole and ``value`` is split alike."""
+    if len(args) != 3 or kwargs or split_of(args[0]) is None:
+        raise _Fallback
+    view = _getitem(torch.Tensor.__getitem__, args[:2], {})
+    if not isinstance(args[2], torch.Tensor) or split_of(args[2]) != split_of(view) or args[2].dim() != view.dim():
+        raise _Fallback
+    return func(*args, **kwargs)
+
+
+def _roll(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``roll`` along dimensions other than the split."""
+    x, split = _first_split(args)
+    dims = _named(func, args, kwargs).get("dims")
+    dims = (dims,) if isinstance(dims, int) else dims
+    if not dims or not all(isinstance(d, int) for d in dims) or split.dim in {_norm(d, x.dim()) for d in dims}:
+        raise _Fallback
+    return tag(func(*args, **kwargs), split)
+
+
+def _write_split(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``buffer.index_copy_(dim, index, source)`` (along another dimension than the split) and
+    ``buffer.copy_(source)`` (same shape) of a split source into a buffer.
+
+    A buffer tagged with the source's split takes its slice as is. An untagged buffer whose
+    extent along the split is this rank's slice, not the whole, can only have been sized from
+    split tensors' shapes (which read local): a static key/value cache allocated from the first
+    keys. The whole tensor would not fit in it, so the unsharded program cannot mean that: it
+    takes this rank's slice and is tagged with the split from then on.
+    """
+    bound = _named(func, args, kwargs)
+    dest = bound.get("self")
+    if aten_name(func) == "copy_":
+        source, dim, index = bound.get("src"), None, None
+    else:
+        source, dim, index = bound.get("source"), bound.get("dim"), bound.get("index")
+    split = split_of(source)
+    if (split is None or not isinstance(dest, torch.Tensor) or not isinstance(source, torch.Tensor)
+            or hasattr(index, _TAG) or dest.dim() != source.dim()
+            or (dim is None and dest.shape != source.shape)
+            or (dim is not None and (not isinstance(dim, int) or _norm(dim, dest.dim()) == split.dim))):
+        raise _Fallback
+    held = getattr(dest, _TAG, None)
+    if held is None:
+        local = source.shape[split.dim]
+        if dest.shape[split.dim] != local or local == split.size:
+            raise _Fallback
+    elif held != split:
+        raise _Fallback
+    out = func(*args, **kwargs)
+    tag(dest, split)
+    return out
+
+
 def _reduce(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """sum / mean / amax / amin / var / std / logsumexp over dimensions other than the split one."""
     x, split = _first_split(args)
@@ -883,6 +940,7 @@ _NAMED_RULES: dict[str, Callable[..., Any]] = {
     "layer_norm": _norm_last, "rms_norm": _norm_last,
     "scaled_dot_product_attention": _sdpa,
     "cross_entropy": _cross_entropy,
+    "index_copy_": _write_split, "copy_": _write_split, "__setitem__": _setitem, "roll": _roll,
 }
 _METADATA = {"size", "dim", "stride", "is_contiguous", "is_floating_point", "is_complex", "element_size",
              "data_ptr", "__len__", "storage_offset", "get_device", "untyped_storage", "__hash__", "__format__",
@@ -1003,9 +1061,9 @@ class _Propagate(TorchFunctionMode):
         flat = _shallow_tensors(args, kwargs)
         if flat is None:
             flat = tree_flatten((args, kwargs))[0]
-        owned = next((x for x in flat if isinstance(x, torch.Tensor) and hasattr(x, _OWNED)), None)
+        owned = next((x for x in flat if isinstance(x, torch.Tensor) and _split_label(x)), None)
         if owned is not None:
-            msg = (f"parameter {getattr(owned, _OWNED)} is split across ranks, but the model's code uses it directly "
+            msg = (f"parameter {_split_label(owned)} is split across ranks, but the model's code uses it directly "
                    f"in {_describe(func)} instead of calling its module, so that op would see only this rank's block "
                    f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
                    f"its module.")
@@ -1083,12 +1141,13 @@ class RegionForward:
     def __init__(self, original: Callable[..., Any]) -> None:
         self._original = original
         functools.update_wrapper(self, original)  # inspect.signature(model.forward) keeps working
+        self._ties = _ties(original.__self__)  # type: ignore[attr-defined]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.depth:
             return self._original(*args, **kwargs)
         if torch.compiler.is_compiling():
-            return _traced_region(self._original.__self__, *args, **kwargs)  # type: ignore[attr-defined]
+            return _traced_region(self._original.__self__, self._ties, *args, **kwargs)  # type: ignore[attr-defined]
         with _region():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
@@ -1096,15 +1155,34 @@ class RegionForward:
         return _gather_outputs(out)
 
 
+def _ties(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Names under which ``module`` holds one parameter or buffer several times (tied embeddings), in order."""
+    names: dict[int, list[str]] = {}
+    held = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, value in held:
+        names.setdefault(id(value), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def _attribute(module: torch.nn.Module, name: str) -> Any:
+    owner, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(owner), attr)
+
+
 @torch._dynamo.nonstrict_trace
-def _traced_region(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _traced_region(module: torch.nn.Module, ties: tuple[tuple[str, ...], ...], *args: Any, **kwargs: Any) -> Any:
     """A region's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
 
     Dynamo does not step into the propagation (its tags and rules are plain Python, decided
     from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
     local ops and the collectives each rule chose, and their backward.
+
+    AOTAutograd swaps each parameter for its traced value under its first name only; a tied
+    parameter's other names (an ``lm_head`` tied to the embedding) would keep the real tensor,
+    a constant without gradient, so they are pointed at the traced value too.
     """
-    with _region():
+    aliases = {alias: _attribute(module, group[0]) for group in ties for alias in group[1:]}
+    with torch.nn.utils.stateless._reparametrize_module(module, aliases), _region():
         out = type(module).forward(module, *args, **kwargs)
     if _STATE.keep_split_outputs:
         return out
