@@ -491,13 +491,9 @@ def group_runs(tmp_path_factory) -> Callable[[str], list[dict[str, dict[str, Any
     return run
 
 
-# Imports that do not give the saved weights: transformers 5 saves Mixtral's experts one tensor
-# per expert, which from_pretrained merges into the fused parameters; a byte-range load does not
-# merge tensors, so it refuses to leave the fused experts uninitialized.
-IMPORT_XFAIL: dict[str, str] = {
-    "mixtral": "the file holds block_sparse_moe.experts.N.w1/w2/w3.weight, the model mlp.experts.gate_up_proj "
-               "and down_proj (fused): the load refuses to leave them uninitialized",
-}
+# Imports that do not give the saved weights (none today: Mixtral's per-expert tensors are merged
+# into its fused experts as from_pretrained merges them).
+IMPORT_XFAIL: dict[str, str] = {}
 
 
 def _param(arch: Arch, xfail: dict[str, str]) -> Any:
