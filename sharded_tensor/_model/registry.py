@@ -37,12 +37,14 @@ from sharding.layout import Packed, Split
 
 from . import pending as _pending
 from . import regions as _regions
+from . import rule_table as _rule_table
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .param_layout import ParamLayout, split_placement
 
 __all__ = ["ShardedModule", "ShardedCall", "register_sharded_module", "handler_for", "registered_types"]
 
-_REGISTRY: dict[type[nn.Module], ShardedModule] = {}
+# Module types live in the one table of sharded compute rules, next to the ops' split rules.
+_REGISTRY: dict[Any, Any] = _rule_table.RULES
 
 
 class ShardedModule:
@@ -243,7 +245,7 @@ def handler_for(module: nn.Module) -> tuple[ShardedModule | None, str | None]:
     cls = type(module)
     for base in cls.__mro__:
         handler = _REGISTRY.get(base)
-        if handler is None:
+        if not isinstance(handler, ShardedModule):
             continue
         if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward \
                 and not handler.computes_alike(module):
@@ -255,4 +257,4 @@ def handler_for(module: nn.Module) -> tuple[ShardedModule | None, str | None]:
 
 def registered_types() -> list[str]:
     """Names of the registered module types, for messages."""
-    return sorted(t.__name__ for t in _REGISTRY)
+    return sorted(t.__name__ for t in list(_REGISTRY) if isinstance(t, type) and issubclass(t, nn.Module))
