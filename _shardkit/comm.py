@@ -740,6 +740,28 @@ def _run(step: str, group: ProcessGroup, timeout: float | None, post: Callable[[
         raise _fail(step, exc, started, limit, ranks) from exc
 
 
+# -- traceable collectives ----------------------------------------------------------------------
+# Under torch.compile the collectives of a forward or backward become nodes of the graph:
+# torch's functional collectives, which the compiler orders and waits on itself. They replace
+# the bounded wait (timeout, dead-peer detection) of the eager path, which a graph cannot run.
+
+def _default(group: ProcessGroup) -> Any:
+    return dist.group.WORLD if group is None else group
+
+
+def _traced_all_reduce(tensor: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as funcol
+    reduced: torch.Tensor = funcol.wait_tensor(funcol.all_reduce(tensor, op, _default(group)))
+    return reduced
+
+
+def _traced_all_gather(tensor: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
+    from torch.distributed import _functional_collectives as funcol
+    world = dist.get_world_size(group)
+    stacked = funcol.wait_tensor(funcol.all_gather_tensor(tensor.unsqueeze(0), 0, _default(group)))
+    return list(stacked.unbind(0))[:world]
+
+
 def _encode_json(value: object, device: torch.device) -> torch.Tensor:
     """``value`` as JSON bytes in a uint8 tensor on ``device``."""
     return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
@@ -824,6 +846,8 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "s
     entry point (``operation``): elsewhere a failure cannot name the missing ranks.
     """
     if _initialized() and dist.get_world_size(group) > 1:
+        if torch.compiler.is_compiling():
+            return tensor.copy_(_traced_all_reduce(tensor, op, group))
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         _run(what, group, timeout, lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True),
              marked=bool(_scopes()))
@@ -872,6 +896,8 @@ def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup = None, *, timeo
     if not _initialized() or dist.get_world_size(group) == 1:
         return [tensor]
     tensor = tensor.contiguous()
+    if torch.compiler.is_compiling():
+        return _traced_all_gather(tensor, group)
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     _run(what, group, timeout, lambda: dist.all_gather(gathered, tensor, group=group, async_op=True),
          marked=bool(_scopes()))

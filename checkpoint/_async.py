@@ -281,7 +281,8 @@ def _checkpoint_group(process_group: _comm.ProcessGroup, timeout: float | None) 
         group = None  # destroyed with its process group; the ranks may belong to a new one
     if group is None:
         seconds = max(_comm.resolve_timeout(timeout), 1.0)
-        group = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+        group = _teardown.created(dist.new_group(list(ranks), backend="gloo",
+                                                 timeout=datetime.timedelta(seconds=seconds)))
         _groups[ranks] = group
     return group
 

@@ -75,11 +75,9 @@ class _Task:
         return math.prod(self.common[1]) * self.entry.dtype.itemsize
 
 
-def _raw(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
-    """Writable bytes of ``tensor``'s memory if data of ``dtype`` can be read straight into it."""
-    if tensor.device.type != "cpu" or tensor.dtype != dtype or not tensor.is_contiguous():
-        return None
-    return tensor_bytes(tensor)
+def _takes_raw(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether data of ``dtype`` can be read straight into ``tensor``'s memory (``tensor_bytes`` is a view)."""
+    return tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous()
 
 
 def _run_structure(task: _Task) -> int:
@@ -164,6 +162,57 @@ def _copy_mapped(task: _Task, where: tuple[int, int, int], reader: DataReader) -
             del source  # drop every export of the mapping before it is unmapped
 
 
+@dataclass(frozen=True, slots=True)
+class _ReadPlan:
+    """How ``_execute`` reads one overlap (``_plan_read``): the strategy and the byte ranges it uses.
+
+    ``how`` names the function of ``_STRATEGIES`` that reads it; ``[first, last)`` are the bytes
+    of the overlap in the file, ``[lo, hi)`` the same widened to whole checksummed spans, and
+    ``span`` the largest checksummed span a read must see whole before copying (0: none).
+    """
+
+    how: str
+    first: int = 0
+    last: int = 0
+    lo: int = 0
+    hi: int = 0
+    span: int = 0
+
+
+def _plan_read(task: _Task, *, local: bool, scratch_bytes: int) -> _ReadPlan:
+    """Choose how to read ``task`` from its layout, its target's memory and the storage; no I/O.
+
+    - ``scalar``: a 0-d tensor, one element read and verified whole;
+    - ``unchecked``: nothing to verify (a Hugging Face file) and the target takes the bytes as
+      they lie in the file: read straight into it;
+    - ``direct``: the target holds exactly whole checksummed spans (whole regions, aligned
+      blocks), contiguous in file and target: read straight into it and verified there;
+    - ``stream``: local, contiguous in file and target otherwise (row blocks): whole spans
+      through a small buffer, verified before their wanted bytes are copied;
+    - ``mapped``: local, anything else: the covering range is memory mapped, verified, copied;
+    - ``rows``: other file systems: batches of rows, each one range widened to whole spans.
+    """
+    shard = task.shard
+    if not task.common[1]:
+        return _ReadPlan("scalar")
+    first, last = _span(task)
+    lo, hi = covering(shard, first, last)
+    span = shard.chunk_bytes if shard.chunks else (hi - lo if (lo, hi) == shard.byte_range else 0)
+    # One run of bytes in the file (leading dims of size 1 too: one expert's rows of a fused tensor).
+    direct = math.prod(task.common[1][:_run_structure(task)]) == 1 and _takes_raw(task.dest, task.entry.dtype)
+    if direct and not shard.checksum and not shard.chunks:
+        how = "unchecked"
+    elif direct and (lo, hi) == (first, last):
+        how = "direct"
+    elif direct and local and span <= scratch_bytes:
+        how = "stream"
+    elif local:
+        how = "mapped"
+    else:
+        how = "rows"
+    return _ReadPlan(how, first, last, lo, hi, span)
+
+
 def _execute(task: _Task, reader: DataReader, scratch: memoryview, mmap: bool = False) -> None:
     """Copy the overlap ``task.common`` of a saved region into ``task.dest``, verified before it is copied
     (or, with ``mmap``, map the target onto the file's verified pages where ``_map_into`` can).
@@ -174,64 +223,73 @@ def _execute(task: _Task, reader: DataReader, scratch: memoryview, mmap: bool = 
     """
     if mmap and _map_into(task, reader):
         return
-    shard, dtype = task.shard, task.entry.dtype
-    if not task.common[1]:  # 0-d tensor: one element
-        data = reader.read(task.path, *shard.byte_range, tensors=task.name)
-        RegionCheck(shard, task.path, task.name).update(data)
-        _copy(task.dest, tensor_from_bytes(data, dtype).reshape(()))
-        return
-    first, last = _span(task)
-    lo, hi = covering(shard, first, last)
-    direct = _raw(task.dest, dtype) if _run_structure(task) == 0 else None
-    if direct is not None and not shard.checksum and not shard.chunks:
-        # Nothing to verify (a Hugging Face file): straight from the file into the target.
-        reader.readinto(task.path, first, direct, tensors=task.name)
-        return
-    # The largest checksummed span the read must see whole before copying (0: none to check).
-    span = shard.chunk_bytes if shard.chunks else (hi - lo if (lo, hi) == shard.byte_range else 0)
-    if direct is not None and (lo, hi) == (first, last):
-        # The target holds exactly whole checksummed spans (whole regions, aligned blocks): read
-        # straight into it and verify there, one pass less than staging; if a span is corrupt,
-        # the target's bytes are zeroed before the error propagates, so none of them stay.
-        check = RegionCheck(shard, task.path, task.name, first, reader.verified)
-        try:
-            # Piece by piece, each checked right after it arrives, while it is still in the CPU cache.
-            for start in range(0, len(direct), _VERIFY_PIECE):
-                piece = direct[start:start + _VERIFY_PIECE]
-                reader.readinto(task.path, first + start, piece, tensors=task.name)
-                check.update(piece)
-        except CheckpointError:
-            with torch.no_grad():
-                task.dest.zero_()
-            raise
-        return
-    if direct is not None and reader.local and span <= len(scratch):
-        # Contiguous in file and target: stream whole spans through a small buffer (kept in
-        # the CPU cache), verifying each piece before copying its wanted bytes into the target.
-        check = RegionCheck(shard, task.path, task.name, lo, reader.verified)
-        step = len(scratch) - (len(scratch) % span if span else 0)
-        for start in range(lo, hi, step):
-            piece = scratch[:min(step, hi - start)]
-            reader.readinto(task.path, start, piece, tensors=task.name)
+    plan = _plan_read(task, local=reader.local, scratch_bytes=len(scratch))
+    _STRATEGIES[plan.how](task, plan, reader, scratch)
+
+
+def _read_scalar(task: _Task, plan: _ReadPlan, reader: DataReader, scratch: memoryview) -> None:
+    shard = task.shard
+    data = reader.read(task.path, *shard.byte_range, tensors=task.name)
+    RegionCheck(shard, task.path, task.name).update(data)
+    _copy(task.dest, tensor_from_bytes(data, task.entry.dtype).reshape(()))
+
+
+def _read_unchecked(task: _Task, plan: _ReadPlan, reader: DataReader, scratch: memoryview) -> None:
+    reader.readinto(task.path, plan.first, tensor_bytes(task.dest), tensors=task.name)
+
+
+def _read_direct(task: _Task, plan: _ReadPlan, reader: DataReader, scratch: memoryview) -> None:
+    # One pass over memory less than staging; if a span is corrupt, the target's bytes are
+    # zeroed before the error propagates, so none of them stay.
+    direct = tensor_bytes(task.dest)
+    check = RegionCheck(task.shard, task.path, task.name, plan.first, reader.verified)
+    try:
+        # Piece by piece, each checked right after it arrives, while it is still in the CPU cache.
+        for start in range(0, len(direct), _VERIFY_PIECE):
+            piece = direct[start:start + _VERIFY_PIECE]
+            reader.readinto(task.path, plan.first + start, piece, tensors=task.name)
             check.update(piece)
-            a, b = max(start, first), min(start + len(piece), last)
-            direct[a - first:b - first] = piece[a - start:b - start]
-        return
-    if reader.local:
-        _copy_mapped(task, (lo, hi, first), reader)
-        return
-    # Other file systems: batches of rows (dim 0), each read as one range widened to whole spans.
-    row_bytes = max(1, math.prod(shard.dims[1:]) * dtype.itemsize)
-    per_batch = task.common[1][0] if not shard.chunks else max(1, _SLAB_BYTES // row_bytes)
-    for row in range(0, task.common[1][0], per_batch):
-        count = min(per_batch, task.common[1][0] - row)
+    except CheckpointError:
+        with torch.no_grad():
+            task.dest.zero_()
+        raise
+
+
+def _read_stream(task: _Task, plan: _ReadPlan, reader: DataReader, scratch: memoryview) -> None:
+    # The buffer is kept small enough for the CPU cache; each piece is whole spans.
+    direct = tensor_bytes(task.dest)
+    first, last, span = plan.first, plan.last, plan.span
+    check = RegionCheck(task.shard, task.path, task.name, plan.lo, reader.verified)
+    step = len(scratch) - (len(scratch) % span if span else 0)
+    for start in range(plan.lo, plan.hi, step):
+        piece = scratch[:min(step, plan.hi - start)]
+        reader.readinto(task.path, start, piece, tensors=task.name)
+        check.update(piece)
+        a, b = max(start, first), min(start + len(piece), last)
+        direct[a - first:b - first] = piece[a - start:b - start]
+
+
+def _read_mapped(task: _Task, plan: _ReadPlan, reader: DataReader, scratch: memoryview) -> None:
+    _copy_mapped(task, (plan.lo, plan.hi, plan.first), reader)
+
+
+def _read_rows(task: _Task, plan: _ReadPlan, reader: DataReader, scratch: memoryview) -> None:
+    # Batches bound the memory of one read; without chunks the region is only verifiable whole.
+    shard = task.shard
+    row_bytes = max(1, math.prod(shard.dims[1:]) * task.entry.dtype.itemsize)
+    rows = task.common[1][0]
+    per_batch = rows if not shard.chunks else max(1, _SLAB_BYTES // row_bytes)
+    for row in range(0, rows, per_batch):
+        count = min(per_batch, rows - row)
         a, b = _span(task, row, count)
-        ca, cb = covering(shard, a, b) if shard.chunks else (lo, hi)
+        ca, cb = covering(shard, a, b) if shard.chunks else (plan.lo, plan.hi)
         data = reader.read(task.path, ca, cb, tensors=task.name)
         RegionCheck(shard, task.path, task.name, ca, reader.verified).update(data)
         _copy(task.dest[row:row + count], _block(data, task, a - ca, count))
-        if not shard.chunks:
-            return
+
+
+_STRATEGIES = {"scalar": _read_scalar, "unchecked": _read_unchecked, "direct": _read_direct,
+               "stream": _read_stream, "mapped": _read_mapped, "rows": _read_rows}
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:

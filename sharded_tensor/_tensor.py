@@ -436,6 +436,29 @@ class ShardedTensor:
         return (_rebuild_sharded_tensor, (header, tensors))
 
 
+# -- for the package's other modules: no checks, no communication ------------------------------
+
+def from_local(tensors: dict[int, torch.Tensor], metadata: ShardedTensorMetadata, spec: PlacementSpec | None, *,
+               rank: int, group: _comm.ProcessGroup) -> ShardedTensor:
+    """A ShardedTensor of ``rank``'s ``tensors`` (keyed by shard index in ``metadata``), taken as they are."""
+    return ShardedTensor._make(tensors, metadata, spec, rank=rank, group=group)
+
+
+def local_by_index(tensor: ShardedTensor) -> dict[int, torch.Tensor]:
+    """``tensor``'s local tensors, keyed by their shard's index in its metadata."""
+    return tensor._local_by_index()
+
+
+def rank_of(tensor: ShardedTensor) -> int:
+    """The rank, in ``tensor.process_group``, whose shards ``tensor`` holds."""
+    return tensor._rank
+
+
+def world_of(tensor: ShardedTensor) -> int:
+    """The size of ``tensor.process_group``; raises if its layout names ranks outside it."""
+    return tensor._world()
+
+
 def _rebuild_sharded_tensor(header: str, tensors: list[torch.Tensor]) -> ShardedTensor:
     """Inverse of ``ShardedTensor.__reduce_ex__``; safe for ``torch.load(weights_only=True)``."""
     from sharding import spec_from_dict

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ._device import RemoteDevice
-from .layout import check_reduce_op
+from .layout import Partial, Placement, check_reduce_op, placement_of
 
 __all__ = ["ShardMetadata", "ShardedTensorMetadata"]
+
+_UNKNOWN = object()  # a metadata's placement not given: read off its shards when first asked for
+
 
 @dataclass(frozen=True, slots=True)
 class ShardMetadata:
@@ -80,24 +83,39 @@ class ShardedTensorMetadata:
     then full-size, one per holding rank, and the tensor's value is that reduction of the
     holders' local values (see ``PartialSpec``).
 
+    ``placement`` says the same layout in the words of ``sharding.layout`` (a ``Split``,
+    ``Packed``, ``Replicated`` or ``Partial``, or ``None`` when none of them fits). Specs give it;
+    otherwise it is read off the shards once, when first asked for. It takes no part in
+    equality: two metadata with the same shards are the same layout.
+
     Args:
         shards: every ``ShardMetadata``, in placement order.
         size: the global size (stored as ``torch.Size``).
         dtype: the element type.
         partial: ``None``, or the pending reduction of a partial tensor.
+        placement: the layout's placement when the caller knows it (a spec); by default it is
+            derived from ``shards`` (``sharding.layout.placement_of``).
     """
 
     shards: tuple[ShardMetadata, ...]
     size: torch.Size
     dtype: torch.dtype
     partial: str | None
+    _placement: object = field(compare=False, repr=False)
 
     def __init__(self, shards: Iterable[ShardMetadata], size: Sequence[int],
-                 dtype: torch.dtype | None = None, partial: str | None = None) -> None:
+                 dtype: torch.dtype | None = None, partial: str | None = None,
+                 placement: Placement | None | object = _UNKNOWN) -> None:
         object.__setattr__(self, "shards", tuple(shards))
         object.__setattr__(self, "size", torch.Size(size))
         object.__setattr__(self, "dtype", dtype if dtype is not None else torch.get_default_dtype())
         object.__setattr__(self, "partial", None if partial is None else check_reduce_op(partial, where="partial"))
+        if placement is not _UNKNOWN and isinstance(placement, Partial) != (self.partial is not None) or (
+                isinstance(placement, Partial) and placement.reduce_op != self.partial):
+            msg = (f"placement={placement!r} does not match partial={self.partial!r}; a partial tensor's placement "
+                   f"is Partial(reduce_op) with the same reduction, and only a partial tensor's.")
+            raise ValueError(msg)
+        object.__setattr__(self, "_placement", placement)
         for i, shard in enumerate(self.shards):
             if not isinstance(shard, ShardMetadata):
                 msg = f"shards[{i}] is {type(shard).__name__} {shard!r}; expected a ShardMetadata."
@@ -106,6 +124,15 @@ class ShardedTensorMetadata:
                 msg = (f"shards[{i}] has {len(shard.dims)} dimensions (dims={shard.dims!r}) but the "
                        f"tensor has {len(self.size)} (size={tuple(self.size)!r}).")
                 raise ValueError(msg)
+
+    @property
+    def placement(self) -> Placement | None:
+        """How the ranks hold this tensor (``sharding.layout``): ``Split``, ``Packed``, ``Replicated``,
+        ``Partial``, or ``None`` (blocks along several dimensions, copies on some ranks only, or the
+        whole tensor on one rank)."""
+        if self._placement is _UNKNOWN:
+            object.__setattr__(self, "_placement", placement_of(self.shards, self.size, self.partial))
+        return self._placement  # type: ignore[return-value]
 
     def shards_on(self, rank: int) -> list[tuple[int, ShardMetadata]]:
         """``(index, shard)`` for every shard held by ``rank``, in placement order."""

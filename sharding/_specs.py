@@ -17,7 +17,7 @@ import torch
 from ._device import RemoteDevice
 from ._metadata import ShardedTensorMetadata, ShardMetadata
 from ._placement import PlacementSpec, register_spec, spec_from_dict
-from .layout import check_reduce_op, check_tiling, chunk_bounds
+from .layout import Packed, Partial, Placement, Replicated, Split, check_reduce_op, check_tiling, chunk_bounds
 
 __all__ = [
     "DevicePlacement", "ShardingSpec", "SingleSplitShardingSpec", "MeshShardingSpec", "CompositeShardingSpec",
@@ -57,7 +57,8 @@ class DevicePlacement(PlacementSpec):
         """The whole tensor on one rank, or a full replica on every rank when no rank is given."""
         size = _check_size(size)
         shards = _expand(self, (0,) * len(size), size, world_size, "DevicePlacement")
-        return ShardedTensorMetadata(shards, size, dtype)
+        # A replica on every rank; the whole tensor on one rank has no placement of its own.
+        return ShardedTensorMetadata(shards, size, dtype, placement=Replicated() if self.device.rank is None else None)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
@@ -106,6 +107,24 @@ def _expand(placement: DevicePlacement, offsets: tuple[int, ...], dims: tuple[in
                f"rank; pass world_size= to build_metadata, or name the rank as 'rank:<r>/{device.device}'.")
         raise ValueError(msg)
     return [ShardMetadata(offsets, dims, RemoteDevice.of(r, device.device)) for r in range(world_size)]
+
+
+def _split_placement(dim: int, placements: Sequence[DevicePlacement],
+                     bounds: Sequence[tuple[int, int]]) -> Placement | None:
+    """The placement of a split along ``dim`` giving ``bounds[i]`` to ``placements[i]``.
+
+    One slice per rank is a ``Split``; a rank named several times holds a ``Packed`` layout.
+    ``None`` for a placement without a rank (a slice on every rank: copies, not a split).
+    """
+    ranks = [p.device.rank for p in placements if p.device.rank is not None]
+    if len(ranks) != len(placements):
+        return None
+    held: list[list[tuple[int, int]]] = [[] for _ in range(max(ranks) + 1)]
+    for r, bound in zip(ranks, bounds):
+        held[r].append(bound)
+    if all(len(h) <= 1 for h in held):
+        return Split(dim, tuple(h[0] if h else (0, 0) for h in held))
+    return Packed(dim, tuple(tuple(sorted(b for b in h if b[1] > 0)) for h in held))
 
 
 def _rank_limit(placements: Iterable[DevicePlacement], world_size: int | None, what: str) -> None:
@@ -230,7 +249,7 @@ class SingleSplitShardingSpec(PlacementSpec):
             offsets = tuple(start if d == dim else 0 for d in range(len(size)))
             dims = tuple(length if d == dim else size[d] for d in range(len(size)))
             shards += _expand(placement, offsets, dims, world_size, f"shard_placement[{i}]")
-        return ShardedTensorMetadata(shards, size, dtype)
+        return ShardedTensorMetadata(shards, size, dtype, placement=_split_placement(dim, self.shard_placement, bounds))
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""
@@ -329,7 +348,10 @@ class MeshShardingSpec(PlacementSpec):
             offsets = tuple(bounds[d][i][0] for d, i in enumerate(index))
             dims = tuple(bounds[d][i][1] for d, i in enumerate(index))
             shards += _expand(placement, offsets, dims, world_size, f"mesh element {tuple(index)!r}")
-        return ShardedTensorMetadata(shards, size, dtype)
+        split = [d for d, k in enumerate(self.mesh_shape) if k > 1]
+        # Split along one mesh axis, the mesh is a single split; along several, blocks (no placement).
+        along = _split_placement(split[0], self.shard_placement, bounds[split[0]]) if len(split) == 1 else None
+        return ShardedTensorMetadata(shards, size, dtype, placement=along)
 
     def __repr__(self) -> str:
         return f"MeshShardingSpec({self.to_dict()['shard_placement']!r})"
@@ -461,7 +483,7 @@ class PartialSpec(PlacementSpec):
         shards: list[ShardMetadata] = []
         for i, placement in enumerate(self.shard_placement):
             shards += _expand(placement, (0,) * len(size), size, world_size, f"PartialSpec shard_placement[{i}]")
-        return ShardedTensorMetadata(shards, size, dtype, self.reduce_op)
+        return ShardedTensorMetadata(shards, size, dtype, self.reduce_op, placement=Partial(self.reduce_op))
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""

@@ -1,19 +1,34 @@
-"""Pure layout arithmetic shared by every package: boxes, tiling checks, chunk bounds, reductions.
+"""The layout vocabulary shared by every package: placements, boxes, tiling checks, chunk bounds.
 
-A *box* is ``(offsets, dims)``, a block of a global tensor. Nothing here communicates.
+A *placement* says how the ranks of a group hold one tensor, in four frozen values:
+:class:`Split` (one slice per rank along a dimension, even or uneven), :class:`Packed`
+(several slices per rank along a dimension, side by side in the local tensor, as a fused
+q/k/v weight split by heads holds them), :class:`Replicated` (the whole tensor on every rank)
+and :class:`Partial` (a full-size value on every rank, pending a reduction). Specs attach the
+placement to the metadata they build (``ShardedTensorMetadata.placement``); metadata built
+from a shard list gets it from :func:`placement_of`, the one place that reads a placement
+off shards. Rank ``r`` of a placement is rank ``r`` of the metadata's shards (the group
+rank, for a model sharded over a group).
+
+A *box* is ``(offsets, dims)``, a block of a global tensor (a shard's *region*). Nothing here
+communicates.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Self, TypeVar
 
 import torch
 
-__all__ = ["Box", "box_slices", "intersect", "RegionIndex", "check_tiling", "chunk_bounds", "REDUCE_OPS",
+__all__ = ["Split", "Packed", "Replicated", "Partial", "Placement", "placement_of",
+           "Box", "box_slices", "intersect", "RegionIndex", "check_tiling", "chunk_bounds", "REDUCE_OPS",
            "check_reduce_op"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -41,6 +56,284 @@ def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offsets, dims)`` of a block of the global tensor."""
+
+
+# -- placements ----------------------------------------------------------------------------------
+
+_Self = TypeVar("_Self")
+
+
+def _int(value: object) -> bool:
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _check_dim(owner: str, dim: object) -> None:
+    if not _int(dim) or dim < 0:  # type: ignore[operator]
+        msg = (f"{owner} dim={dim!r} must be a non-negative int (the tensor dimension that is split); "
+               f"resolve a negative dimension against the tensor's rank first.")
+        raise ValueError(msg) if _int(dim) else TypeError(msg)
+
+
+def _as_slices(owner: str, value: object, where: str) -> tuple[tuple[int, int], ...]:
+    """``value`` as a tuple of ``(start, length)`` pairs of non-negative ints, or a clear error."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        msg = f"{owner} {where}={value!r} must be a sequence of (start, length) pairs, e.g. ((0, 4), (4, 4))."
+        raise TypeError(msg)
+    out = []
+    for i, pair in enumerate(value):
+        if (not isinstance(pair, Sequence) or len(pair) != 2 or not all(_int(x) for x in pair)):
+            msg = f"{owner} {where}[{i}]={pair!r} is not a (start, length) pair of ints."
+            raise TypeError(msg)
+        start, length = int(pair[0]), int(pair[1])
+        if start < 0 or length < 0:
+            msg = f"{owner} {where}[{i}]=({start}, {length}) has a negative start or length; both must be >= 0."
+            raise ValueError(msg)
+        out.append((start, length))
+    return tuple(out)
+
+
+def _check_cover(owner: str, slices: Sequence[tuple[int, int]], what: str) -> None:
+    """The non-empty ``(start, length)`` slices must tile ``[0, size)``: every index on exactly one rank."""
+    ordered = sorted(s for s in slices if s[1] > 0)
+    end = 0
+    for start, length in ordered:
+        if start != end:
+            problem = "overlap" if start < end else "leave a gap"
+            msg = (f"{owner} {what}={tuple(slices)!r}: the slices {problem} at index {min(start, end)}; the non-empty "
+                   f"(start, length) slices must cover 0..size-1 exactly once (each index on one rank).")
+            raise ValueError(msg)
+        end = start + length
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """One slice per rank along dimension ``dim``: rank ``r`` holds ``intervals[r] = (start, length)``.
+
+    Even (like ``torch.chunk``, see :meth:`even`) or uneven. A rank with length 0 holds none of
+    it. The non-empty intervals tile ``[0, size)``: every index along ``dim`` is on exactly one
+    rank. Other dimensions are whole on every rank.
+
+    Args:
+        dim: the split dimension (non-negative).
+        intervals: per rank, its ``(start, length)`` along ``dim``.
+
+    Raises:
+        ValueError: a negative ``dim``, start or length, or intervals that overlap or leave a gap.
+        TypeError: ``dim`` or an interval is not made of ints.
+
+    Example:
+        >>> Split.even(0, 10, 4).intervals
+        ((0, 3), (3, 3), (6, 3), (9, 1))
+    """
+
+    dim: int
+    intervals: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        _check_dim("Split", self.dim)
+        intervals = _as_slices("Split", self.intervals, "intervals")
+        _check_cover("Split", intervals, "intervals")
+        object.__setattr__(self, "intervals", intervals)
+
+    @classmethod
+    def even(cls, dim: int, size: int, parts: int) -> Split:
+        """``size`` split into ``parts`` like ``torch.chunk`` (trailing ranks may get length 0)."""
+        return cls(dim, tuple(chunk_bounds(size, parts)))
+
+    @property
+    def size(self) -> int:
+        """The global size along ``dim``."""
+        return max((s + n for s, n in self.intervals), default=0)
+
+    def moved(self, dim: int) -> Self:
+        """The same intervals on another dimension (after a transpose or a reshape)."""
+        if dim == self.dim:
+            return self
+        if type(dim) is not int or dim < 0:
+            _check_dim("Split", dim)
+        return _replaced(self, dim=dim)
+
+    def scaled(self, dim: int, num: int, den: int) -> Self | None:
+        """On ``dim``, every interval multiplied by ``num / den``; ``None`` where that is not exact."""
+        out = []
+        for start, length in self.intervals:
+            if (start * num) % den or (length * num) % den:
+                return None
+            out.append((start * num // den, length * num // den))
+        if type(dim) is not int or dim < 0:
+            _check_dim("Split", dim)
+        return _replaced(self, dim=dim, intervals=tuple(out))
+
+    def over(self, ranks: int) -> Split:
+        """The split over ``ranks`` ranks: ranks beyond the intervals hold nothing (``(0, 0)``).
+
+        Raises:
+            ValueError: a rank at or beyond ``ranks`` holds part of the tensor.
+        """
+        beyond = [r for r, (_, n) in enumerate(self.intervals) if r >= ranks and n > 0]
+        if beyond:
+            msg = (f"Split intervals={self.intervals!r} give rank {beyond[0]} a slice, but the group has {ranks} "
+                   f"ranks; place the tensor on ranks 0..{ranks - 1}.")
+            raise ValueError(msg)
+        if len(self.intervals) == ranks:
+            return self
+        return Split(self.dim, self.intervals[:ranks] + ((0, 0),) * (ranks - len(self.intervals)))
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """Several slices per rank along ``dim``, side by side in the rank's local tensor.
+
+    ``pieces[r]`` lists rank ``r``'s ``(start, length)`` slices in increasing order; its local
+    tensor is their concatenation along ``dim``. A fused q/k/v weight split by heads holds this
+    way: each rank its rows of q, then of k, then of v. The non-empty slices of all ranks tile
+    ``[0, size)``.
+
+    Args:
+        dim: the dimension the slices are cut from (non-negative).
+        pieces: per rank, its slices in increasing order.
+
+    Raises:
+        ValueError: a negative ``dim``, start or length, slices of a rank out of order, or
+            slices that overlap or leave a gap.
+        TypeError: ``dim`` or a slice is not made of ints.
+
+    Example:
+        >>> Packed(0, (((0, 2), (4, 2)), ((2, 2), (6, 2)))).coalesced() is None
+        True
+    """
+
+    dim: int
+    pieces: tuple[tuple[tuple[int, int], ...], ...]
+
+    def __post_init__(self) -> None:
+        _check_dim("Packed", self.dim)
+        if isinstance(self.pieces, (str, bytes)) or not isinstance(self.pieces, Sequence):
+            msg = f"Packed pieces={self.pieces!r} must be a sequence with one tuple of (start, length) slices per rank."
+            raise TypeError(msg)
+        pieces = tuple(_as_slices("Packed", p, f"pieces[{r}]") for r, p in enumerate(self.pieces))
+        for r, slices in enumerate(pieces):
+            if any(a + n > b for (a, n), (b, _) in zip(slices, slices[1:])):
+                msg = (f"Packed pieces[{r}]={slices!r} are not in increasing order without overlap; list a rank's "
+                       f"slices by their start.")
+                raise ValueError(msg)
+        _check_cover("Packed", [s for slices in pieces for s in slices], "pieces")
+        object.__setattr__(self, "pieces", pieces)
+
+    @property
+    def size(self) -> int:
+        """The global size along ``dim``."""
+        return max((s + n for slices in self.pieces for s, n in slices), default=0)
+
+    def local_length(self, rank: int) -> int:
+        """The size of ``rank``'s local tensor along ``dim``."""
+        return sum(n for _, n in self.pieces[rank]) if rank < len(self.pieces) else 0
+
+    def coalesced(self) -> Split | None:
+        """The same layout as a :class:`Split` when every rank's slices are adjacent, else ``None``."""
+        intervals = []
+        for slices in self.pieces:
+            live = [s for s in slices if s[1] > 0]
+            if any(a + n != b for (a, n), (b, _) in zip(live, live[1:])):
+                return None
+            intervals.append((live[0][0], sum(n for _, n in live)) if live else (0, 0))
+        return Split(self.dim, tuple(intervals))
+
+
+@dataclass(frozen=True, slots=True)
+class Replicated:
+    """The whole tensor on every rank (identical values)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """A full-size value on every holding rank, pending an element-wise reduction across them.
+
+    A row-parallel matmul leaves its output this way (``reduce_op="sum"``).
+
+    Args:
+        reduce_op: the pending reduction: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+
+    Raises:
+        ValueError: ``reduce_op`` is not one of those.
+    """
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        check_reduce_op(self.reduce_op, where="Partial reduce_op")
+
+
+Placement = Split | Packed | Replicated | Partial
+"""How the ranks of a group hold one tensor."""
+
+
+def _replaced(value: _Self, **changes: object) -> _Self:
+    """A copy of a checked placement with fields whose validity the caller guarantees.
+
+    No re-check: the split engine moves a split from dimension to dimension on every op.
+    """
+    cls = type(value)
+    new = object.__new__(cls)
+    for name in _field_names(cls):  # type: ignore[arg-type]
+        object.__setattr__(new, name, changes[name] if name in changes else getattr(value, name))
+    return new
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+class _Shard(Protocol):
+    """A shard as :func:`placement_of` reads it: its block and its rank (``ShardMetadata``)."""
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    @property
+    def dims(self) -> tuple[int, ...]: ...
+
+    @property
+    def rank(self) -> int | None: ...
+
+
+def placement_of(shards: Sequence[_Shard], size: Sequence[int], partial: str | None = None) -> Placement | None:
+    """The placement of a tensor laid out as ``shards`` (one ``ShardMetadata`` per block), if it has one.
+
+    Rank ``r`` of the result is rank ``r`` of the shards; ranks below the highest one that hold
+    nothing get length 0. ``None`` when no placement describes the layout: blocks split along
+    several dimensions, elements held by some ranks and not others, a shard without a rank, or
+    no dimension to split (the whole tensor on one rank). Pure; used for metadata no spec built
+    (from local shards, a checkpoint, a DTensor): specs state their placement themselves.
+    """
+    size = tuple(size)
+    if partial is not None:
+        return Partial(partial)
+    ranks = [s.rank for s in shards]
+    known = [r for r in ranks if r is not None]
+    if not shards or len(known) != len(ranks):
+        return None
+    mine: list[list[_Shard]] = [[] for _ in range(max(known) + 1)]
+    for s, r in zip(shards, known):
+        mine[r].append(s)
+    full = (0,) * len(size)
+    if all(len(held) == 1 and held[0].offsets == full and held[0].dims == size for held in mine):
+        return Replicated()
+    live = [s for s in shards if 0 not in s.dims]
+    dims = {d for s in live for d in range(len(size)) if s.dims[d] != size[d]}
+    if len(dims) != 1:
+        return None
+    dim = dims.pop()
+    if any(s.offsets[d] != 0 for s in live for d in range(len(size)) if d != dim):
+        return None
+    try:
+        if all(len(held) <= 1 for held in mine):
+            return Split(dim, tuple((held[0].offsets[dim], held[0].dims[dim]) if held else (0, 0) for held in mine))
+        return Packed(dim, tuple(tuple(sorted((s.offsets[dim], s.dims[dim]) for s in held if 0 not in s.dims))
+                                 for held in mine))
+    except ValueError:
+        return None  # overlapping copies: some ranks hold an element, others not
 
 
 class _Block(Protocol):

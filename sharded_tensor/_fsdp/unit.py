@@ -105,11 +105,37 @@ class Unit:
         self._reductions: list[tuple[Unit, _flat.PendingCollective, torch.Tensor, list[bool], torch.Tensor]] = []
         self._callback_queued = False
         self.handles: list[Any] = []
+        self.absent = False  # this rank is in no data-parallel group (ranks=[]): it holds no rows
 
     # -- the unsharded buffer --------------------------------------------------------------------
 
     def _release(self) -> None:
-        self.unsharded.untyped_storage().resize_(0)
+        if not self.unsharded.is_meta:
+            self.unsharded.untyped_storage().resize_(0)
+
+    def adopt(self) -> None:
+        """Take the local parameters now in the module's slots (``shard_model`` materializing meta rows).
+
+        Called only while the slots hold the local rows (not inside this unit's forward).
+
+        Raises:
+            ValueError: the rows are still on the meta device.
+        """
+        for i, owners in enumerate(self.owners):
+            owner, attr = owners[0]
+            current = owner._parameters[attr]
+            if current is not self.local[i] and isinstance(current, nn.Parameter):
+                self.local[i] = current
+        if self.unsharded.is_meta:
+            meta = [flat.name for flat, p in zip(self.plan.params, self.local) if p.is_meta]
+            if meta:
+                msg = (f"{self.label}: parameters {meta[:4]} are still on the meta device; materialize and "
+                       f"initialize this rank's rows with st.shard_model(model, composite(), seed=...) (or "
+                       f"init=False followed by checkpoint.load) after fully_shard.")
+                raise ValueError(msg)
+            device = self.local[0].device if self.local else torch.device("cpu")
+            self.unsharded = torch.empty(self.plan.flat_numel, dtype=self.compute_dtype, device=device)
+            self._release()
 
     def full_views(self) -> list[torch.Tensor]:
         return [self.unsharded[self.plan.full_slice(p)].view(p.shape) for p in self.plan.params]
@@ -120,6 +146,7 @@ class Unit:
             if not self.plan.params:
                 self.state = "unsharded"
             return
+        self.adopt()
         plan = self.plan
         send = torch.empty(plan.segment, dtype=self.compute_dtype, device=self.unsharded.device)
         with torch.no_grad():
@@ -177,6 +204,10 @@ class Unit:
 
     def pre_forward(self, module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.absent:
+            msg = (f"{self.label}: this rank was given ranks=[] (it holds no part of the parameters), so it "
+                   f"cannot run the module; run forward only on the ranks of the data-parallel groups.")
+            raise ValueError(msg)
         root = _active.root
         if root is None or root is self or self not in root.order:  # (a root left over by a failed forward)
             root = self

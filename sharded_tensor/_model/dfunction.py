@@ -29,7 +29,7 @@ import torch
 from sharding import DevicePlacement, PlacementSpec, ShardedTensorMetadata
 
 from .._reshard import redistribute
-from .._tensor import ShardedTensor
+from .._tensor import ShardedTensor, from_local, local_by_index, rank_of, world_of
 
 __all__ = ["DFunction", "LayoutDecision", "register_layout_rule"]
 
@@ -158,15 +158,15 @@ class DFunction:
                 msg = (f"layout rule {cls.layout_rule!r} left the ShardedTensor arguments of {cls.__name__} in "
                        f"different layouts; a rule must put every input where the local forward can combine them.")
                 raise ValueError(msg)
-        rank = first._rank
+        rank = rank_of(first)
         outputs: dict[int, torch.Tensor] = {}
-        locals_by_arg = [a._local_by_index() if isinstance(a, ShardedTensor) else None for a in args]
+        locals_by_arg = [local_by_index(a) if isinstance(a, ShardedTensor) else None for a in args]
         for index, _ in layout.shards_on(rank):
             local_args = [m[index] if m is not None else a for a, m in zip(args, locals_by_arg)]
             outputs[index] = cls._function().apply(*local_args)
         dtype = next(iter(outputs.values())).dtype if outputs else layout.dtype
         result_layout = ShardedTensorMetadata(layout.shards, layout.size, dtype)
-        result = ShardedTensor._make(outputs, result_layout, first.sharding_spec(), rank=rank, group=first._group)
+        result = from_local(outputs, result_layout, first.sharding_spec(), rank=rank, group=first.process_group)
         if decision.output is not None and first.sharding_spec() != decision.output:
             result.reshard(decision.output)
         return result
@@ -176,9 +176,9 @@ def _resharded(tensor: ShardedTensor, spec: PlacementSpec | None) -> ShardedTens
     """``tensor`` itself, or a copy of it laid out as ``spec`` (collective; the original is untouched)."""
     if spec is None:
         return tensor
-    target = spec.build_metadata(tensor.shape, tensor.dtype, world_size=tensor._world())
+    target = spec.build_metadata(tensor.shape, tensor.dtype, world_size=world_of(tensor))
     if target.shards == tensor.sharding_metadata().shards:
         return tensor
-    rank, group = tensor._rank, tensor._group
-    local = redistribute(tensor._local_by_index(), tensor.sharding_metadata(), target, rank=rank, group=group)
-    return ShardedTensor._make(local, target, spec, rank=rank, group=group)
+    rank, group = rank_of(tensor), tensor.process_group
+    local = redistribute(local_by_index(tensor), tensor.sharding_metadata(), target, rank=rank, group=group)
+    return from_local(local, target, spec, rank=rank, group=group)

@@ -2,12 +2,12 @@
 
 From data to execution:
 
-1. :func:`classify` reads a parameter's shard layout (``ShardedTensorMetadata``) and says
-   what it is for compute: *replicated* (whole on every rank), *split* along one dimension
-   (each element on exactly one rank; ``intervals`` give each rank's slice, or ``pieces`` its
-   several slices for a packed layout such as a fused q/k/v weight split by heads), or
-   something no registration here computes with (blocks split along several dimensions, or
-   elements held by some ranks but not all).
+1. :func:`classify` (``param_layout``) reads a parameter's metadata as a compute layout: the
+   placement the spec attached to it (``sharding.layout``): *replicated* (whole on every
+   rank), a ``Split`` along one dimension (``intervals`` give each rank's slice) or a
+   ``Packed`` one (``pieces`` give each rank's several slices, as a fused q/k/v weight split
+   by heads holds them), or something no registration here computes with (blocks split along
+   several dimensions, or elements held by some ranks but not all).
 2. :func:`plan_module` hands the layouts of one module's parameters to the module type's
    registration (``_registry``), which returns a plan or refuses with a ``ValueError`` that
    names the module and says why. Refusal happens at shard time: a layout that cannot be
@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -39,187 +40,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from _shardkit import comm as _comm
-from sharding import ShardedTensorMetadata
-from sharding.layout import Box
+from sharding.layout import Packed
 
 from . import regions as _regions
 from . import registry as _registry
-from .functional import Intervals
+from . import strided as _strided  # noqa: F401 - the strided split (heads merged with the batch)
+from .functional import Intervals, copy_to_ranks
+from .param_layout import ParamLayout, classify, split_placement
 
-__all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install", "optimize"]
-
-# -- 1. layouts -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParamLayout:
-    """How one parameter is laid out over the ranks of a group, as compute sees it.
-
-    Attributes:
-        name: the parameter's full name in the model (the first one, for tied parameters).
-        metadata: the full shard layout.
-        boxes: per group rank, the block its shards form together (``None``: it holds none).
-        kind: ``"replicated"``, ``"split"``, ``"blocks"`` (split along several dimensions) or
-            ``"partial"`` (some elements on several ranks but not all).
-        dim: the split dimension for ``"split"``; ``None`` when one rank holds everything.
-        intervals: per group rank, ``(start, length)`` along ``dim`` (for ``"split"`` when each
-            rank holds one slice; ``None`` when some rank holds several, see ``pieces``).
-        pieces: for a *packed* split, where a rank holds several non-adjacent slices along
-            ``dim`` (e.g. its heads of q, k and v in one fused weight): per group rank, its
-            slices in order; its local tensor is their concatenation along ``dim``.
-    """
-
-    name: str
-    metadata: ShardedTensorMetadata
-    boxes: tuple[Box | None, ...]
-    kind: Literal["replicated", "split", "blocks", "partial"]
-    dim: int | None
-    intervals: Intervals | None
-    pieces: tuple[Intervals, ...] | None = None
-
-    def local_region(self, rank: int, region: Box) -> Box:
-        """Where the global ``region`` (one of ``rank``'s shards) sits in ``rank``'s local tensor."""
-        box = self.boxes[rank]
-        assert box is not None
-        if self.pieces is None:
-            return tuple(o - b for o, b in zip(region[0], box[0])), region[1]
-        dim = self.dim
-        assert dim is not None
-        local = 0
-        for start, length in self.pieces[rank]:
-            if start == region[0][dim]:
-                offsets = [o - b for o, b in zip(region[0], box[0])]
-                offsets[dim] = local
-                return tuple(offsets), region[1]
-            local += length
-        raise KeyError(region)
-
-    def local_of(self, rank: int, full: torch.Tensor) -> torch.Tensor:
-        """``rank``'s local tensor cut from the full tensor (a view when it is one block)."""
-        box = self.boxes[rank]
-        assert box is not None
-        if self.pieces is None:
-            return full[tuple(slice(o, o + n) for o, n in zip(*box))]
-        dim = self.dim
-        assert dim is not None
-        return torch.cat([full.narrow(dim, start, length) for start, length in self.pieces[rank]], dim)
-
-    @property
-    def global_shape(self) -> tuple[int, ...]:
-        return tuple(self.metadata.size)
-
-    def owner(self) -> int | None:
-        """The only rank holding any element, for a split with ``dim is None``."""
-        holders = [r for r, box in enumerate(self.boxes) if box is not None and _volume(box) > 0]
-        return holders[0] if len(holders) == 1 else None
-
-    def along(self, dim: int) -> Intervals:
-        """Per-rank ``(start, length)`` along ``dim`` (for a one-owner layout too)."""
-        if self.dim == dim and self.intervals is not None:
-            return self.intervals
-        size = self.global_shape[dim]
-        return tuple((0, size) if box is not None and _volume(box) > 0 else (0, 0) for box in self.boxes)
-
-    def local_shape(self, rank: int, compute_dim: int | None = None) -> tuple[int, ...]:
-        """Shape of ``rank``'s local tensor (empty along the split dimension if it holds nothing)."""
-        box = self.boxes[rank]
-        if box is not None:
-            return box[1]
-        shape = list(self.global_shape)
-        dim = compute_dim if compute_dim is not None else (self.dim if self.dim is not None else 0)
-        if shape:
-            shape[dim] = 0
-        return tuple(shape)
-
-    def describe(self) -> str:
-        """A short human-readable account of who holds what."""
-        parts = [f"rank {r}: offsets {b[0]} sizes {b[1]}" for r, b in enumerate(self.boxes) if b is not None]
-        return "; ".join(parts) if parts else "no rank holds it"
-
-
-def _volume(box: Box) -> int:
-    n = 1
-    for s in box[1]:
-        n *= s
-    return n
-
-
-def _union_box(regions: Sequence[Box]) -> Box | None:
-    """The block covered by ``regions`` (distinct, disjoint) if they form one block, else ``None``."""
-    ndim = len(regions[0][0])
-    lo = tuple(min(o[d] for o, _ in regions) for d in range(ndim))
-    hi = tuple(max(o[d] + s[d] for o, s in regions) for d in range(ndim))
-    box = (lo, tuple(high - low for high, low in zip(hi, lo)))
-    return box if _volume(box) == sum(_volume(r) for r in regions) else None
-
-
-def classify(name: str, metadata: ShardedTensorMetadata, world: int) -> ParamLayout:
-    """Read ``metadata`` as a compute layout. Pure; identical on every rank.
-
-    Raises:
-        ValueError: if some rank's shards do not form a single block (the model keeps one local
-            tensor per parameter and rank).
-    """
-    size = tuple(metadata.size)
-    boxes: list[Box | None] = []
-    packed: dict[int, tuple[int, Intervals]] = {}
-    for rank in range(world):
-        regions = list(dict.fromkeys(s.region for _, s in metadata.shards_on(rank)))
-        if not regions:
-            boxes.append(None)
-            continue
-        nonempty = [r for r in regions if _volume(r) > 0]
-        box = _union_box(nonempty) if nonempty else regions[0]
-        if box is None:
-            along = _packed(nonempty)
-            if along is None:
-                shown = ", ".join(f"offsets {o} sizes {s}" for o, s in nonempty)
-                msg = (f"parameter {name!r} (size {size}): rank {rank} would hold shards [{shown}], which neither "
-                       f"form one block nor differ along a single dimension; a sharded model keeps one local "
-                       f"tensor per parameter on each rank, so give each rank one shard (or slices of one "
-                       f"dimension) of every parameter.")
-                raise ValueError(msg)
-            dim, slices = along
-            packed[rank] = along
-            sizes = list(nonempty[0][1])
-            sizes[dim] = sum(n for _, n in slices)
-            offsets = list(nonempty[0][0])
-            offsets[dim] = slices[0][0]
-            box = (tuple(offsets), tuple(sizes))
-        boxes.append(box)
-    full: Box = ((0,) * len(size), size)
-    numel = _volume(full)
-    if all(b == full for b in boxes) and not packed:
-        return ParamLayout(name, metadata, tuple(boxes), "replicated", None, None)
-    held = sum(_volume(b) for b in boxes if b is not None)
-    if held != numel:
-        return ParamLayout(name, metadata, tuple(boxes), "partial", None, None)
-    split_dims = sorted({d for b in boxes if b is not None and _volume(b) > 0
-                         for d in range(len(size)) if b[1][d] != size[d]} | {d for d, _ in packed.values()})
-    if len(split_dims) > 1:
-        return ParamLayout(name, metadata, tuple(boxes), "blocks", None, None)
-    if not split_dims:
-        return ParamLayout(name, metadata, tuple(boxes), "split", None, None)
-    dim = split_dims[0]
-    if packed:
-        pieces = tuple(packed[r][1] if r in packed else ((b[0][dim], b[1][dim]),) if b is not None else ()
-                       for r, b in enumerate(boxes))
-        return ParamLayout(name, metadata, tuple(boxes), "split", dim, None, pieces)
-    intervals = tuple((b[0][dim], b[1][dim]) if b is not None else (0, 0) for b in boxes)
-    return ParamLayout(name, metadata, tuple(boxes), "split", dim, intervals)
-
-
-def _packed(regions: Sequence[Box]) -> tuple[int, Intervals] | None:
-    """``(dim, slices)`` when ``regions`` differ only along one dimension (slices in order), else ``None``."""
-    ndim = len(regions[0][0])
-    dims = [d for d in range(ndim) if len({(o[d], s[d]) for o, s in regions}) > 1]
-    if len(dims) != 1:
-        return None
-    dim = dims[0]
-    slices = tuple(sorted((o[dim], s[dim]) for o, s in regions))
-    if any(a + n > b for (a, n), (b, _) in zip(slices, slices[1:])):
-        return None
-    return dim, slices
-
+__all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install",
+           "optimize"]
 
 # -- 2. plans -----------------------------------------------------------------------------------------
 
@@ -238,6 +68,12 @@ class LinearPlan:
     bias: Literal["none", "replicated", "local", "disjoint"]
     bias_intervals: Intervals | None
     weight_dim: int | None
+    pieces: tuple[Intervals, ...] | None = None  # "out" packed: each rank's slices of the output features
+
+    @property
+    def output_split(self) -> Intervals | Packed:
+        """The split of the output features: one slice per rank, or several (packed)."""
+        return Packed(0, self.pieces) if self.pieces is not None else self.intervals
 
 
 @dataclass(frozen=True)
@@ -315,9 +151,26 @@ def _refuse_packed(label: str, layouts: Mapping[str, ParamLayout], what: str) ->
             raise ValueError(msg)
 
 
+def _plan_packed_linear(label: str, module: nn.Linear, weight: ParamLayout, bias: ParamLayout | None) -> LinearPlan:
+    """A Linear whose weight holds several slices of the output features per rank (a fused q/k/v)."""
+    pieces = weight.pieces
+    assert pieces is not None
+    if weight.dim != 0:
+        _refuse_packed(label, {"weight": weight}, "a Linear split on its input features")
+    if bias is not None and bias.kind != "replicated" and bias.pieces != pieces:
+        msg = (f"{label}: the weight's output features are packed as {[list(p) for p in pieces]} ((start, length) "
+               f"slices per rank) but the bias is laid out otherwise ({bias.describe()}); split the bias into the "
+               f"same slices as dim 0 of the weight, or keep it whole on every rank.")
+        raise ValueError(msg)
+    kind = "none" if module.bias is None else "replicated" if bias is None or bias.kind == "replicated" else "local"
+    return LinearPlan("out", (), kind, None, 0, pieces)  # type: ignore[arg-type]
+
+
 def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayout]) -> LinearPlan:
-    _refuse_packed(label, layouts, "a Linear")
     weight = layouts.get("weight")
+    if weight is not None and weight.pieces is not None:
+        return _plan_packed_linear(label, module, weight, layouts.get("bias") if module.bias is not None else None)
+    _refuse_packed(label, layouts, "a Linear")
     bias = layouts.get("bias") if module.bias is not None else None
     for name, layout in (("weight", weight), ("bias", bias)):
         if layout is not None and layout.kind in ("blocks", "partial"):
@@ -381,13 +234,17 @@ class ShardedLinear(_registry.ShardedModule):
 
     def activations(self, plan: LinearPlan) -> tuple[Intervals | None, Intervals | None]:
         if plan.mode == "out":
-            return None, plan.intervals
+            return None, plan.output_split  # type: ignore[return-value]
         if plan.mode == "in":
             return plan.intervals, None
         return None, None
 
     def empty_dims(self, plan: LinearPlan) -> Mapping[str, int]:
         return {} if plan.weight_dim is None else {"weight": plan.weight_dim}
+
+    def computes_alike(self, module: nn.Module) -> bool:
+        """A Linear subclass whose own forward is ``input @ weight.T (+ bias)`` (Falcon's ``FalconLinear``)."""
+        return _forward_is_linear(type(module), getattr(module, "bias", None) is not None, module)
 
     def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         plan: LinearPlan = call.plan
@@ -399,15 +256,77 @@ class ShardedLinear(_registry.ShardedModule):
             y = F.linear(call.enter(input), weight, bias if plan.bias == "local" else None)
             if plan.bias == "replicated":
                 if _regions.in_region():
-                    return call.split_output(y + call.local_slice(bias, plan.intervals), plan.intervals)
-                return call.split_output(y, plan.intervals) + bias
-            return call.split_output(y, plan.intervals)
+                    return call.split_output(y + _local_bias(call, bias, plan), plan.output_split)
+                return call.split_output(y, plan.output_split) + bias
+            return call.split_output(y, plan.output_split)
         y = F.linear(call.split_input(input, plan.intervals), weight)
         if plan.bias == "disjoint":
             start, length = plan.bias_intervals[call.rank]  # type: ignore[index]
             y = y + F.pad(bias, (start, module.out_features - start - length))
-        y = call.reduce(y)
-        return y + bias if plan.bias == "replicated" else y
+        return call.pending_sum(y, bias if plan.bias == "replicated" else None)
+
+
+_TRANSPOSES = {("T",), ("mT",), ("t",), ("transpose", 0, 1), ("transpose", 1, 0), ("transpose", -1, -2),
+               ("transpose", -2, -1)}
+
+
+def _forward_is_linear(cls: type, has_bias: bool, module: nn.Module) -> bool:
+    """Whether ``module``'s forward, traced with ``torch.fx``, is ``F.linear`` or ``input @ weight.T (+ bias)``.
+
+    Decided once per class and bias presence; anything fx cannot trace, or any other op, is no.
+    """
+    key = (cls, has_bias)
+    if key not in _LINEAR_FORWARDS:
+        try:
+            graph = torch.fx.Tracer().trace(module)
+        except Exception:  # noqa: BLE001 - a forward fx cannot trace is simply not recognized
+            _LINEAR_FORWARDS[key] = False
+        else:
+            _LINEAR_FORWARDS[key] = _is_linear_graph(graph, has_bias)
+    return _LINEAR_FORWARDS[key]
+
+
+_LINEAR_FORWARDS: dict[tuple[type, bool], bool] = {}
+
+
+def _is_linear_graph(graph: torch.fx.Graph, has_bias: bool) -> bool:
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    attrs = {n.target: n for n in nodes if n.op == "get_attr"}
+    if len(inputs) != 1 or set(attrs) != ({"weight", "bias"} if has_bias else {"weight"}):
+        return False
+    x, weight, bias = inputs[0], attrs["weight"], attrs.get("bias")
+    ops = [n for n in nodes if n.op in ("call_function", "call_method")]
+    result = output.args[0]
+    if len(ops) == 1 and ops[0] is result and ops[0].target in (F.linear, torch._C._nn.linear):
+        return list(ops[0].args) + list(ops[0].kwargs.values()) == ([x, weight, bias] if has_bias else [x, weight])
+    if len(ops) != (3 if has_bias else 2):
+        return False
+    transpose, product = ops[0], ops[1]
+    if transpose.op == "call_function" and transpose.target is getattr:
+        form = (transpose.args[1],)
+        source = transpose.args[0]
+    else:
+        form = (transpose.target, *transpose.args[1:])
+        source = transpose.args[0]
+    if source is not weight or form not in _TRANSPOSES:
+        return False
+    if product.target not in (operator.matmul, torch.matmul) or list(product.args) != [x, transpose]:
+        return False
+    if not has_bias:
+        return result is product
+    add = ops[2]
+    return result is add and add.target in (operator.add, torch.add) and set(add.args) == {product, bias} \
+        and not add.kwargs
+
+
+def _local_bias(call: _registry.ShardedCall, bias: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
+    """This rank's slices of a whole bias, laid out as its output features (one slice, or packed)."""
+    if plan.pieces is None:
+        return call.local_slice(bias, plan.intervals)
+    whole = copy_to_ranks(bias, call.group)
+    return torch.cat([whole.narrow(0, s, n) for s, n in plan.pieces[call.rank]])
 
 
 class ShardedEmbedding(_registry.ShardedModule):
@@ -561,12 +480,18 @@ def endpoints(model: nn.Module) -> list[_regions.Endpoint]:
             continue
         takes, gives = plan.activations
         if gives is not None:
-            pieces = getattr(gives, "pieces", None)
-            intervals = getattr(gives, "intervals", gives)
-            found.append(_regions.Endpoint(name, "produces", None if pieces else tuple(intervals),
-                                           tuple(pieces) if pieces else None))
+            split = split_placement(gives, 0)
+            if isinstance(split, Packed):
+                found.append(_regions.Endpoint(name, "produces", None, split.pieces))
+            else:
+                found.append(_regions.Endpoint(name, "produces", split.intervals))
         if takes is not None:
-            found.append(_regions.Endpoint(name, "consumes", tuple(getattr(takes, "intervals", takes))))
+            split = split_placement(takes, 0)
+            if isinstance(split, Packed):
+                msg = (f"module {name!r}: its registration says it takes an input packed as {split.pieces!r}; a "
+                       f"sharded layer takes its input split with one slice per rank.")
+                raise ValueError(msg)
+            found.append(_regions.Endpoint(name, "consumes", split.intervals))
     return found
 
 
@@ -624,7 +549,5 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
         for root in roots:
             module = named[root]
             module.__dict__["forward"] = _regions.RegionForward(type(module).forward.__get__(module))
-        for name, label in split_params.items():
-            _regions.own(model.get_parameter(name), f"{name!r} of {label}")
         return roots
     return commit

@@ -71,46 +71,30 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from _shardkit import comm as _comm
+from sharding import layout
 
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
-__all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
+__all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "GLOBAL_SIZES",
+           "split_of", "tag", "in_region", "shared_copy",
+           "RegionForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
 
 
-@dataclass(frozen=True)
-class Split:
-    """A tensor that holds this rank's slice of a logical tensor split along ``dim``.
+@dataclass(frozen=True, slots=True)
+class Split(layout.Split):
+    """A tensor that holds this rank's slice of a logical tensor split along ``dim``: the
+    placement ``sharding.layout.Split`` (``intervals[r]`` is group rank ``r``'s ``(start,
+    length)``) over the process group ``group``."""
 
-    ``intervals[r]`` is group rank ``r``'s ``(start, length)`` along ``dim``.
-    """
-
-    dim: int
-    intervals: Intervals
     group: _comm.ProcessGroup = None
 
-    @property
-    def size(self) -> int:
-        """The logical (global) size along ``dim``."""
-        return max((s + n for s, n in self.intervals), default=0)
 
-    def moved(self, dim: int) -> Split:
-        return Split(dim, self.intervals, self.group)
-
-    def scaled(self, dim: int, num: int, den: int) -> Split | None:
-        """The split after each interval is multiplied by ``num / den``; ``None`` if not exact."""
-        out = []
-        for start, length in self.intervals:
-            if (start * num) % den or (length * num) % den:
-                return None
-            out.append((start * num // den, length * num // den))
-        return Split(dim, tuple(out), self.group)
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A tensor that holds, concatenated along ``dim``, several slices of a logical tensor.
+@dataclass(frozen=True, slots=True)
+class Packed(layout.Packed):
+    """A tensor that holds, concatenated along ``dim``, several slices of a logical tensor: the
+    placement ``sharding.layout.Packed`` over the process group ``group``.
 
     ``pieces[r]`` lists group rank ``r``'s ``(start, length)`` slices in order, as a fused
     projection split by heads produces them (its rows of q, then of k, then of v). The one
@@ -119,27 +103,72 @@ class Packed:
     gathers it first.
     """
 
+    group: _comm.ProcessGroup = None
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(layout.Partial):
+    """A tensor that holds this rank's addend of a logical tensor: the placement
+    ``sharding.layout.Partial`` (``reduce_op="sum"``) over the process group ``group``.
+
+    A row-parallel projection (``o_proj``, ``down_proj``: input features split) computes one
+    such addend per rank. It stays pending through ops that are linear in it (adding another
+    pending sum, adding a whole tensor once, scaling by a whole tensor, reshaping) until an op
+    needs its values, which sums it with one all-reduce (see ``pending``).
+    """
+
+    group: _comm.ProcessGroup = None
+
+
+@dataclass(frozen=True)
+class Strided:
+    """A split dimension merged with dimensions outside it: ``blocks`` blocks, each split by ``intervals``.
+
+    ``reshape(batch * num_heads, ...)`` of a tensor split on its heads gives one: along ``dim``,
+    block ``b`` covers global positions ``[b * size, (b + 1) * size)`` and rank ``r`` holds
+    ``intervals[r]`` of each block, its blocks laid one after the other locally (see ``strided``).
+    """
+
     dim: int
-    pieces: tuple[Intervals, ...]
+    intervals: Intervals
+    blocks: int
     group: _comm.ProcessGroup = None
 
     @property
     def size(self) -> int:
-        return max((s + n for slices in self.pieces for s, n in slices), default=0)
+        """The global size of one block."""
+        return max((s + n for s, n in self.intervals), default=0)
+
+    def moved(self, dim: int) -> Strided:
+        return Strided(dim, self.intervals, self.blocks, self.group)
+
+
+# Tags beyond Split and Packed, by type: (the rule for an op reading a tensor so tagged, its whole
+# tensor). The modules that give their meaning fill it (``pending``, ``strided``).
+TAG_KINDS: dict[type, tuple[Callable[..., Any], Callable[[torch.Tensor, Any], torch.Tensor]]] = {}
+
+
+# Tags whose tensors tell the model's code their global sizes (``x.shape``, ``x.size(0)``), by type:
+# the metadata read to run instead. A strided split does (see ``strided``): code such as BLOOM's
+# ``x.shape[0] // num_heads`` reads the merged dimension as the whole batch times the heads.
+GLOBAL_SIZES: dict[type, Callable[..., Any]] = {}
 
 
 # A tag lives on the tensor object itself: reading an attribute costs far less per op than a
 # weak dictionary lookup, and it goes away with the tensor just the same.
 _TAG = "_shardkit_split"
-# Local blocks of split parameters -> how to name them in a message. Inside a region, an op
-# that reads one directly (not through its module's registration) would see only this rank's
-# block, so it is refused instead of computing wrong numbers.
-_OWNED = "_shardkit_owned"
+# A sharded parameter carries its record (``record.ShardedParameter``) under this attribute.
+# Inside a region, an op that reads a parameter whose record has a ``label`` directly (not
+# through its module's registration) would see only this rank's block, so it is refused
+# instead of computing wrong numbers.
+RECORD = "_shardkit_record"
+_OWNED = RECORD
 
 
-def own(parameter: torch.Tensor, label: str) -> None:
-    """Mark ``parameter`` as the local block of a split parameter, named ``label`` in messages."""
-    setattr(parameter, _OWNED, label)
+def _split_label(tensor: torch.Tensor) -> str | None:
+    """How messages name ``tensor`` when it is a split parameter only its module may use, else ``None``."""
+    label: str | None = getattr(getattr(tensor, _OWNED, None), "label", None)
+    return label
 
 
 class _State(threading.local):
@@ -171,7 +200,7 @@ def split_of(tensor: object) -> Split | None:
     return None
 
 
-def tag(tensor: torch.Tensor, split: Split | Packed) -> torch.Tensor:
+def tag(tensor: torch.Tensor, split: Split | Packed | Partial | Strided) -> torch.Tensor:
     """Mark ``tensor`` as this rank's slice of a logical tensor split as ``split``."""
     setattr(tensor, _TAG, split)
     return tensor
@@ -225,6 +254,9 @@ def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     if isinstance(found, Split):
         return gather(tensor, found.dim, found.intervals, found.group)
+    kind = TAG_KINDS.get(type(found))
+    if kind is not None:
+        return kind[1](tensor, found)
     # Packed: the j-th slices of all ranks are gathered together, then laid side by side.
     counts = {len(slices) for slices in found.pieces}
     if len(counts) != 1:
@@ -643,6 +675,60 @@ def _along_dim(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     return tag(func(*args, **kwargs), split)
 
 
+def _setitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``buffer[key] = value`` where ``key`` leaves the buffer's split whole and ``value`` is split alike."""
+    if len(args) != 3 or kwargs or split_of(args[0]) is None:
+        raise _Fallback
+    view = _getitem(torch.Tensor.__getitem__, args[:2], {})
+    if not isinstance(args[2], torch.Tensor) or split_of(args[2]) != split_of(view) or args[2].dim() != view.dim():
+        raise _Fallback
+    return func(*args, **kwargs)
+
+
+def _roll(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``roll`` along dimensions other than the split."""
+    x, split = _first_split(args)
+    dims = _named(func, args, kwargs).get("dims")
+    dims = (dims,) if isinstance(dims, int) else dims
+    if not dims or not all(isinstance(d, int) for d in dims) or split.dim in {_norm(d, x.dim()) for d in dims}:
+        raise _Fallback
+    return tag(func(*args, **kwargs), split)
+
+
+def _write_split(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``buffer.index_copy_(dim, index, source)`` (along another dimension than the split) and
+    ``buffer.copy_(source)`` (same shape) of a split source into a buffer.
+
+    A buffer tagged with the source's split takes its slice as is. An untagged buffer whose
+    extent along the split is this rank's slice, not the whole, can only have been sized from
+    split tensors' shapes (which read local): a static key/value cache allocated from the first
+    keys. The whole tensor would not fit in it, so the unsharded program cannot mean that: it
+    takes this rank's slice and is tagged with the split from then on.
+    """
+    bound = _named(func, args, kwargs)
+    dest = bound.get("self")
+    if aten_name(func) == "copy_":
+        source, dim, index = bound.get("src"), None, None
+    else:
+        source, dim, index = bound.get("source"), bound.get("dim"), bound.get("index")
+    split = split_of(source)
+    if (split is None or not isinstance(dest, torch.Tensor) or not isinstance(source, torch.Tensor)
+            or hasattr(index, _TAG) or dest.dim() != source.dim()
+            or (dim is None and dest.shape != source.shape)
+            or (dim is not None and (not isinstance(dim, int) or _norm(dim, dest.dim()) == split.dim))):
+        raise _Fallback
+    held = getattr(dest, _TAG, None)
+    if held is None:
+        local = source.shape[split.dim]
+        if dest.shape[split.dim] != local or local == split.size:
+            raise _Fallback
+    elif held != split:
+        raise _Fallback
+    out = func(*args, **kwargs)
+    tag(dest, split)
+    return out
+
+
 def _reduce(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """sum / mean / amax / amin / var / std / logsumexp over dimensions other than the split one."""
     x, split = _first_split(args)
@@ -839,11 +925,13 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     if not isinstance(packed, Packed):
         raise _Fallback
     name = aten_name(func)
+    total = packed.size
+    if name == "getitem":
+        return _packed_getitem(x, args[1], packed)
     named = _named(func, args, kwargs)
     dim = named.get("dim", 0)
     if not isinstance(dim, int) or _norm(dim, x.dim()) != packed.dim:
         raise _Fallback
-    total = packed.size
     if name == "chunk":
         count = named["chunks"]
         step = -(-total // count)
@@ -869,6 +957,36 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     return tuple(tag(t, Split(packed.dim, tuple(part), packed.group)) for t, part in zip(local, per_part))
 
 
+def _packed_getitem(x: torch.Tensor, index: Any, packed: Packed) -> torch.Tensor:
+    """``qkv[..., low:high]``: one slice of each rank's along the packed dimension, as an ordinary split."""
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(1 for i in index if i is Ellipsis) > 1 or any(
+            not (i is Ellipsis or isinstance(i, slice)) for i in index):
+        raise _Fallback
+    before = index.index(Ellipsis) if Ellipsis in index else len(index)
+    positions = list(range(before)) + [x.dim() - (len(index) - j) for j in range(before + 1, len(index))]
+    picked = None
+    for position, i in zip(positions, (i for i in index if i is not Ellipsis)):
+        if i == slice(None):
+            continue
+        if position != packed.dim or picked is not None:
+            raise _Fallback
+        picked = i
+    if picked is None or picked.step not in (None, 1):
+        raise _Fallback
+    low, high, _ = picked.indices(packed.size)
+    rank, _ = _comm.rank_and_world(packed.group)
+    part, offset = [], 0
+    for r, slices in enumerate(packed.pieces):
+        inside = [(s, n) for s, n in slices if low <= s and s + n <= high]
+        if len(inside) != 1 or sum(n for s, n in slices if s < high and s + n > low) != inside[0][1]:
+            raise _Fallback  # a slice straddles a boundary, or the part holds several of a rank's slices
+        part.append((inside[0][0] - low, inside[0][1]))
+        if r == rank:
+            offset = sum(n for s, n in slices if s < inside[0][0])
+    return tag(x.narrow(packed.dim, offset, part[rank][1]), Split(packed.dim, tuple(part), packed.group))
+
+
 _ELEMENTWISE = {
     # Elementwise for shardkit's purpose though ATen does not tag them pointwise (composites, casts, copies).
     "where", "masked_fill", "masked_fill_", "true_divide", "rsub", "hardswish", "logsigmoid", "softsign",
@@ -892,6 +1010,7 @@ _NAMED_RULES: dict[str, Callable[..., Any]] = {
     "layer_norm": _norm_last, "rms_norm": _norm_last,
     "scaled_dot_product_attention": _sdpa,
     "cross_entropy": _cross_entropy,
+    "index_copy_": _write_split, "copy_": _write_split, "__setitem__": _setitem, "roll": _roll,
 }
 _METADATA = {"size", "dim", "stride", "is_contiguous", "is_floating_point", "is_complex", "element_size",
              "data_ptr", "__len__", "storage_offset", "get_device", "untyped_storage", "__hash__", "__format__",
@@ -930,21 +1049,12 @@ def _objects(name: str) -> list[Any]:
     return found
 
 
-_TABLES: tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[Any]] | None = None
-
-
+@functools.cache
 def _tables() -> tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[Any]]:
     """Rules, metadata reads and side-effecting ops, keyed by the op objects torch hands the mode.
 
     Built on the first op inside a region, not at import (reading ATen's op tags takes a while).
     """
-    global _TABLES
-    if _TABLES is None:
-        _TABLES = _build_tables()
-    return _TABLES
-
-
-def _build_tables() -> tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[Any]]:
     rules: dict[Any, Callable[..., Any]] = {}
     for name in _ELEMENTWISE | _pointwise():
         for obj in _objects(name):
@@ -1013,7 +1123,8 @@ class _Propagate(TorchFunctionMode):
         # usual case) carries neither, which one read tells.
         for v in args:
             if isinstance(v, Tensor):
-                if v.__dict__ and (_TAG in v.__dict__ or _OWNED in v.__dict__):
+                found = v.__dict__
+                if found and (_TAG in found or (_OWNED in found and _split_label(v))):
                     break
             elif isinstance(v, (list, tuple)):
                 if v and _any_tagged(v):
@@ -1057,7 +1168,10 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An op with a tagged tensor or a split parameter among (or near) its arguments."""
     kind = _kind_of(func)
     if kind is _METADATA_KIND:
-        return func(*args, **kwargs)
+        found = getattr(args[0], _TAG, None) if args and isinstance(args[0], Tensor) else None
+        if found is not None and type(found) in GLOBAL_SIZES:
+            return GLOBAL_SIZES[type(found)](func, args, kwargs)
+        return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
     flat = _shallow_tensors(args, kwargs)
     if flat is None:
         flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
@@ -1065,18 +1179,22 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for x in flat:
         found = x.__dict__
         if found:
-            if _OWNED in found:
+            if _OWNED in found and _split_label(x):
                 _refuse_owned(func, x)
             tags.append(found.get(_TAG))
     if not any(t is not None for t in tags):
         return func(*args, **kwargs)
-    rule = _getter if kind is _GETTER_KIND else (_TABLES or _tables())[0].get(func)
-    if rule is _elementwise:
+    rule = _getter if kind is _GETTER_KIND else _tables()[0].get(func)
+    other = next((t for t in tags if t is not None and type(t) is not Split), None)
+    if other is not None:  # the first tag that is not a plain split decides
+        if type(other) is Packed:
+            rule = _split_packed if _aten_name(func) in ("split", "chunk", "getitem") else None
+        else:
+            rule = TAG_KINDS[type(other)][0]
+    elif rule is _elementwise:
         out = _same_split(func, args, kwargs)
         if out is not None:
             return out
-    if any(isinstance(t, Packed) for t in tags):
-        rule = _split_packed if aten_name(func) in ("split", "chunk") else None
     if rule is not None:
         try:
             return rule(func, args, kwargs)
@@ -1117,7 +1235,7 @@ def _same_split(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 
 
 def _refuse_owned(func: Any, owned: Tensor) -> None:
-    msg = (f"parameter {getattr(owned, _OWNED)} is split across ranks, but the model's code uses it directly "
+    msg = (f"parameter {_split_label(owned)} is split across ranks, but the model's code uses it directly "
            f"in {_describe(func)} instead of calling its module, so that op would see only this rank's block "
            f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
            f"its module.")
@@ -1160,18 +1278,21 @@ def _region() -> Iterator[None]:
         _STATE.depth -= 1
 
 
-def _gather_outputs(value: Any) -> Any:
+def _gather_outputs(value: Any, pending_only: bool = False) -> Any:
+    """``value`` with its tagged tensors whole (with ``pending_only``, its pending sums only: splits stay)."""
     if isinstance(value, torch.Tensor):
+        if pending_only and not isinstance(getattr(value, _TAG, None), Partial):
+            return value
         return to_replicated(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_gather_outputs(v) for v in value)
+        return tuple(_gather_outputs(v, pending_only) for v in value)
     if isinstance(value, list):
-        return [_gather_outputs(v) for v in value]
+        return [_gather_outputs(v, pending_only) for v in value]
     if isinstance(value, dict) and type(value) is dict:
-        return {k: _gather_outputs(v) for k, v in value.items()}
+        return {k: _gather_outputs(v, pending_only) for k, v in value.items()}
     if isinstance(value, dict):  # e.g. transformers' ModelOutput: update in place, keep the type
         for k, v in list(value.items()):
-            value[k] = _gather_outputs(v)
+            value[k] = _gather_outputs(v, pending_only)
         return value
     return value
 
@@ -1182,15 +1303,52 @@ class RegionForward:
     def __init__(self, original: Callable[..., Any]) -> None:
         self._original = original
         functools.update_wrapper(self, original)  # inspect.signature(model.forward) keeps working
+        self._ties = _ties(original.__self__)  # type: ignore[attr-defined]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.depth:
             return self._original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return _traced_region(self._original.__self__, self._ties, *args, **kwargs)  # type: ignore[attr-defined]
         with _region():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
-            return out
+            return _gather_outputs(out, pending_only=True)
         return _gather_outputs(out)
+
+
+def _ties(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Names under which ``module`` holds one parameter or buffer several times (tied embeddings), in order."""
+    names: dict[int, list[str]] = {}
+    held = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, value in held:
+        names.setdefault(id(value), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def _attribute(module: torch.nn.Module, name: str) -> Any:
+    owner, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(owner), attr)
+
+
+@torch._dynamo.nonstrict_trace
+def _traced_region(module: torch.nn.Module, ties: tuple[tuple[str, ...], ...], *args: Any, **kwargs: Any) -> Any:
+    """A region's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
+
+    Dynamo does not step into the propagation (its tags and rules are plain Python, decided
+    from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
+    local ops and the collectives each rule chose, and their backward.
+
+    AOTAutograd swaps each parameter for its traced value under its first name only; a tied
+    parameter's other names (an ``lm_head`` tied to the embedding) would keep the real tensor,
+    a constant without gradient, so they are pointed at the traced value too.
+    """
+    aliases = {alias: _attribute(module, group[0]) for group in ties for alias in group[1:]}
+    with torch.nn.utils.stateless._reparametrize_module(module, aliases), _region():
+        out = type(module).forward(module, *args, **kwargs)
+    if _STATE.keep_split_outputs:
+        return out
+    return _gather_outputs(out)
 
 
 @contextlib.contextmanager

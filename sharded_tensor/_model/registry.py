@@ -32,9 +32,12 @@ import torch
 from torch import nn
 
 from _shardkit import comm as _comm
+from sharding.layout import Packed, Split
 
+from . import pending as _pending
 from . import regions as _regions
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
+from .param_layout import ParamLayout, split_placement
 
 __all__ = ["ShardedModule", "ShardedCall", "register_sharded_module", "handler_for", "registered_types"]
 
@@ -91,6 +94,13 @@ class ShardedModule:
         """The module's forward on this rank's local parameters; communicate through ``call``."""
         raise NotImplementedError
 
+    def computes_alike(self, module: nn.Module) -> bool:
+        """Whether ``module``, of a subclass that overrides the registered type's forward, computes the same.
+
+        The default says no, so such a subclass needs a registration of its own.
+        """
+        return False
+
 
 @dataclass(frozen=True)
 class ShardedCall:
@@ -134,12 +144,12 @@ class ShardedCall:
             return x
         return scatter(_regions.to_replicated(x), -1, intervals, self.group)
 
-    def split_output(self, y: torch.Tensor, split: Intervals | Any) -> torch.Tensor:
+    def split_output(self, y: torch.Tensor, split: Intervals | Split | Packed | ParamLayout) -> torch.Tensor:
         """Hand out this rank's slice ``y`` of the output: kept split inside a region, else gathered.
 
         ``split`` is the output's split along its last dimension: per-rank ``(start, length)``,
-        or the ``ParamLayout`` of the weight whose split it follows (a packed layout gives a
-        packed output: this rank's slices side by side).
+        a ``sharding.layout`` ``Split`` or ``Packed``, or the ``ParamLayout`` of the weight whose
+        split it follows (a packed layout gives a packed output: this rank's slices side by side).
         """
         tag = _as_tag(split, y.dim() - 1, self.group)
         if _regions.in_region():
@@ -156,17 +166,31 @@ class ShardedCall:
         """The sum over ranks of the partial results ``y``: one all-reduce, replicated after."""
         return reduce_from_ranks(y, self.group)
 
+    def pending_sum(self, y: torch.Tensor, once: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum over ranks of the partial results ``y``, plus ``once`` (whole on every rank, e.g. a bias).
+
+        Inside a region the sum stays pending (each rank keeps its addend, ``once`` added on one
+        rank) until an op needs it whole, so sums that meet first (attention and MLP in parallel)
+        share one all-reduce; outside, it is :meth:`reduce` then ``+ once``.
+        """
+        if not _regions.in_region():
+            y = self.reduce(y)
+            return y if once is None else y + once
+        if once is not None:
+            y = y + _pending.add_once(once, self.group)
+        return _pending.pending(y, self.group)
+
     def gather(self, y: torch.Tensor, dim: int, intervals: Intervals) -> torch.Tensor:
         """Concatenate every rank's slice ``y`` along ``dim``."""
         return gather(y, dim, intervals, self.group)
 
 
-def _as_tag(split: Any, dim: int, group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
-    pieces = getattr(split, "pieces", None)
-    if pieces is not None:
-        return _regions.Packed(dim, tuple(pieces), group)
-    intervals = getattr(split, "intervals", split)
-    return _regions.Split(dim, tuple(intervals), group)
+def _as_tag(split: Intervals | Split | Packed | ParamLayout, dim: int,
+            group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
+    placement = split_placement(split, dim)
+    if isinstance(placement, Packed):
+        return _regions.Packed(dim, placement.pieces, group)
+    return _regions.Split(dim, placement.intervals, group)
 
 
 def register_sharded_module(module_type: type[nn.Module], handler: ShardedModule, *, replace: bool = False) -> None:
@@ -209,7 +233,8 @@ def handler_for(module: nn.Module) -> tuple[ShardedModule | None, str | None]:
         handler = _REGISTRY.get(base)
         if handler is None:
             continue
-        if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward:
+        if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward \
+                and not handler.computes_alike(module):
             return None, (f"{cls.__name__} overrides the forward of {base.__name__}, whose registration "
                           f"therefore does not apply")
         return handler, None

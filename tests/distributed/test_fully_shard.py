@@ -16,18 +16,27 @@ checks on every rank:
   reduce-scatter), give the whole batch's step; without ``no_sync`` too;
 * mixed precision: compute in bfloat16 (the layers see bfloat16 weights), master shards,
   gradients and AdamW state in float32, reduction in float32; close to the float32 run;
+* from the meta device: a Llama built on meta, fully sharded, then ``shard_model(model,
+  composite(), seed=7)``: no tensor near a whole parameter's size is ever created, each rank
+  holds a third of the bytes (plus at most a row per parameter), the values are bit for bit
+  those of the same model built whole with the same seed; it trains like it (1e-6), and a
+  checkpoint of it loads into another meta-built model (``init=False``) bit for bit;
 * errors, identical on every rank and leaving the group usable: a module fully sharded
   twice, a parent before its child, ranks that do not divide the world, that leave this
-  rank out or name ranks outside it, a parameter tied across units, meta parameters, and an
-  optimizer built before ``fully_shard`` (refused at ``step``).
+  rank out or name ranks outside it, a parameter tied across units, a forward before meta
+  parameters are materialized, and an optimizer built before ``fully_shard`` (refused at
+  ``step``).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import sharded_tensor as st
 from tests.distributed._launch import run_distributed
@@ -96,12 +105,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient (fully sharded ones gathered), by name."""
-    from sharded_tensor._model.guard import layout_of
+    from sharded_tensor._model.record import record_of
 
     out = {}
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     for name, p in model.named_parameters():
-        layout = layout_of(p)
+        layout = record_of(p)
         out[name] = layout.wrap(p.grad, rank).full_tensor() if layout is not None else p.grad.clone()
     return out
 
@@ -288,7 +297,7 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     attempt("tied", lambda: st.fully_shard(tied))
     with torch.device("meta"):
         meta = nn.Linear(3, 4)
-    attempt("meta", lambda: st.fully_shard(meta))
+    attempt("meta", lambda: st.fully_shard(meta)(torch.ones(2, 3)))  # rows never materialized
     early = _mlp()
     optim = torch.optim.SGD(early.parameters(), lr=0.1)
     _shard_mlp(early)
@@ -299,8 +308,85 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     return out
 
 
-def _check(rank: int, world: int) -> dict[str, object]:
+class _Largest(TorchDispatchMode):
+    """The most elements of any floating-point tensor an op creates (not counting agreement payloads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def _meta_llama(init: object = None) -> nn.Module:
+    from sharding import composite
+
+    with torch.device("meta"):
+        model = _llama()
+    with _Largest() as largest:
+        _shard_llama(model)
+        st.shard_model(model, composite(), seed=7, init=init)  # type: ignore[arg-type]
+    model.largest = largest.numel  # type: ignore[assignment]
+    return model
+
+
+def _from_meta(rank: int, world: int, root: str) -> dict[str, object]:
+    """Built on meta, fully sharded, then each rank's rows allocated and initialized; trained, saved, loaded."""
+    import checkpoint
+    from sharding import composite
+
+    model = _meta_llama()
+    with torch.device("meta"):
+        whole = _llama()
+    st.shard_model(whole, composite(), seed=7)  # the same model, built whole, the same seed
+    out: dict[str, object] = {"largest_created": model.largest,
+                              "largest_local": max(p.numel() for p in model.parameters()),
+                              "largest_whole": max(p.numel() for p in whole.parameters()),
+                              "held": sum(p.numel() * p.element_size() for p in model.parameters()),
+                              "total": sum(p.numel() * p.element_size() for p in whole.parameters()),
+                              "pad": sum(p.shape[1:].numel() * p.element_size() for p in whole.parameters()),
+                              "devices": sorted({p.device.type for p in model.parameters()})}
+    state = model.state_dict()
+    out["init_equal"] = [k for k, v in whole.state_dict().items()
+                         if not torch.equal(state[k].full_tensor() if isinstance(state[k], st.ShardedTensor)
+                                            else state[k], v)]
+    optim, whole_optim = _optim("adamw", model.parameters()), _optim("adamw", whole.parameters())
+    per = BATCH // world
+    losses, _, _ = _train("llama", model, optim, slice(rank * per, (rank + 1) * per))
+    whole_losses = []
+    for step in range(STEPS):
+        x, y = _data("llama", step)
+        whole_optim.zero_grad()
+        loss = _loss("llama", whole, x, y)
+        loss.backward()
+        whole_optim.step()
+        whole_losses.append(loss.item())
+    mean = torch.tensor(losses, dtype=torch.float64)
+    torch.distributed.all_reduce(mean)
+    out["loss_rel"] = max(abs(a / world - b) / abs(b) for a, b in zip(mean.tolist(), whole_losses))
+    trained = {k: v.full_tensor() if isinstance(v, st.ShardedTensor) else v for k, v in model.state_dict().items()}
+    out["trained_rel"] = max(_rel(v, whole.state_dict()[k]) for k, v in trained.items())
+    path = f"{root}/from-meta"
+    checkpoint.save(st.get_state_dict(model, optim), path)
+    # Built on meta again, rows allocated uninitialized, filled by the load: what was saved, bit for bit.
+    again = _meta_llama(init=False)
+    again_optim = _optim("adamw", again.parameters())
+    again_state = st.get_state_dict(again, again_optim)
+    checkpoint.load(again_state, path)
+    st.set_state_dict(again, again_optim, again_state)
+    loaded = {k: v.full_tensor() if isinstance(v, st.ShardedTensor) else v for k, v in again.state_dict().items()}
+    out["loaded_differs"] = [k for k, v in trained.items() if not torch.equal(loaded[k], v)]
+    return out
+
+
+def _check(rank: int, world: int, root: str) -> dict[str, object]:
     results: dict[str, object] = {}
+    results["meta"] = _from_meta(rank, world, root)
     for kind in ("mlp", "llama"):
         for optim_name in ("sgd", "adamw"):
             results[f"{kind} {optim_name}"] = _compare(rank, world, kind, optim_name)
@@ -313,11 +399,23 @@ def _check(rank: int, world: int) -> dict[str, object]:
     return results
 
 
-def test_fully_shard_trains_like_one_process_on_the_whole_batch() -> None:
+def test_fully_shard_trains_like_one_process_on_the_whole_batch(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     world = 3
-    results = run_distributed(_check, world, timeout=600)
+    results = run_distributed(_check, world, str(tmp_path), timeout=600)
     for rank, res in enumerate(results):
+        meta = res["meta"]
+        # Only this rank's rows were ever allocated: no tensor half as large as the largest parameter
+        # (its rows are a third of it; the agreement's small payloads are counted too).
+        assert meta["largest_local"] <= meta["largest_whole"] / world + 32, meta
+        assert meta["largest_created"] < meta["largest_whole"] / 2, meta
+        # Bytes held: a third of the model, plus at most one row per parameter (torch.chunk rounding up).
+        assert meta["held"] <= meta["total"] / world + meta["pad"], meta
+        assert meta["held"] >= meta["total"] / world - meta["pad"], meta
+        assert meta["devices"] == ["cpu"]
+        assert meta["init_equal"] == [], meta["init_equal"]  # the values of the whole model, bit for bit
+        assert meta["loss_rel"] <= TOL and meta["trained_rel"] <= TOL, meta
+        assert meta["loaded_differs"] == []
         for key in ("mlp sgd", "mlp adamw", "llama sgd", "llama adamw", "clip", "no_sync", "accumulate",
                     "keep_after_forward"):
             diffs = res[key]
@@ -360,7 +458,7 @@ def test_fully_shard_trains_like_one_process_on_the_whole_batch() -> None:
             "outside": "ValueError: ranks=[0, 1, 2, 3] names ranks [3] outside the world of 3",
             "dtype": "TypeError: param_dtype must be a floating-point torch.dtype",
             "tied": "ValueError: parameter '1.weight' is shared with another fully sharded Embedding",
-            "meta": "ValueError: parameter 'weight' is on the meta device",
+            "meta": "ValueError: the fully sharded Linear: parameters ['weight', 'bias'] are still on the meta",
             "optimizer_before": ("RuntimeError: SGD.step(): this optimizer holds 10 parameter(s) that "
                                  "st.fully_shard replaced"),
         }
