@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -181,9 +182,20 @@ class _State(threading.local):
         self.depth = 0
         self.copies: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
         self.keep_split_outputs = False
+        self.ranks: dict[Any, int] = {}  # this process's rank per group, looked up once per region call
 
 
 _STATE = _State()
+
+
+def _rank(group: _comm.ProcessGroup) -> int:
+    """This process's rank in ``group`` (``rank_and_world`` costs a microsecond or more per call)."""
+    ranks = _STATE.ranks
+    try:
+        return ranks[group]
+    except KeyError:
+        found = ranks[group] = _comm.rank_and_world(group)[0]
+        return found
 
 
 def split_of(tensor: object) -> Split | None:
@@ -218,14 +230,27 @@ def shared_copy(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor
     return copied
 
 
-@contextlib.contextmanager
-def outside_propagation() -> Iterator[None]:
+class _Outside:
+    """Leaves the propagation mode for a ``with`` block when it is the innermost mode (once per sharded layer call)."""
+
+    __slots__ = ("_popped",)
+
+    def __enter__(self) -> None:
+        self._popped = None
+        if _STATE.depth:
+            n = torch._C._len_torch_function_stack()
+            if n and isinstance(torch._C._get_function_stack_at(n - 1), _Propagate):
+                self._popped = torch._C._pop_torch_function_stack()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._popped is not None:
+            torch._C._push_on_torch_function_stack(self._popped)
+            self._popped = None
+
+
+def outside_propagation() -> contextlib.AbstractContextManager[None]:
     """Run a sharded layer's own forward on its local tensors, unseen by the propagation."""
-    if _STATE.depth and isinstance(torch.overrides._get_current_function_mode(), _Propagate):
-        with torch.overrides._pop_mode_temporarily():
-            yield
-    else:
-        yield
+    return _Outside()
 
 
 def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
@@ -291,23 +316,29 @@ def _tensors(flat: Sequence[object]) -> list[tuple[int, torch.Tensor]]:
 
 def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Ops that act element by element, with broadcasting (add, mul, silu, where, dropout, ...)."""
-    flat, spec = tree_flatten((args, kwargs))
-    tensors = _tensors(flat)
-    out_ndim = max(t.dim() for _, t in tensors)
+    keys = tuple(kwargs)
+    nested = any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values()))
+    if nested:
+        flat, spec = tree_flatten((args, kwargs))
+    else:  # the usual call, tensors and numbers side by side: no pytree needed
+        flat, spec = [*args, *kwargs.values()], None
+    tensors = [(i, x, getattr(x, _TAG, None)) for i, x in enumerate(flat) if isinstance(x, Tensor)]
+    out_ndim = max(t.dim() for _, t, _ in tensors)
     found: Split | None = None
-    for _, t in tensors:
-        split = split_of(t)
+    for _, t, split in tensors:
         if split is None:
             continue
-        aligned = split.moved(out_ndim - t.dim() + split.dim)
+        if not isinstance(split, Split):
+            raise _Fallback
+        aligned = split if out_ndim == t.dim() else split.moved(out_ndim - t.dim() + split.dim)
         if found is not None and aligned != found:
             raise _Fallback
         found = aligned
     assert found is not None
-    if isinstance(args[0], torch.Tensor) and not hasattr(args[0], _TAG) and _in_place(func):
+    if isinstance(args[0], Tensor) and not hasattr(args[0], _TAG) and _in_place(func):
         raise _Fallback  # a replicated tensor updated in place must receive whole values
-    for i, t in tensors:
-        if split_of(t) is not None:
+    for i, t, split in tensors:
+        if split is not None:
             continue
         local_dim = found.dim - (out_ndim - t.dim())
         if local_dim < 0 or t.shape[local_dim] == 1:
@@ -316,9 +347,13 @@ def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         if t.shape[local_dim] != found.size:
             raise _Fallback
         flat[i] = _to_local(t, local_dim, found)  # a replicated operand: take this rank's slice
-    args, kwargs = tree_unflatten(flat, spec)
-    out = func(*args, **kwargs)
-    if isinstance(out, torch.Tensor) and out.dim() == out_ndim:
+    if spec is None:
+        n = len(args)
+        out = func(*flat[:n], **dict(zip(keys, flat[n:])))
+    else:
+        args, kwargs = tree_unflatten(flat, spec)
+        out = func(*args, **kwargs)
+    if isinstance(out, Tensor) and out.dim() == out_ndim:
         return tag(out, found)
     raise _Fallback
 
@@ -334,10 +369,40 @@ def _in_place(func: Callable[..., Any]) -> bool:
 
 def _first_split(args: tuple[Any, ...]) -> tuple[torch.Tensor, Split]:
     x = args[0]
-    split = split_of(x)
-    if split is None:
+    split = getattr(x, _TAG, None)
+    if not isinstance(split, Split):
         raise _Fallback
     return x, split
+
+
+_MOVES: dict[tuple[Split, int], Split] = {}
+
+
+def _move(split: Split, dim: int) -> Split:
+    """``split.moved(dim)``, built once per split and dimension (a lookup costs less than a new split)."""
+    if split.dim == dim:
+        return split
+    try:
+        return _MOVES[split, dim]
+    except KeyError:
+        if len(_MOVES) > 4096:  # many distinct layouts (e.g. changing groups): start over
+            _MOVES.clear()
+        found = _MOVES[split, dim] = split.moved(dim)
+        return found
+
+
+_NAMES: dict[Any, str] = {}
+
+
+def _aten_name(func: Any) -> str:
+    """``aten_name(func)``, worked out once per op object."""
+    try:
+        return _NAMES[func]
+    except KeyError:
+        found = _NAMES[func] = aten_name(func)
+        return found
+    except TypeError:  # an unhashable op
+        return aten_name(func)
 
 
 def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
@@ -457,7 +522,10 @@ def _shape_key(value: Any) -> Any:
 def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """view / reshape / flatten / unflatten / (un)squeeze / view_as, decided once per shapes and split."""
     x, split = _first_split(args)
-    key = (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
+    if not kwargs and all(type(a) is int for a in args[1:]):  # x.view(b, s, -1, d): the key as given
+        key: tuple[Any, ...] = (func, x.shape, x.dtype, split, args[1:])
+    else:
+        key = (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
     try:
         plan = _RESHAPE_PLANS[key]
     except KeyError:
@@ -468,7 +536,7 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         raise _Fallback
     shape, moved, view = plan
     local = list(shape)
-    local[moved.dim] = moved.intervals[_comm.rank_and_world(split.group)[0]][1]
+    local[moved.dim] = moved.intervals[_rank(split.group)][1]
     return tag(x.view(local) if view else x.reshape(local), moved)
 
 
@@ -483,10 +551,13 @@ def _named(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 def _transpose(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, split = _first_split(args)
     ndim = x.dim()
-    name = aten_name(func)
+    name = _aten_name(func)
     order = list(range(ndim))
     if name == "t":
         order = order[::-1]
+    elif len(args) == 3 and not kwargs and type(args[1]) is int and type(args[2]) is int and name != "permute":
+        d0, d1 = _norm(args[1], ndim), _norm(args[2], ndim)  # x.transpose(1, 2): no binding needed
+        order[d0], order[d1] = order[d1], order[d0]
     else:
         bound = _named(func, args, kwargs)
         if name == "permute":
@@ -496,7 +567,7 @@ def _transpose(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             d1 = _norm(bound["dim1"] if "dim1" in bound else bound["axis1"], ndim)
             order[d0], order[d1] = order[d1], order[d0]
     out = func(*args, **kwargs)
-    return tag(out, split.moved(order.index(split.dim)))
+    return tag(out, _move(split, order.index(split.dim)))
 
 
 def _getter(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -575,8 +646,13 @@ def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
 def _along_dim(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Ops that work along one dimension (softmax, cat, split, cumsum): fine along any other."""
-    name = aten_name(func)
-    bound = _named(func, args, kwargs)
+    name = _aten_name(func)
+    if (name in ("cat", "stack") and len(args) in (1, 2) and isinstance(args[0], (list, tuple))
+            and (len(args) == 1 or type(args[1]) is int)
+            and (not kwargs or (len(args) == 1 and list(kwargs) == ["dim"]))):  # cat((a, b), dim=-1): no binding
+        bound = {"tensors": args[0], "dim": args[1] if len(args) == 2 else kwargs.get("dim", 0)}
+    else:
+        bound = _named(func, args, kwargs)
     if name in ("cat", "concat", "concatenate", "stack"):
         # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
         tensors = [t for t in bound["tensors"] if not (name != "stack" and t.dim() == 1 and t.numel() == 0)]
@@ -1048,61 +1124,154 @@ class _Propagate(TorchFunctionMode):
     """Run every torch op on split slices where a rule proves it exact, else on gathered tensors."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if not _any_tagged(args) and not _any_tagged(kwargs.values()):
-            return func(*args, **kwargs)
-        rules, metadata, effects = _tables()
-        getter = getattr(func, "__name__", "") == "__get__"
-        if func in metadata or (getter and not _reads_values(func)):
-            found = getattr(args[0], _TAG, None) if args and isinstance(args[0], torch.Tensor) else None
-            if found is not None and type(found) in GLOBAL_SIZES:
-                return GLOBAL_SIZES[type(found)](func, args, kwargs)
-            return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
-        flat = _shallow_tensors(args, kwargs)
-        if flat is None:
-            flat = tree_flatten((args, kwargs))[0]
-        owned = next((x for x in flat if isinstance(x, torch.Tensor) and _split_label(x)), None)
-        if owned is not None:
-            msg = (f"parameter {_split_label(owned)} is split across ranks, but the model's code uses it directly "
-                   f"in {_describe(func)} instead of calling its module, so that op would see only this rank's block "
-                   f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
-                   f"its module.")
-            raise RuntimeError(msg)
-        if not any(isinstance(x, torch.Tensor) and hasattr(x, _TAG) for x in flat):
-            return func(*args, **kwargs)
-        rule = _getter if getter else rules.get(func)
-        for x in flat:
-            found = getattr(x, _TAG, None) if isinstance(x, torch.Tensor) else None
-            if found is None or type(found) is Split:
-                continue
-            if type(found) is Packed:
-                rule = _split_packed if aten_name(func) in ("split", "chunk", "getitem") else None
-            else:
-                rule = TAG_KINDS[type(found)][0]
-            break
-        if rule is not None:
-            try:
-                return rule(func, args, kwargs)
-            except _Fallback:
-                pass
-        written = kwargs.get("out")
-        if written is None and args and (func in effects or _in_place(func)):
-            written = args[0]
-        if isinstance(written, torch.Tensor) and hasattr(written, _TAG):  # a gathered copy would take the write
-            owner = written
-            split = getattr(owner, _TAG)
-            msg = (f"in-place op {getattr(func, '__name__', func)!r} on an activation split across ranks along "
-                   f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
-                   f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
-            raise RuntimeError(msg)
-        flat, spec = tree_flatten((args, kwargs))
-        flat = [to_replicated(x) if isinstance(x, torch.Tensor) and hasattr(x, _TAG) else x for x in flat]
-        args, kwargs = tree_unflatten(flat, spec)
+        # Every torch call of a region's code lands here, and most touch neither a tagged
+        # activation nor a split parameter: they go straight through. Both marks are
+        # attributes, so a tensor with no attributes of its own (an empty ``__dict__``, the
+        # usual case) carries neither, which one read tells.
+        for v in args:
+            if isinstance(v, Tensor):
+                found = v.__dict__
+                if found and (_TAG in found or (_OWNED in found and _split_label(v))):
+                    break
+            elif isinstance(v, (list, tuple)):
+                if v and _any_tagged(v):
+                    break
+            elif isinstance(v, dict):
+                break
+        else:
+            if not kwargs:
+                return func(*args)
+            if not _any_tagged(kwargs.values()):
+                return func(*args, **kwargs)
+        return _dispatch(func, args, kwargs or {})
+
+
+# What an op object is, decided once per object: a metadata read (no values read), an
+# attribute getter that returns values (``.T``), or any other op (whose rule is looked up
+# each time: ``register_split_rule`` may add one later).
+_KINDS: dict[Any, str] = {}
+_METADATA_KIND, _GETTER_KIND, _OP_KIND = "metadata", "getter", "op"
+
+
+def _kind_of(func: Any) -> str:
+    try:
+        return _KINDS[func]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable op
+        return _find_kind(func)
+    found = _KINDS[func] = _find_kind(func)
+    return found
+
+
+def _find_kind(func: Any) -> str:
+    getter = getattr(func, "__name__", "") == "__get__"
+    if func in _tables()[1] or (getter and not _reads_values(func)):
+        return _METADATA_KIND  # shape, dtype, device, ...: no values read
+    return _GETTER_KIND if getter else _OP_KIND
+
+
+def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An op with a tagged tensor or a split parameter among (or near) its arguments."""
+    kind = _kind_of(func)
+    if kind is _METADATA_KIND:
+        found = getattr(args[0], _TAG, None) if args and isinstance(args[0], Tensor) else None
+        if found is not None and type(found) in GLOBAL_SIZES:
+            return GLOBAL_SIZES[type(found)](func, args, kwargs)
+        return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
+    flat = _shallow_tensors(args, kwargs)
+    if flat is None:
+        flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
+    tags = []
+    for x in flat:
+        found = x.__dict__
+        if found:
+            if _OWNED in found and _split_label(x):
+                _refuse_owned(func, x)
+            tags.append(found.get(_TAG))
+    if not any(t is not None for t in tags):
         return func(*args, **kwargs)
+    rule = _getter if kind is _GETTER_KIND else _tables()[0].get(func)
+    other = next((t for t in tags if t is not None and type(t) is not Split), None)
+    if other is not None:  # the first tag that is not a plain split decides
+        if type(other) is Packed:
+            rule = _split_packed if _aten_name(func) in ("split", "chunk", "getitem") else None
+        else:
+            rule = TAG_KINDS[type(other)][0]
+    elif rule is _elementwise:
+        out = _same_split(func, args, kwargs)
+        if out is not None:
+            return out
+    if rule is not None:
+        try:
+            return rule(func, args, kwargs)
+        except _Fallback:
+            pass
+    return _gathered(func, args, kwargs)
+
+
+def _same_split(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An element-wise op whose tensors are all split alike (same split, same rank) among plain numbers.
+
+    The output is split the same way, whatever the op: the common case (``q * cos`` aside) of
+    activations combined with each other or with constants, decided without the general rule.
+    ``None`` when the call is not of that form.
+    """
+    found = None
+    ndim = -1
+    for a in args:
+        if isinstance(a, Tensor):
+            split = a.__dict__.get(_TAG) if a.__dict__ else None
+            if split is None or a.dim() != ndim and ndim >= 0:
+                return None
+            if found is None:
+                found, ndim = split, a.dim()
+            elif split is not found and split != found:
+                return None
+        elif not isinstance(a, (int, float, bool)):
+            return None
+    if not isinstance(found, Split):
+        return None
+    for v in kwargs.values():  # options (inplace=False, alpha=2) only
+        if not (v is None or isinstance(v, (int, float, bool, str))):
+            return None
+    out = func(*args, **kwargs)
+    if isinstance(out, Tensor) and out.dim() == ndim:
+        return tag(out, found)
+    return _gathered(func, args, kwargs)
+
+
+def _refuse_owned(func: Any, owned: Tensor) -> None:
+    msg = (f"parameter {_split_label(owned)} is split across ranks, but the model's code uses it directly "
+           f"in {_describe(func)} instead of calling its module, so that op would see only this rank's block "
+           f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
+           f"its module.")
+    raise RuntimeError(msg)
+
+
+def _gathered(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The op on whole tensors: every split input gathered (collective), unless it writes a split tensor."""
+    _, _, effects = _tables()
+    written = kwargs.get("out")
+    if written is None and args and (func in effects or _in_place(func)):
+        written = args[0]
+    if isinstance(written, Tensor) and hasattr(written, _TAG):  # a gathered copy would take the write
+        owner = written
+        split = getattr(owner, _TAG)
+        msg = (f"in-place op {getattr(func, '__name__', func)!r} on an activation split across ranks along "
+               f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
+               f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
+        raise RuntimeError(msg)
+    flat_all, spec = tree_flatten((args, kwargs))
+    flat_all = [to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in flat_all]
+    args, kwargs = tree_unflatten(flat_all, spec)
+    return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def _region() -> Iterator[None]:
+    if not _STATE.depth:
+        _STATE.ranks = {}  # groups may change between calls, never during one
     _STATE.depth += 1
     _STATE.copies.append({})
     try:

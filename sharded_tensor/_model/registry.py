@@ -24,6 +24,7 @@ shardkit cannot read reliably; the registration states it once, next to that cod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -189,10 +190,21 @@ class ShardedCall:
 
 def _as_tag(split: Intervals | Split | Packed | ParamLayout, dim: int,
             group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
-    placement = split_placement(split, dim)
-    if isinstance(placement, Packed):
-        return _regions.Packed(dim, placement.pieces, group)
-    return _regions.Split(dim, placement.intervals, group)
+    if isinstance(split, ParamLayout):
+        return _tag(split_placement(split, 0), dim, group)
+    if isinstance(split, list):  # intervals as lists: hashable for the cache
+        split = tuple(tuple(pair) for pair in split)
+    return _tag(split, dim, group)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tag(split: Intervals | Split | Packed, dim: int, group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
+    """The engine's tag for an output split as ``split`` along ``dim``: one per layer, built once."""
+    if isinstance(split, Packed):
+        return _regions.Packed(dim, split.pieces, group)
+    if isinstance(split, Split):
+        return _regions.Split(dim, split.intervals, group)
+    return _regions.Split(dim, split, group)  # per-rank intervals; checked there
 
 
 def register_sharded_module(module_type: type[nn.Module], handler: ShardedModule, *, replace: bool = False) -> None:

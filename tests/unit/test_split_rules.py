@@ -27,6 +27,7 @@ from hypothesis import strategies as hs  # noqa: E402
 from _shardkit import comm as _comm  # noqa: E402
 from sharded_tensor._model import parallel as _parallel  # noqa: E402, F401 - every tag kind registered
 from sharded_tensor._model import regions as _regions  # noqa: E402
+from tests._examples import examples  # noqa: E402
 
 
 class _Ranks:
@@ -179,7 +180,7 @@ def _cases(draw: Any) -> dict[str, Any]:
             "intervals": tuple(zip(starts, lengths)), "params": params, "seed": draw(hs.integers(0, 2**16))}
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+@settings(max_examples=examples(100), deadline=None, derandomize=True)
 @given(case=_cases())
 def test_rule_on_slices_equals_op_on_the_whole(case):
     op, weight_shape = OPS[case["name"]]
