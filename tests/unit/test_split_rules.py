@@ -250,8 +250,12 @@ PENDING_OPS: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     "number-times": (_with_another(lambda p, w: 3.0 * p - 1), 1),
     "add-pending": (lambda p, w: p + p * 0.5 + w, 1),
     "torch-add-alpha": (_with_another(lambda p, w: torch.add(w, p, alpha=2.0)), 1),
-    "mul-whole": (_with_another(lambda p, w: p * w), 1),
-    "div-whole": (_with_another(lambda p, w: p / (w.abs() + 1.0)), 1),
+    "mul-whole-no-grad": (_with_another(lambda p, w: p * w.detach()), 1),
+    "div-whole-no-grad": (_with_another(lambda p, w: p / (w.detach().abs() + 1.0)), 1),
+    # A scale that needs a gradient sums p first (2 in all): scaling the addends would all-reduce its
+    # gradient in backward instead.
+    "mul-whole": (_with_another(lambda p, w: p * w), 2),
+    "div-whole": (_with_another(lambda p, w: p / (w.abs() + 1.0)), 2),
     "neg-reshape": (lambda p, w: (-p).reshape(-1), 1),
     "transpose-getitem": (lambda p, w: p.transpose(0, -1)[..., :1], 1),
     "dropout-nothing": (_with_another(lambda p, w: F.dropout(p, 0.0, True) + w), 1),
