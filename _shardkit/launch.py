@@ -345,6 +345,18 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(3)
 
 
+def _all_connected(store: Any, world_size: int) -> None:
+    """Return once every rank has returned from ``init_process_group``.
+
+    Gloo connects the ranks pair by pair, so one rank can return from ``init_process_group``
+    while another is still connecting; if the first then finishes ``fn`` and leaves, the
+    other's connecting fails ("Connection closed by peer"). A short ``fn`` raced so.
+    """
+    if store.add("shardkit-launch/connected", 1) == world_size:
+        store.set("shardkit-launch/all-connected", "1")
+    store.wait(["shardkit-launch/all-connected"])
+
+
 def _worker(rank: int, world_size: int, store_path: str, tmp: str, timeout: float, environ: dict[str, str],
             capture_output: bool, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             conn: multiprocessing.connection.Connection) -> None:
@@ -389,6 +401,7 @@ def _worker(rank: int, world_size: int, store_path: str, tmp: str, timeout: floa
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        _all_connected(store, world_size)
         try:
             result = fn(rank, world_size, *args, **kwargs)
         except BaseException:

@@ -54,7 +54,9 @@ for f in "${WHOLE[@]}"; do
         "$f"
 done
 
-# Everywhere else: only the module's name and path, and the identifiers it exports.
+# Everywhere else: only the module's name and path, the identifiers it exports, and the alias
+# _regions in the files that import the module under it.
+mapfile -t ALIASED < <(git grep -l -E 'import regions as _regions' -- '*.py')
 mapfile -t OTHERS < <(git ls-files '*.py' '*.md' '*.sh' '*.toml' '*.cfg' '*.yml' | grep -v '^scripts/_rename_region.sh$')
 sed -i \
     -e 's/_model\.regions\b/_model.zones/g' \
@@ -66,12 +68,15 @@ sed -i \
     -e 's/\bfind_regions\b/find_zones/g' \
     -e 's/\bin_region\b/in_zone/g' \
     "${OTHERS[@]}"
+if [ "${#ALIASED[@]}" -gt 0 ]; then
+    sed -i -e 's/\b_regions\b/_zones/g' "${ALIASED[@]}"
+fi
 # A test's docstring that speaks of the module subtree.
 sed -i -e 's/layer run as a region/layer run as a zone/' tests/distributed/test_extension.py
 
 # Nothing of the old name may remain (checkpoint/_regions.py is the tensor-block meaning: kept).
 left=$( (git grep -n -E 'find_regions|RegionForward|in_region[^a-z_]|_model[./]regions|import regions' \
-             -- ':!scripts/_rename_region.sh'; git grep -n -w '_regions' -- sharded_tensor) || true)
+             -- ':!scripts/_rename_region.sh'; git grep -n -w '_regions' -- sharded_tensor "${ALIASED[@]}") || true)
 if [ -n "$left" ]; then
     echo "the old names are still used here; rename them by hand:" >&2
     echo "$left" >&2
