@@ -19,7 +19,7 @@ from sharding import (
     ShardedTensorMetadata,
     ShardMetadata,
 )
-from sharding.layout import check_reduce_op, check_tiling
+from sharding.layout import Replicated, check_reduce_op, check_tiling
 
 from ._dtensor_layout import to_dtensor
 from ._reshard import redistribute
@@ -361,7 +361,7 @@ class ShardedTensor:
         world = self._world()
         target = ShardedTensorMetadata(
             [ShardMetadata((0,) * self.dim(), tuple(self.shape), RemoteDevice.of(r, self._device_of(r)))
-             for r in range(world)], self.shape, self.dtype)
+             for r in range(world)], self.shape, self.dtype, placement=Replicated())
         tensors = redistribute(self._local_by_index(), self._metadata, target, rank=self._rank, group=self._group)
         return tensors[self._rank]
 

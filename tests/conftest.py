@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,14 @@ _DISTRIBUTED_DIR = Path(__file__).parent / "distributed"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "distributed: multi-process test (Gloo on CPU, spawned by _shardkit/launch.py)")
+    # The quick tier (-m "not slow") draws a quarter of each property test's examples
+    # (tests/_examples.py); the full suite draws them all. An explicit profile wins.
+    if re.search(r"\bnot\s+slow\b", config.option.markexpr or "") and not config.getoption("hypothesis_profile", None):
+        from hypothesis import settings
+
+        from tests._examples import QUICK
+
+        settings.load_profile(QUICK)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -143,12 +143,11 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
     elif side == "fsdp2-2x2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # tp {0, 1}, {2, 3}; dp {0, 2}, {1, 3}
-        parallelize_module(model, mesh["tp"], {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-                                               "lm_head": ColwiseParallel(output_layouts=Replicate())})
+        # transformers' base_model_tp_plan, as st.tensor_parallel_spec reads it: the decoder layers' projections;
+        # embeddings and head stay whole within a tensor-parallel group (fully sharded over dp on both sides).
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], {
                 "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),

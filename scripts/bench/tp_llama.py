@@ -109,7 +109,7 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
             opt.step()
             elapsed = time.perf_counter() - t0
             times[side].append(elapsed)
-            losses[side].append(float(loss))
+            losses[side].append(float(loss.detach()))
     out["times"] = times
     out["losses"] = losses
     return out

@@ -288,7 +288,7 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
         shape = tuple(global_shapes[len(local)])
         metadata = spec.build_metadata(shape, param.dtype, world_size=world)
         sp = ShardedParameter(classify(pname, metadata, world), spec, None)
-        attach(new, owners, sp)
+        attach(new, sp)
         _ours[new] = tp_ranks
         for owner, attr in owners:
             owner._parameters[attr] = new

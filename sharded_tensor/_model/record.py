@@ -1,16 +1,18 @@
 """The record of one sharded parameter: its layout, spec and group (``ShardedParameter``).
 
 ``shard_model``, ``shard_parameter`` and ``fully_shard`` make one record per sharded
-parameter and :func:`attach` it, the one place that stores it: on the parameter (read with
-:func:`record_of`, e.g. by ``clip_grad_norm_`` given a list of parameters, and by the
-regions, which refuse a direct use of a split parameter) and in each module owning it
-(read with :func:`sharded_parameters`, e.g. by the state-dict hooks here). Both hold the
-same frozen object, so they cannot disagree.
+parameter and :func:`attach` it to the parameter object, the one place it is kept. Every
+part reads it from there: :func:`record_of` for a parameter (``clip_grad_norm_`` given a
+list of parameters; the regions, which refuse a direct use of a split parameter), and
+:func:`sharded_parameters` for a module's own parameters (the state-dict hooks here, the
+optimizer state, ``fully_shard``). A parameter replaced in its module
+(``load_state_dict(assign=True)`` included, see ``_load_hook``) takes its record along or
+is no longer sharded; there is no second table to fall out of step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +30,6 @@ from .parallel import ParamLayout
 
 __all__ = ["ShardedParameter", "assemble", "attach", "record_of", "sharded_parameters", "install_hooks"]
 
-_ON_MODULE = "_shardkit_params"  # in an owning module's __dict__: attribute name -> record
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,9 @@ def assemble(pieces: Mapping[int, torch.Tensor], layout: ParamLayout, rank: int,
     return out
 
 
-def attach(param: torch.Tensor, owners: Iterable[tuple[nn.Module, str]], record: ShardedParameter) -> None:
-    """Record that ``param``, held by each ``(module, attribute name)`` of ``owners``, is laid out as ``record``."""
+def attach(param: torch.Tensor, record: ShardedParameter) -> None:
+    """Record that ``param`` (this rank's local tensor) is laid out as ``record`` says."""
     setattr(param, _regions.RECORD, record)
-    for module, attr in owners:
-        module.__dict__.setdefault(_ON_MODULE, {})[attr] = record
 
 
 def record_of(param: torch.Tensor) -> ShardedParameter | None:
@@ -132,7 +131,8 @@ def record_of(param: torch.Tensor) -> ShardedParameter | None:
 
 def sharded_parameters(module: nn.Module) -> dict[str, ShardedParameter]:
     """The sharded parameters of ``module`` itself (not its children), by attribute name."""
-    return dict(module.__dict__.get(_ON_MODULE, {}))
+    return {attr: record for attr, param in module._parameters.items()
+            if param is not None and (record := record_of(param)) is not None}
 
 
 def install_hooks(module: nn.Module) -> None:
@@ -166,7 +166,7 @@ def _load_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, lo
                 if local_metadata.get("assign_to_params_buffers"):
                     # load_state_dict(assign=True) installs this object as the parameter: it carries the record.
                     local = nn.Parameter(local, requires_grad=param.requires_grad)
-                    setattr(local, _regions.RECORD, sharded[attr])
+                    attach(local, sharded[attr])
                 state_dict[key] = local
             elif isinstance(value, ShardedTensor):
                 state_dict[key] = value.full_tensor()

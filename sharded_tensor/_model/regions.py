@@ -25,6 +25,11 @@ op, while the code runs:
 * A consumer whose input is tagged the way it is split takes the slice as it is; the
   region's outputs that are still tagged are gathered, so a region looks replicated-in,
   replicated-out from outside.
+* A consumer inside a region hands out its partial sum tagged :class:`Partial` (``pending``):
+  it stays pending through ops linear in it (another pending sum, a whole tensor added once)
+  until an op needs it whole, so sums that meet first share one all-reduce.
+* A reshape that merges the split heads with the batch (``reshape(batch * num_heads, ...)``)
+  gives a :class:`Strided` split (``strided``), kept through batched matmuls and reshaped back.
 * Producers of one region that read the same input share one ``copy_to_ranks``: q, k and v
   then cost one all-reduce of the input's gradient in backward instead of three.
 
@@ -73,6 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from _shardkit import comm as _comm
 from sharding import layout
 
+from . import rule_table as _rule_table
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
@@ -1064,8 +1070,9 @@ def _tables() -> tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[
     """Rules, metadata reads and side-effecting ops, keyed by the op objects torch hands the mode.
 
     Built on the first op inside a region, not at import (reading ATen's op tags takes a while).
+    The rules go into the one table of every sharded compute rule (``rule_table``).
     """
-    rules: dict[Any, Callable[..., Any]] = {}
+    rules: dict[Any, Callable[..., Any]] = _rule_table.RULES
     for name in _ELEMENTWISE | _pointwise():
         for obj in _objects(name):
             rules[obj] = _elementwise

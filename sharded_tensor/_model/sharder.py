@@ -2,8 +2,8 @@
 
 After sharding, a parameter is an ordinary ``nn.Parameter`` holding this rank's block of the
 global tensor (so ``model.parameters()`` and any ``torch.optim`` optimizer work unchanged),
-and it carries its record (``record.ShardedParameter``, also kept by its module). Three
-things follow from that record:
+and it carries its record (``record.ShardedParameter``). Three things follow from that
+record:
 
 * compute: ``nn.Linear`` / ``nn.Embedding`` get a sharded forward (see ``_parallel``);
   anything else with a split parameter is refused at shard time;
@@ -721,7 +721,7 @@ def _finish(model: nn.Module, entries: Sequence[_Entry], group: _comm.ProcessGro
     _guard.retire((e.name, e.param) for e in entries if e.new is not None and e.new is not e.param)
     for entry in entries:
         if entry.layout is not None:
-            attach(entry.new, [(module, attr) for _, module, attr in entry.owners], entry.sharded(group))  # type: ignore[arg-type]
+            attach(entry.new, entry.sharded(group))  # type: ignore[arg-type]
     for module in dict.fromkeys(m for _, m in model.named_modules()):
         if module._parameters:
             install_hooks(module)  # also unsharded ones: they take a ShardedTensor's full tensor

@@ -11,8 +11,10 @@ features; everything else whole), from rank 0's weights. On every rank:
   shows here);
 * 3 SGD steps give the same losses, the same parameters (gathered) and the same logits;
 * the forward's collectives are counted: one all-reduce per row-parallel projection (and per
-  statistic over split features, as OLMo2's norms across heads) and no all-gather (every model
-  here has heads that divide the 2 ranks).
+  statistic over split features, as OLMo2's norms across heads), one per layer where attention
+  and MLP run in parallel (their pending sums are added before one all-reduce), and no
+  all-gather (every model here has heads that divide the 2 ranks; BLOOM's merge of the batch
+  with the heads keeps them split).
 
 Each architecture is also imported as docs/huggingface.md does (``save_pretrained`` on rank 0,
 a meta model sharded with ``init=False``, ``checkpoint.load``): the gathered parameters must
@@ -489,13 +491,9 @@ def group_runs(tmp_path_factory) -> Callable[[str], list[dict[str, dict[str, Any
     return run
 
 
-# Imports that do not give the saved weights: transformers 5 saves Mixtral's experts one tensor
-# per expert, which from_pretrained merges into the fused parameters; a byte-range load does not
-# merge tensors, so it refuses to leave the fused experts uninitialized.
-IMPORT_XFAIL: dict[str, str] = {
-    "mixtral": "the file holds block_sparse_moe.experts.N.w1/w2/w3.weight, the model mlp.experts.gate_up_proj "
-               "and down_proj (fused): the load refuses to leave them uninitialized",
-}
+# Imports that do not give the saved weights (none today: Mixtral's per-expert tensors are merged
+# into its fused experts as from_pretrained merges them).
+IMPORT_XFAIL: dict[str, str] = {}
 
 
 def _param(arch: Arch, xfail: dict[str, str]) -> Any:

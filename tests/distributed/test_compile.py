@@ -20,6 +20,7 @@ with inductor on both sides and compares the losses.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,12 +35,14 @@ from tests.distributed._grads import full_grads, full_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 from tests.distributed.test_arch_matrix import BY_NAME, _inputs, _loss, _max_diff, _spec  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BACKEND = os.environ.get("SHARDKIT_COMPILE_BACKEND", "aot_eager")
 FORWARD_TOL = 1e-6  # relative to the logits' largest magnitude; measured differences are at most ~2e-7
-# Architectures of the matrix compiled here (each costs a few seconds of tracing per rank).
-ARCHITECTURES = ["llama", "qwen3", "gpt2", "bert"]  # GQA + RoPE; per-head norm; packed Conv1D, tied; encoder
+# Architectures of the matrix compiled here: GQA + RoPE + SwiGLU; a fused (packed) Conv1D qkv with
+# tied embeddings. Each costs tens of seconds of tracing on a loaded 2-core machine;
+# SHARDKIT_COMPILE_ARCHS=llama,qwen3,... checks others (all 23 of the matrix pass, see docs/huggingface.md).
+ARCHITECTURES = ["llama", "gpt2"]
 
 
 class _MLP(torch.nn.Module):
@@ -99,10 +102,12 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
 def _run(rank: int, world: int, names: list[str]) -> dict[str, dict[str, Any]]:
     out = {}
     for name in names:
+        started = time.perf_counter()
         try:
             out[name] = _compile_one(name, rank, world)
         except Exception as exc:  # noqa: BLE001 - reported per model, with the others still checked
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        out[name]["seconds"] = time.perf_counter() - started
     return out
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 import checkpoint
 import sharded_tensor as st
+from sharded_tensor._model.record import sharded_parameters
 from sharding import DevicePlacement, composite, mesh, single_split
 from tests.distributed._launch import run_distributed
 
@@ -191,7 +192,7 @@ def local_boxes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int,
     rank = dist.get_rank()
     out = {}
     for mod_name, module in model.named_modules():
-        for attr, sp in module.__dict__.get("_shardkit_params", {}).items():
+        for attr, sp in sharded_parameters(module).items():
             out[f"{mod_name}.{attr}" if mod_name else attr] = sp.box(rank)
     return out
 

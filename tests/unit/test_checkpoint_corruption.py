@@ -77,14 +77,19 @@ def _sharded(boxes: list[tuple[tuple[int, int], tuple[int, int]]], full: torch.T
     return t
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+# S3 reads by the same path as memory:// ("batches of rows"); its cases start a server and make
+# a few hundred requests each, so they run in the full suite, not in the quick tier.
+_S3 = pytest.param("s3", marks=pytest.mark.slow)
+
+
+@pytest.fixture(params=["local", "memory", _S3])
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(checkpoint url, storage_options)`` on one of the three kinds of storage."""
     yield from _storage(request.param, request, tmp_path)
 
 
 # mmap=True maps local files only; elsewhere it copies (checked once, on memory://, not again on S3).
-WHERE = ["local-copy", "local-mmap", "memory-copy", "memory-mmap", "s3-copy"]
+WHERE = ["local-copy", "local-mmap", "memory-copy", "memory-mmap", pytest.param("s3-copy", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(params=WHERE)

@@ -19,19 +19,20 @@ from checkpoint._chunks import (
     plan_read,
     verify_chunks,
 )
+from tests._examples import examples
 
 
 def _bytes(n: int) -> bytes:
     return bytes((i * 131 + 7) % 251 for i in range(n))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.binary(max_size=600), st.binary(max_size=600))
 def test_combine_equals_crc_of_concatenation(a: bytes, b: bytes) -> None:
     assert crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.integers(0, 3000), st.integers(1, 257), st.lists(st.integers(1, 400), min_size=1, max_size=20))
 def test_incremental_matches_direct(n: int, chunk: int, pieces: list[int]) -> None:
     data = _bytes(n)
@@ -55,7 +56,7 @@ def test_large_chunk_lengths_combine() -> None:
         assert combine_chunks(chunk_checksums(data, chunk), len(data), chunk) == crc32c.crc32c(data)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.data())
 def test_plan_read_is_minimal_and_aligned(data: st.DataObject) -> None:
     chunk = data.draw(st.integers(1, 64))
@@ -78,7 +79,7 @@ def test_plan_read_is_minimal_and_aligned(data: st.DataObject) -> None:
     assert plan.extra_bytes == (start - plan.read_start) + (plan.read_end - end)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.data())
 def test_verify_chunks_catches_any_flip_in_read_and_ignores_others(data: st.DataObject) -> None:
     chunk = data.draw(st.integers(1, 50))
@@ -116,7 +117,7 @@ def test_plan_and_verify_reject_bad_input() -> None:
         verify_chunks(b"\0" * 8, plan, [0], 4)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=30))
 def test_encode_decode_round_trip(values: list[int]) -> None:
     text = encode_chunks(values)

@@ -11,6 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from sharded_tensor._dtensor_layout import dtensor_layout
+from tests._examples import examples
 
 
 @pytest.mark.parametrize(("shape", "mesh_shape", "placements"), [
@@ -48,7 +49,7 @@ def _cases(draw: hst.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], list[obj
     return shape, mesh_shape, placements
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(_cases())
 def test_layout_matches_dtensor_everywhere(case):
     shape, mesh_shape, placements = case

@@ -19,6 +19,7 @@ import sharded_tensor as st
 from sharded_tensor import _fill, _random
 from sharded_tensor._model import init as _init_model
 from sharding import DevicePlacement
+from tests._examples import examples
 
 
 def _slice(t: torch.Tensor, offsets: tuple[int, ...], dims: tuple[int, ...]) -> torch.Tensor:
@@ -45,7 +46,7 @@ def test_fills_are_bit_identical_to_random(global_shape, offsets, dims, dtype):
         assert torch.equal(got, want), ours.__name__
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(hst.data())
 def test_any_block_equals_the_same_block_of_the_whole(data):
     ndim = data.draw(hst.integers(1, 3))

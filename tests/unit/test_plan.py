@@ -30,8 +30,9 @@ from sharding import (
     single_split,
 )
 from sharding.layout import RegionIndex
+from tests._examples import examples
 
-PLAN_SETTINGS = settings(max_examples=80, deadline=None,
+PLAN_SETTINGS = settings(max_examples=examples(80), deadline=None,
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -239,7 +240,7 @@ def check_deterministic(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, 
         assert plan == plan_reshard(again_src, again_dst, rank=rank), ("plan differs on rebuilt metadata", rank)
 
 
-@settings(PLAN_SETTINGS, max_examples=100)
+@settings(PLAN_SETTINGS, max_examples=examples(100))
 @given(reshard_cases())
 def test_plan_properties(case):
     world, src, dst = case

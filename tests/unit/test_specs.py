@@ -34,6 +34,7 @@ from sharding import (
 )
 from sharding._placement import register_spec
 from sharding.layout import check_tiling
+from tests._examples import examples
 
 
 def ranks(n: int, device: str = "cpu") -> list[str]:
@@ -775,7 +776,7 @@ def _assert_tiles_exactly(md: ShardedTensorMetadata, per_placement: list[ShardMe
     check_tiling(md.shards, md.size)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(split_cases())
 def test_property_single_split_tiles_and_follows_chunk(case):
     size, spec = case
@@ -792,7 +793,7 @@ def test_property_single_split_tiles_and_follows_chunk(case):
         assert all(s.offsets[d] == 0 and s.dims[d] == size[d] for d in range(len(size)) if d != dim)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mesh_cases())
 def test_property_mesh_tiles_and_follows_chunk(case):
     size, spec = case
@@ -805,7 +806,7 @@ def test_property_mesh_tiles_and_follows_chunk(case):
         assert [per_placement[j * stride].dims[d] for j in range(k)] == chunk_lengths(size[d], k)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.one_of(split_cases(), mesh_cases()))
 def test_property_specs_round_trip(case):
     _, spec = case

@@ -27,6 +27,7 @@ from hypothesis import strategies as hs  # noqa: E402
 from _shardkit import comm as _comm  # noqa: E402
 from sharded_tensor._model import parallel as _parallel  # noqa: E402, F401 - every tag kind registered
 from sharded_tensor._model import regions as _regions  # noqa: E402
+from tests._examples import examples  # noqa: E402
 
 
 class _Ranks:
@@ -179,7 +180,7 @@ def _cases(draw: Any) -> dict[str, Any]:
             "intervals": tuple(zip(starts, lengths)), "params": params, "seed": draw(hs.integers(0, 2**16))}
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+@settings(max_examples=examples(100), deadline=None, derandomize=True)
 @given(case=_cases())
 def test_rule_on_slices_equals_op_on_the_whole(case):
     op, weight_shape = OPS[case["name"]]
@@ -294,3 +295,40 @@ def test_pending_sum_on_addends_equals_op_on_the_sum(case):
             got_w = weight_grad if weight_grad is not None else torch.zeros_like(ws.grad)
             torch.testing.assert_close(got_w, ws.grad, rtol=1e-9, atol=1e-9, msg=f"weight grad on rank {rank}")
         assert count == all_reduces, f"rank {rank}: {count} forward all-reduces, want {all_reduces}"
+
+
+def test_packed_slices_taken_apart_by_indexing_are_exact_without_gathers():
+    """A fused q/k/v output packed by heads (Phi-3's ``qkv_proj``): ``qkv[..., a:b]`` gives q, k and v split."""
+    q, kv = 4, 2  # q then k then v along the last dimension: 4 + 2 + 2 features
+    pieces = (((0, 2), (4, 1), (6, 1)), ((2, 2), (5, 1), (7, 1)))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, q + 2 * kv, generator=gen, dtype=torch.float64)
+    w = torch.randn(q, generator=gen, dtype=torch.float64)
+
+    def op(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        query, key, value = t[..., :q], t[..., q:q + kv], t[..., q + kv:]
+        return (query * weight).sum(-1, keepdim=True) * key + value
+
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = op(xs, ws)
+    upstream = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    (want * upstream).sum().backward()
+
+    def rank_fn(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+        local = torch.cat([x.narrow(-1, s, n) for s, n in pieces[rank]], -1).requires_grad_()
+        weight = w.clone().requires_grad_()
+        with _regions._region():
+            out = op(_regions.tag(local.view_as(local), _regions.Packed(2, pieces)), weight)
+        gathers = getattr(ranks.local, "all_gathers", 0)
+        out = _regions.to_replicated(out)
+        (out * upstream).sum().backward()
+        return out.detach(), local.grad, weight.grad, gathers
+
+    with _simulated(2) as ranks:
+        results = ranks.run(rank_fn)
+    for rank, (out, local_grad, weight_grad, gathers) in enumerate(results):
+        assert gathers == 0, f"rank {rank}: {gathers} all-gathers inside the region"
+        torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+        want_local = torch.cat([xs.grad.narrow(-1, s, n) for s, n in pieces[rank]], -1)
+        torch.testing.assert_close(local_grad, want_local, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(weight_grad, ws.grad, rtol=1e-12, atol=1e-12)
