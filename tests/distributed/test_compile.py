@@ -12,9 +12,10 @@ One spawn of 2 Gloo ranks checks, for a plain MLP and for architectures of the m
 The backend is ``aot_eager`` by default: dynamo and AOTAutograd build the same graph inductor
 receives (local ops, functional collectives and their backward); only the code generation is
 left out, which takes minutes of C++ compilation on a 2-core machine and is torch's own.
-``SHARDKIT_COMPILE_BACKEND=inductor`` runs the same checks with inductor (about 3 minutes
-for the tiny Llama alone on a loaded machine); scripts/bench/tp_llama.py --compile compiles
-with inductor on both sides and compares the losses.
+``SHARDKIT_COMPILE_BACKEND=inductor`` runs the same checks with inductor (they pass; 220 s
+for the three models at load average 16, against 57 s with ``aot_eager``);
+scripts/bench/tp_llama.py --compile compiles with inductor on both sides and compares the
+losses.
 """
 
 from __future__ import annotations
