@@ -4,7 +4,7 @@
 # runs on split activations (sharded_tensor/_model/regions.py), becomes a *zone*:
 #
 #   sharded_tensor/_model/regions.py  -> sharded_tensor/_model/zones.py
-#   tests/unit/test_regions.py        -> tests/unit/test_zones.py
+#   tests/unit/test_regions.py        -> tests/unit/test_zones.py (test_region_ties.py alike)
 #   find_regions -> find_zones, RegionForward -> ZoneForward, in_region -> in_zone,
 #   _region -> _zone, the module alias _regions -> _zones, and the prose of the files below.
 #
@@ -24,6 +24,9 @@ fi
 
 git mv sharded_tensor/_model/regions.py sharded_tensor/_model/zones.py
 git mv tests/unit/test_regions.py tests/unit/test_zones.py
+if [ -f tests/unit/test_region_ties.py ]; then
+    git mv tests/unit/test_region_ties.py tests/unit/test_zone_ties.py
+fi
 
 # Files where every "region" means the module subtree: rename the word and every identifier.
 # Names of the tensor-block meaning that may appear in them are shielded first.
@@ -37,6 +40,7 @@ WHOLE=(
     sharded_tensor/_model/rule_table.py
     sharded_tensor/_model/strided.py
     tests/unit/test_zones.py
+    tests/unit/test_zone_ties.py
     tests/unit/test_split_rules.py
     tests/unit/test_split_rule_registry.py
     docs/extending.md
@@ -69,6 +73,7 @@ sed -i \
     -e 's/from \. import regions as _regions/from . import zones as _zones/g' \
     -e 's#_model/regions\.py#_model/zones.py#g' \
     -e 's#test_regions\.py#test_zones.py#g' \
+    -e 's#test_region_ties\.py#test_zone_ties.py#g' \
     -e 's/\bRegionForward\b/ZoneForward/g' \
     -e 's/\bfind_regions\b/find_zones/g' \
     -e 's/\bin_region\b/in_zone/g' \
