@@ -519,13 +519,23 @@ def _shape_key(value: Any) -> Any:
     return value
 
 
+def _reshape_key(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor,
+                 split: Any) -> tuple[Any, ...]:
+    """What a reshape's decision depends on: the op, the shapes, dtypes and splits of its tensors, its sizes."""
+    if not kwargs and all(type(a) is int for a in args[1:]):  # x.view(b, s, -1, d): the sizes as given
+        return (func, x.shape, x.dtype, split, args[1:])
+    return (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
+
+
 def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """view / reshape / flatten / unflatten / (un)squeeze / view_as, decided once per shapes and split."""
     x, split = _first_split(args)
-    if not kwargs and all(type(a) is int for a in args[1:]):  # x.view(b, s, -1, d): the key as given
-        key: tuple[Any, ...] = (func, x.shape, x.dtype, split, args[1:])
-    else:
-        key = (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
+    return _reshaped(func, args, kwargs, x, split, _reshape_key(func, args, kwargs, x, split))
+
+
+def _reshaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor, split: Split,
+              key: tuple[Any, ...]) -> Any:
+    """``_reshape`` with its key already worked out."""
     try:
         plan = _RESHAPE_PLANS[key]
     except KeyError:
@@ -1078,12 +1088,13 @@ def _any_tagged(values: Any) -> bool:
     """Whether a tagged tensor or a split parameter is among ``values`` or one level down."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            if hasattr(v, _TAG) or hasattr(v, _OWNED):
+            # A split parameter's record has a label (_split_label, inlined: this runs on every op).
+            if hasattr(v, _TAG) or getattr(getattr(v, _OWNED, None), "label", None):
                 return True
         elif isinstance(v, (list, tuple)):
             for x in v:
                 if isinstance(x, (list, tuple, dict)) or (
-                        isinstance(x, torch.Tensor) and (hasattr(x, _TAG) or hasattr(x, _OWNED))):
+                        isinstance(x, torch.Tensor) and (hasattr(x, _TAG) or _split_label(x))):
                     return True  # deeper structures take the full look
         elif isinstance(v, dict):
             return True

@@ -106,7 +106,7 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     split = _regions.split_of(x)
     if split is None:
         raise _regions._Fallback
-    key = (func, _regions._shape_key(args), _regions._shape_key(tuple(kwargs.items())))
+    key = _regions._reshape_key(func, args, kwargs, x, split)
     try:
         plan = _MERGES[key]
     except KeyError:
@@ -114,9 +114,9 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     except TypeError:  # an unhashable argument
         plan = _plan_merge(func, args, kwargs, split)
     if plan is None:
-        return _regions._reshape(func, args, kwargs)
+        return _regions._reshaped(func, args, kwargs, x, split, key)
     dim, intervals, blocks, local = plan
-    out = x.view(local) if aten_name(func) == "view" else x.reshape(local)
+    out = x.view(local) if _regions._aten_name(func) == "view" else x.reshape(local)
     return _regions.tag(out, Strided(dim, intervals, blocks, split.group))
 
 
