@@ -180,7 +180,11 @@ def _refusals(world: int) -> dict[str, str | None]:
 
 
 IMPORTED = ("mixtral", "qwen2_moe")
-LAYOUTS = ("per_expert", "fused", "per_expert_bf16")
+# Every architecture and expert layout from save_pretrained's per-expert folder; the fused
+# folder and the bfloat16 one (cast=True) once per architecture, the layouts alternating.
+IMPORT_CASES = [(arch, "per_expert", mode) for arch in IMPORTED for mode in MODES] + [
+    ("mixtral", "fused", "expert"), ("qwen2_moe", "fused", "tensor"),
+    ("mixtral", "per_expert_bf16", "tensor"), ("qwen2_moe", "per_expert_bf16", "expert")]
 
 
 def write_folders(root: str) -> None:
@@ -222,23 +226,24 @@ def _expert_bytes_read(model: torch.nn.Module, folder: str, mode: str) -> int:
 def _imports(rank: int, world: int, root: str) -> dict[str, object]:
     """Each folder into a meta model sharded each way: parameters, and the bytes of experts read."""
     out: dict[str, object] = {}
-    for arch in IMPORTED:
+    references: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for arch, layout, mode in IMPORT_CASES:
         cls = _model_class(arch)
-        for layout in LAYOUTS:
-            folder = os.path.join(root, arch, layout)
+        folder = os.path.join(root, arch, layout)
+        if (arch, layout) not in references:
             ref = cls.from_pretrained(folder, dtype=torch.float32)
-            want = {k: v.detach() for k, v in ref.named_parameters()}
-            for mode in MODES:
-                with torch.device("meta"):
-                    model = cls(_config(arch, world))
-                st.shard_model(model, moe_spec(arch, world, mode), init=False)
-                checkpoint.load(model.state_dict(), folder, cast=layout.endswith("bf16"))
-                got = _full_params(model, rank)
-                case: dict[str, object] = {"names": sorted(got) == sorted(want),
-                                           "differ": [k for k, v in got.items() if not torch.equal(v, want[k])]}
-                if layout == "per_expert":
-                    case["expert_bytes_read"] = _expert_bytes_read(model, folder, mode)
-                out[f"import/{arch}/{layout}/{mode}"] = case
+            references[arch, layout] = {k: v.detach() for k, v in ref.named_parameters()}
+        want = references[arch, layout]
+        with torch.device("meta"):
+            model = cls(_config(arch, world))
+        st.shard_model(model, moe_spec(arch, world, mode), init=False)
+        checkpoint.load(model.state_dict(), folder, cast=layout.endswith("bf16"))
+        got = _full_params(model, rank)
+        case: dict[str, object] = {"names": sorted(got) == sorted(want),
+                                   "differ": [k for k, v in got.items() if not torch.equal(v, want[k])]}
+        if layout == "per_expert":
+            case["expert_bytes_read"] = _expert_bytes_read(model, folder, mode)
+        out[f"import/{arch}/{layout}/{mode}"] = case
     return out
 
 
@@ -345,9 +350,7 @@ def test_bad_expert_layouts_are_refused(moe_runs):
         assert refusals["uneven"] is not None and "divisible" in refusals["uneven"]
 
 
-@pytest.mark.parametrize("arch", IMPORTED)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("arch", "layout", "mode"), IMPORT_CASES)
 def test_moe_import_equals_from_pretrained(moe_runs, arch, layout, mode):
     """A folder per expert (save_pretrained's) or fused loads by byte ranges into either expert layout."""
     if len(moe_runs) != 2:
