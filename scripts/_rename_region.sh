@@ -33,10 +33,14 @@ WHOLE=(
     sharded_tensor/_model/split_rules.py
     sharded_tensor/_model/signatures.py
     sharded_tensor/_model/parallel.py
+    sharded_tensor/_model/pending.py
+    sharded_tensor/_model/rule_table.py
+    sharded_tensor/_model/strided.py
     tests/unit/test_zones.py
     tests/unit/test_split_rules.py
     tests/unit/test_split_rule_registry.py
     docs/extending.md
+    docs/huggingface.md
 )
 for f in "${WHOLE[@]}"; do
     [ -f "$f" ] || continue
@@ -57,6 +61,7 @@ done
 # Everywhere else: only the module's name and path, the identifiers it exports, and the alias
 # _regions in the files that import the module under it.
 mapfile -t ALIASED < <(git grep -l -E 'import regions as _regions' -- '*.py')
+mapfile -t PLAIN < <(git grep -l -E '^ *from sharded_tensor\._model import regions$' -- '*.py')
 mapfile -t OTHERS < <(git ls-files '*.py' '*.md' '*.sh' '*.toml' '*.cfg' '*.yml' | grep -v '^scripts/_rename_region.sh$')
 sed -i \
     -e 's/_model\.regions\b/_model.zones/g' \
@@ -71,6 +76,12 @@ sed -i \
 if [ "${#ALIASED[@]}" -gt 0 ]; then
     sed -i -e 's/\b_regions\b/_zones/g' "${ALIASED[@]}"
 fi
+if [ "${#PLAIN[@]}" -gt 0 ]; then
+    sed -i -e 's/_model import regions$/_model import zones/' -e 's/\bregions\./zones./g' "${PLAIN[@]}"
+fi
+# Prose of the module subtree in files that also speak of tensor blocks.
+sed -i -e 's/the regions, which refuse/the zones, which refuse/' -e 's/so the regions refuse that/so the zones refuse that/' \
+    sharded_tensor/_model/record.py
 # A test's docstring that speaks of the module subtree.
 sed -i -e 's/layer run as a region/layer run as a zone/' tests/distributed/test_extension.py
 

@@ -143,11 +143,14 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
     elif side == "fsdp2-2x2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # tp {0, 1}, {2, 3}; dp {0, 2}, {1, 3}
-        # transformers' base_model_tp_plan, as st.tensor_parallel_spec reads it: the decoder layers' projections;
-        # embeddings and head stay whole within a tensor-parallel group (fully sharded over dp on both sides).
+        # The layout st.tensor_parallel_spec reads from transformers' plan: the vocabulary split in the
+        # embedding and the head, the decoder layers' projections split by heads and features.
+        parallelize_module(model, mesh["tp"], {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                               "lm_head": ColwiseParallel(output_layouts=Replicate())})
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], {
                 "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -259,7 +262,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up step")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--small", action="store_true", help="hidden 256, intermediate 704, vocab 4096, seq 64")
     parser.add_argument("--hybrid", action="store_true",
                         help="also 2 x 2 on 4 ranks: shardkit's tensor parallel + fully_shard against FSDP2 + "

@@ -10,7 +10,8 @@ op on a pending ``p`` (``r`` whole)       each rank computes / gradient (``g``: 
 ========================================  ==========================================================
 ``p + q``, ``p - q`` (both pending)       its addends' sum; ``g`` for each (replicated)
 ``p + r``, ``r - p``, ``p + 1``           ``r`` added on rank 0 only; ``r`` gets ``g`` on every rank
-``p * r``, ``p / r``, ``-p``              its addend scaled; ``r`` gets the ranks' summed products
+``p * c``, ``p / c``, ``-p``              its addend scaled (``c`` a number, or a whole tensor that
+                                          needs no gradient)
 views, reshapes, transposes, indexing     its addend reshaped
 ``dropout`` with ``p=0`` or in eval       the identity
 ========================================  ==========================================================
@@ -28,8 +29,10 @@ Why the gradients are exact: the gradient of a pending sum is the gradient of th
 value, replicated: the all-reduce that ends it has the identity as its backward, and every
 op above maps a replicated gradient to a replicated one. A whole tensor added once still gets
 that whole gradient on every rank (the rank that did not add it too, which is what
-``_Once`` does); a whole tensor that scales every rank's addend gets each rank's share of its
-gradient, summed over the ranks by ``copy_to_ranks``.
+``_Once`` does). A whole tensor that needs a gradient and scales a pending sum (Qwen2-MoE's
+gate on its shared expert) sums it first: scaling the addends would leave each rank a share
+of its gradient to all-reduce in backward, so a pending sum never costs a collective more
+than summing at once.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from _shardkit import comm as _comm
 
 from . import regions as _regions
-from .functional import copy_to_ranks, reduce_from_ranks
+from .functional import reduce_from_ranks
 from .signatures import aten_name, bind
 
 __all__ = ["Partial", "pending", "add_once"]
@@ -147,9 +150,11 @@ def _scale(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         raise _regions._Fallback  # a product of two sums, or a division by one
     if _regions._in_place(func) and not pending_a:
         raise _regions._Fallback
-    values = [copy_to_ranks(v, tag.group) if isinstance(v, torch.Tensor) and _tag_of(v) is None and v.requires_grad
-              and torch.is_grad_enabled() else v for v in args]
-    out = func(*values, **kwargs)
+    scale = b if pending_a else a
+    if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
+        # Its gradient would be a per-rank part to all-reduce in backward: summing first costs no more.
+        raise _regions._Fallback
+    out = func(*args, **kwargs)
     return _regions.tag(out, tag)
 
 

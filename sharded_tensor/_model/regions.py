@@ -1088,12 +1088,13 @@ def _any_tagged(values: Any) -> bool:
     """Whether a tagged tensor or a split parameter is among ``values`` or one level down."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            if hasattr(v, _TAG) or hasattr(v, _OWNED):
+            # A split parameter's record has a label (_split_label, inlined: this runs on every op).
+            if hasattr(v, _TAG) or getattr(getattr(v, _OWNED, None), "label", None):
                 return True
         elif isinstance(v, (list, tuple)):
             for x in v:
                 if isinstance(x, (list, tuple, dict)) or (
-                        isinstance(x, torch.Tensor) and (hasattr(x, _TAG) or hasattr(x, _OWNED))):
+                        isinstance(x, torch.Tensor) and (hasattr(x, _TAG) or _split_label(x))):
                     return True  # deeper structures take the full look
         elif isinstance(v, dict):
             return True

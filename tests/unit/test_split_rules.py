@@ -234,18 +234,32 @@ def _inplace_then_pending(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return q
 
 
+def _with_another(op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``op(p, w)`` plus a pending sum made first: one all-reduce only if ``op`` keeps its result pending."""
+    def both(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        other = p * 0.25  # pending, made before op sums p (if it does)
+        return other + op(p, w)
+    return both
+
+
 PENDING_OPS: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], int]] = {
     # name: (op(p, w), forward all-reduces: the pending sums that meet add up before one)
-    "add-whole": (lambda p, w: p + w, 1),
-    "whole-minus": (lambda p, w: w - p, 1),
-    "add-number": (lambda p, w: 1.5 + p, 1),
+    "add-whole": (_with_another(lambda p, w: p + w), 1),
+    "whole-minus": (_with_another(lambda p, w: w - p), 1),
+    "add-number": (_with_another(lambda p, w: 1.5 + p), 1),
+    "number-times": (_with_another(lambda p, w: 3.0 * p - 1), 1),
     "add-pending": (lambda p, w: p + p * 0.5 + w, 1),
-    "torch-add-alpha": (lambda p, w: torch.add(w, p, alpha=2.0), 1),
-    "mul-whole": (lambda p, w: p * w, 1),
-    "div-whole": (lambda p, w: p / (w.abs() + 1.0), 1),
+    "torch-add-alpha": (_with_another(lambda p, w: torch.add(w, p, alpha=2.0)), 1),
+    "mul-whole-no-grad": (_with_another(lambda p, w: p * w.detach()), 1),
+    "div-whole-no-grad": (_with_another(lambda p, w: p / (w.detach().abs() + 1.0)), 1),
+    # A scale that needs a gradient sums p first (2 in all): scaling the addends would all-reduce its
+    # gradient in backward instead.
+    "mul-whole": (_with_another(lambda p, w: p * w), 2),
+    "div-whole": (_with_another(lambda p, w: p / (w.abs() + 1.0)), 2),
     "neg-reshape": (lambda p, w: (-p).reshape(-1), 1),
     "transpose-getitem": (lambda p, w: p.transpose(0, -1)[..., :1], 1),
-    "dropout-nothing": (lambda p, w: F.dropout(p, 0.0, True) + w, 1),
+    "dropout-nothing": (_with_another(lambda p, w: F.dropout(p, 0.0, True) + w), 1),
+    "norm-then-more": (lambda p, w: p * 0.25 + torch.tanh(p), 2),  # the pending p * 0.25 is summed apart
     "in-place": (_inplace_then_pending, 1),
     "sum-first": (lambda p, w: torch.tanh(p) * w + p, 1),  # the sum taken once, then used whole
     "norm": (lambda p, w: w * (p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + 1e-6)), 1),
