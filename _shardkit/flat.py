@@ -90,13 +90,7 @@ def start_all_gather(output: torch.Tensor, shard: torch.Tensor, group: comm.Proc
     as long. ``CommCounter`` records the bytes a ring all-gather puts on the wire from each
     rank, ``(world - 1)`` times the shard.
     """
-    world = _world(group)
-    if world == 1:
-        output.copy_(shard)
-        return _DONE
-    comm._record("all_gather", (world - 1) * shard.numel() * shard.element_size())
-    return _post(what, group, timeout,
-                 lambda: _all_gather(output, shard, group=group, async_op=True))
+    return _start("all_gather", _all_gather, output, shard, shard, group, timeout, what)
 
 
 def start_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: comm.ProcessGroup = None, *,
@@ -106,13 +100,18 @@ def start_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: comm.P
     ``full`` is 1-d and ``world`` times as long as ``output``. ``CommCounter`` records the
     bytes a ring reduce-scatter puts on the wire from each rank, ``(world - 1)`` pieces.
     """
+    return _start("reduce_scatter", _reduce_scatter, output, full, output, group, timeout, what)
+
+
+def _start(kind: str, collective: Any, output: torch.Tensor, source: torch.Tensor, piece: torch.Tensor,
+           group: comm.ProcessGroup, timeout: float | None, what: str) -> PendingCollective:
+    """Post ``collective(output, source)``; a ring moves ``piece`` ``world - 1`` times from each rank."""
     world = _world(group)
     if world == 1:
-        output.copy_(full)
+        output.copy_(source)
         return _DONE
-    comm._record("reduce_scatter", (world - 1) * output.numel() * output.element_size())
-    return _post(what, group, timeout,
-                 lambda: _reduce_scatter(output, full, group=group, async_op=True))
+    comm._record(kind, (world - 1) * piece.numel() * piece.element_size())
+    return _post(what, group, timeout, lambda: collective(output, source, group=group, async_op=True))
 
 
 _groups: dict[tuple[tuple[int, ...], ...], list[Any]] = {}
@@ -123,13 +122,13 @@ teardown.on_exit(_groups.clear)  # so that the groups are freed before the inter
 def partition_group(partition: Sequence[Sequence[int]], rank: int) -> comm.ProcessGroup:
     """The process group of the part of ``partition`` holding global ``rank``. Collective over the world.
 
-    ``partition`` lists disjoint groups of global ranks covering the world, identical on
-    every rank; every rank calls this with it. Groups are created once per partition and
+    ``partition`` lists disjoint groups of global ranks, identical on every rank; every rank
+    calls this with it (a rank in no part gets ``None`` and must not use it). Groups are created once per partition and
     reused (creating a group is a collective of the whole world). A part equal to the world
     is the default group (``None``).
     """
     key = tuple(tuple(part) for part in partition)
-    if len(key) == 1:
+    if len(key) == 1 and len(key[0]) == comm.rank_and_world(None)[1]:
         return None
     with _groups_lock:
         made = _groups.get(key)
@@ -139,8 +138,7 @@ def partition_group(partition: Sequence[Sequence[int]], rank: int) -> comm.Proce
     for part, group in zip(key, made):
         if rank in part:
             return group
-    msg = f"rank {rank} is in no part of the partition {[list(p) for p in key]}."
-    raise ValueError(msg)
+    return None  # a rank in no part: it never communicates within one
 
 
 def group_ranks(group: comm.ProcessGroup) -> list[int]:

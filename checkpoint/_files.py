@@ -198,7 +198,8 @@ def _plan_read(task: _Task, *, local: bool, scratch_bytes: int) -> _ReadPlan:
     first, last = _span(task)
     lo, hi = covering(shard, first, last)
     span = shard.chunk_bytes if shard.chunks else (hi - lo if (lo, hi) == shard.byte_range else 0)
-    direct = _run_structure(task) == 0 and _takes_raw(task.dest, task.entry.dtype)
+    # One run of bytes in the file (leading dims of size 1 too: one expert's rows of a fused tensor).
+    direct = math.prod(task.common[1][:_run_structure(task)]) == 1 and _takes_raw(task.dest, task.entry.dtype)
     if direct and not shard.checksum and not shard.chunks:
         how = "unchecked"
     elif direct and (lo, hi) == (first, last):

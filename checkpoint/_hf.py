@@ -21,6 +21,9 @@ Differences from shardkit's own format, and what follows:
   ``from_pretrained`` applies to the folder's model class (``config.json``), and the checkpoint's
   names are renamed the same way: names only, every byte is still read straight from its file
   (see ``convert_hf_names``);
+* per-expert tensors (``save_pretrained`` of Mixtral, Qwen2-MoE) for a model with fused experts:
+  each fused tensor is described as saved in regions, one per expert and matrix, at the bytes
+  of the per-expert tensor, so a rank reads only the experts or rows it holds (``_hf_fuse``);
 * tied weights are saved once (``save_pretrained`` drops ``lm_head.weight`` when it is the
   embedding): a tied name the checkpoint lacks counts as loaded when its tensor is the same
   memory as the name it is tied to, and is read from that name's bytes otherwise.
@@ -41,6 +44,7 @@ from typing import Any
 import fsspec
 import torch
 
+from ._hf_fuse import FusedPiece, fused_entries, fusion_of
 from ._reader import DataReader
 from ._schema import (
     METADATA_FILE,
@@ -179,9 +183,11 @@ def convert_hf_names(fs: fsspec.AbstractFileSystem, folder: str, metadata: Check
     has no ``config.json`` naming a transformers model class. Otherwise the folder's model class
     is built on the meta device (no memory) to ask transformers for its conversions
     (``conversion_mapping.get_model_conversion_mapping``: the legacy renamings, the base model's
-    prefix added or dropped) and its tied weights (``all_tied_weights_keys``). Conversions that
-    change data (merging per-expert tensors, splitting a fused tensor) are not applied: those
-    tensors keep their names and show as missing/unexpected.
+    prefix added or dropped), the per-expert tensors it stacks into fused experts (described as
+    regions of the fused tensor, still read by byte ranges: ``_hf_fuse``) and its tied weights
+    (``all_tied_weights_keys``). Conversions that compute on the data (splitting a fused
+    tensor, transposing) are not applied: those tensors keep their names and show as
+    missing/unexpected.
 
     Returns:
         ``(metadata, tied)``: ``metadata`` with renamed tensors, plus an entry for every tied
@@ -197,11 +203,19 @@ def convert_hf_names(fs: fsspec.AbstractFileSystem, folder: str, metadata: Check
     model = _meta_model(fs, folder)
     if model is None:
         return metadata, set()
-    renamed = apply_key_map(metadata, _renames(model, metadata, values), source=folder)
+    names, pieces, matched = _renames(model, metadata, values)
+    renamed = apply_key_map(metadata, names.get, source=folder)  # the fused pieces map to None: dropped
+    fused = fused_entries(pieces, matched, metadata.tensors, source=folder)
+    for name in fused.keys() & renamed.tensors.keys():
+        parts = sorted(p.name for p in pieces if p.target == name)
+        msg = (f"{folder!r} holds {name!r} both whole and as the pieces {parts} that from_pretrained fuses "
+               f"into it; remove one of them.")
+        raise CheckpointError(msg)
     # Tensors from_pretrained skips without a word (old attention-mask buffers of GPT-2, GPT-NeoX).
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     tensors = {name: entry for name, entry in renamed.tensors.items()
                if name in values or not any(p.search(name) for p in ignored)}
+    tensors.update(fused)
     tied: set[str] = set()
     # The ties this model's config makes (transformers 5); _tied_weights_keys lists possible ones only.
     links = getattr(model, "all_tied_weights_keys", None) or {}
@@ -247,10 +261,16 @@ def _meta_model(fs: fsspec.AbstractFileSystem, folder: str) -> Any:
         return None
 
 
-def _renames(model: Any, metadata: CheckpointMetadata, values: Mapping[str, Any]) -> dict[str, str]:
-    """Checkpoint name -> the name transformers' ``from_pretrained`` gives it for ``model``."""
+def _renames(model: Any, metadata: CheckpointMetadata,
+             values: Mapping[str, Any]) -> tuple[dict[str, str], list[FusedPiece], dict[str, str]]:
+    """Checkpoint name -> the name transformers' ``from_pretrained`` gives it for ``model``.
+
+    Also the checkpoint tensors that are pieces of a fused tensor of the model (per-expert
+    tensors: see ``_hf_fuse``), and each piece's name after the renamings, which holds the index
+    the converter's ``*`` stands for.
+    """
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings, rename_source_key
 
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
@@ -258,12 +278,22 @@ def _renames(model: Any, metadata: CheckpointMetadata, values: Mapping[str, Any]
     wanted = dict.fromkeys(values, True)  # rename_source_key asks .get(name) is not None
     prefix = getattr(model, "base_model_prefix", None) or None
     names: dict[str, str] = {}
+    pieces: list[FusedPiece] = []
+    matched: dict[str, str] = {}
     for name in metadata.tensors:
-        new, converter = rename_source_key(name, renamings, converters, prefix, wanted)
-        if converter is not None or (new not in wanted and name in wanted):
-            new = name  # a data conversion (not by byte ranges), or a rename that leads nowhere
+        new, pattern = rename_source_key(name, renamings, converters, prefix, wanted)
+        if pattern is not None:
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            fusion = fusion_of(converter)
+            if fusion is not None and new in wanted and name not in wanted:
+                pieces.append(FusedPiece(name, new, fusion, list(converter.source_patterns).index(pattern)))
+                matched[name] = apply_renamings(name, renamings)
+                continue
+            new = name  # a conversion that computes on the data (not by byte ranges)
+        elif new not in wanted and name in wanted:
+            new = name  # a rename that leads nowhere
         names[name] = new
-    return names
+    return names, pieces, matched
 
 
 def _same_memory(a: Any, b: Any) -> bool:

@@ -4,7 +4,7 @@
 # runs on split activations (sharded_tensor/_model/regions.py), becomes a *zone*:
 #
 #   sharded_tensor/_model/regions.py  -> sharded_tensor/_model/zones.py
-#   tests/unit/test_regions.py        -> tests/unit/test_zones.py
+#   tests/unit/test_regions.py        -> tests/unit/test_zones.py (test_region_ties.py alike)
 #   find_regions -> find_zones, RegionForward -> ZoneForward, in_region -> in_zone,
 #   _region -> _zone, the module alias _regions -> _zones, and the prose of the files below.
 #
@@ -24,6 +24,9 @@ fi
 
 git mv sharded_tensor/_model/regions.py sharded_tensor/_model/zones.py
 git mv tests/unit/test_regions.py tests/unit/test_zones.py
+if [ -f tests/unit/test_region_ties.py ]; then
+    git mv tests/unit/test_region_ties.py tests/unit/test_zone_ties.py
+fi
 
 # Files where every "region" means the module subtree: rename the word and every identifier.
 # Names of the tensor-block meaning that may appear in them are shielded first.
@@ -33,10 +36,15 @@ WHOLE=(
     sharded_tensor/_model/split_rules.py
     sharded_tensor/_model/signatures.py
     sharded_tensor/_model/parallel.py
+    sharded_tensor/_model/pending.py
+    sharded_tensor/_model/rule_table.py
+    sharded_tensor/_model/strided.py
     tests/unit/test_zones.py
+    tests/unit/test_zone_ties.py
     tests/unit/test_split_rules.py
     tests/unit/test_split_rule_registry.py
     docs/extending.md
+    docs/huggingface.md
 )
 for f in "${WHOLE[@]}"; do
     [ -f "$f" ] || continue
@@ -54,7 +62,10 @@ for f in "${WHOLE[@]}"; do
         "$f"
 done
 
-# Everywhere else: only the module's name and path, and the identifiers it exports.
+# Everywhere else: only the module's name and path, the identifiers it exports, and the alias
+# _regions in the files that import the module under it.
+mapfile -t ALIASED < <(git grep -l -E 'import regions as _regions' -- '*.py')
+mapfile -t PLAIN < <(git grep -l -E '^ *from sharded_tensor\._model import regions$' -- '*.py')
 mapfile -t OTHERS < <(git ls-files '*.py' '*.md' '*.sh' '*.toml' '*.cfg' '*.yml' | grep -v '^scripts/_rename_region.sh$')
 sed -i \
     -e 's/_model\.regions\b/_model.zones/g' \
@@ -62,16 +73,26 @@ sed -i \
     -e 's/from \. import regions as _regions/from . import zones as _zones/g' \
     -e 's#_model/regions\.py#_model/zones.py#g' \
     -e 's#test_regions\.py#test_zones.py#g' \
+    -e 's#test_region_ties\.py#test_zone_ties.py#g' \
     -e 's/\bRegionForward\b/ZoneForward/g' \
     -e 's/\bfind_regions\b/find_zones/g' \
     -e 's/\bin_region\b/in_zone/g' \
     "${OTHERS[@]}"
+if [ "${#ALIASED[@]}" -gt 0 ]; then
+    sed -i -e 's/\b_regions\b/_zones/g' "${ALIASED[@]}"
+fi
+if [ "${#PLAIN[@]}" -gt 0 ]; then
+    sed -i -e 's/_model import regions$/_model import zones/' -e 's/\bregions\./zones./g' "${PLAIN[@]}"
+fi
+# Prose of the module subtree in files that also speak of tensor blocks.
+sed -i -e 's/the regions, which refuse/the zones, which refuse/' -e 's/so the regions refuse that/so the zones refuse that/' \
+    sharded_tensor/_model/record.py
 # A test's docstring that speaks of the module subtree.
 sed -i -e 's/layer run as a region/layer run as a zone/' tests/distributed/test_extension.py
 
 # Nothing of the old name may remain (checkpoint/_regions.py is the tensor-block meaning: kept).
 left=$( (git grep -n -E 'find_regions|RegionForward|in_region[^a-z_]|_model[./]regions|import regions' \
-             -- ':!scripts/_rename_region.sh'; git grep -n -w '_regions' -- sharded_tensor) || true)
+             -- ':!scripts/_rename_region.sh'; git grep -n -w '_regions' -- sharded_tensor "${ALIASED[@]}") || true)
 if [ -n "$left" ]; then
     echo "the old names are still used here; rename them by hand:" >&2
     echo "$left" >&2

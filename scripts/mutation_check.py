@@ -120,9 +120,9 @@ MUTATIONS = [
     # -- the optimizer-order guard ------------------------------------------------------------------
     Mutation("optimizer guard: beyond the first param group", "sharded_tensor/_model/guard.py",
              "    for group in optim.param_groups:\n        for param in group[\"params\"]:\n"
-             "            name = _retired",
+             "            found = getattr(param, _REPLACED",
              "    for group in optim.param_groups[:1]:\n        for param in group[\"params\"]:\n"
-             "            name = _retired",
+             "            found = getattr(param, _REPLACED",
              ("tests/unit/test_training_local.py", "-k", "optimizer")),
     Mutation("optimizer guard: the step refusal", "sharded_tensor/_model/guard.py",
              "    if not stale:\n        return\n", "    if True:\n        return\n",

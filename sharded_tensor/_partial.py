@@ -29,7 +29,7 @@ import torch
 from _shardkit import comm as _comm
 from _shardkit.memory import empty_for_fill, unshared
 from sharding import ShardedTensorMetadata, ShardMetadata
-from sharding.layout import chunk_bounds
+from sharding.layout import Replicated, chunk_bounds
 
 from ._move import _direct_or_staged, _Staging, move
 from ._plan import (
@@ -83,12 +83,12 @@ def _split_over(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:
 
 def _all_reduce_applies(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, world: int) -> bool:
     """Every rank of the group holds a partial value and wants the whole tensor on the same device."""
-    if world == 1 or len(src.shards) != world or len(dst.shards) != world:
+    if world == 1 or len(src.shards) != world or not isinstance(dst.placement, Replicated) \
+            or len(dst.shards) != world:
         return False
-    full = tuple(dst.size)
     src_device = {s.rank: s.device.device for s in src.shards}
-    dst_device = {s.rank: s.device.device for s in dst.shards if s.dims == full and s.offsets == (0,) * len(full)}
-    return set(src_device) == set(dst_device) == set(range(world)) and src_device == dst_device
+    dst_device = {s.rank: s.device.device for s in dst.shards}
+    return set(src_device) == set(range(world)) and src_device == dst_device
 
 
 def reduce_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: ShardedTensorMetadata,

@@ -19,7 +19,7 @@ from sharding import (
     ShardedTensorMetadata,
     ShardMetadata,
 )
-from sharding.layout import check_reduce_op, check_tiling
+from sharding.layout import Replicated, check_reduce_op, check_tiling
 
 from ._dtensor_layout import to_dtensor
 from ._reshard import redistribute
@@ -361,7 +361,7 @@ class ShardedTensor:
         world = self._world()
         target = ShardedTensorMetadata(
             [ShardMetadata((0,) * self.dim(), tuple(self.shape), RemoteDevice.of(r, self._device_of(r)))
-             for r in range(world)], self.shape, self.dtype)
+             for r in range(world)], self.shape, self.dtype, placement=Replicated())
         tensors = redistribute(self._local_by_index(), self._metadata, target, rank=self._rank, group=self._group)
         return tensors[self._rank]
 
@@ -434,6 +434,29 @@ class ShardedTensor:
         tensors = [s.tensor if s.tensor.untyped_storage().nbytes() == s.tensor.nbytes
                    else s.tensor.detach().clone().requires_grad_(s.tensor.requires_grad) for s in self._local]
         return (_rebuild_sharded_tensor, (header, tensors))
+
+
+# -- for the package's other modules: no checks, no communication ------------------------------
+
+def from_local(tensors: dict[int, torch.Tensor], metadata: ShardedTensorMetadata, spec: PlacementSpec | None, *,
+               rank: int, group: _comm.ProcessGroup) -> ShardedTensor:
+    """A ShardedTensor of ``rank``'s ``tensors`` (keyed by shard index in ``metadata``), taken as they are."""
+    return ShardedTensor._make(tensors, metadata, spec, rank=rank, group=group)
+
+
+def local_by_index(tensor: ShardedTensor) -> dict[int, torch.Tensor]:
+    """``tensor``'s local tensors, keyed by their shard's index in its metadata."""
+    return tensor._local_by_index()
+
+
+def rank_of(tensor: ShardedTensor) -> int:
+    """The rank, in ``tensor.process_group``, whose shards ``tensor`` holds."""
+    return tensor._rank
+
+
+def world_of(tensor: ShardedTensor) -> int:
+    """The size of ``tensor.process_group``; raises if its layout names ranks outside it."""
+    return tensor._world()
 
 
 def _rebuild_sharded_tensor(header: str, tensors: list[torch.Tensor]) -> ShardedTensor:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol, Self, TypeVar
 
 import torch
 
@@ -76,6 +75,9 @@ def _check_dim(owner: str, dim: object) -> None:
 
 def _as_slices(owner: str, value: object, where: str) -> tuple[tuple[int, int], ...]:
     """``value`` as a tuple of ``(start, length)`` pairs of non-negative ints, or a clear error."""
+    if type(value) is tuple and all(type(p) is tuple and len(p) == 2 and type(p[0]) is int and type(p[1]) is int
+                                    and p[0] >= 0 and p[1] >= 0 for p in value):
+        return value  # already in shape: the common case, checked without the generic path below
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         msg = f"{owner} {where}={value!r} must be a sequence of (start, length) pairs, e.g. ((0, 4), (4, 4))."
         raise TypeError(msg)
@@ -145,24 +147,24 @@ class Split:
         """The global size along ``dim``."""
         return max((s + n for s, n in self.intervals), default=0)
 
-    def moved(self: _Self, dim: int) -> _Self:
+    def moved(self, dim: int) -> Self:
         """The same intervals on another dimension (after a transpose or a reshape)."""
-        if dim == self.dim:  # type: ignore[attr-defined]
+        if dim == self.dim:
             return self
         if type(dim) is not int or dim < 0:
             _check_dim("Split", dim)
-        return _replaced(self, dim=dim)
+        return _split_with(self, dim, self.intervals)
 
-    def scaled(self: _Self, dim: int, num: int, den: int) -> _Self | None:
+    def scaled(self, dim: int, num: int, den: int) -> Self | None:
         """On ``dim``, every interval multiplied by ``num / den``; ``None`` where that is not exact."""
         out = []
-        for start, length in self.intervals:  # type: ignore[attr-defined]
+        for start, length in self.intervals:
             if (start * num) % den or (length * num) % den:
                 return None
             out.append((start * num // den, length * num // den))
         if type(dim) is not int or dim < 0:
             _check_dim("Split", dim)
-        return _replaced(self, dim=dim, intervals=tuple(out))
+        return _split_with(self, dim, tuple(out))
 
     def over(self, ranks: int) -> Split:
         """The split over ``ranks`` ranks: ranks beyond the intervals hold nothing (``(0, 0)``).
@@ -268,21 +270,27 @@ Placement = Split | Packed | Replicated | Partial
 """How the ranks of a group hold one tensor."""
 
 
-def _replaced(value: _Self, **changes: object) -> _Self:
-    """A copy of a checked placement with fields whose validity the caller guarantees.
+def _split_with(value: _Self, dim: int, intervals: tuple[tuple[int, int], ...]) -> _Self:
+    """A copy of a checked ``Split`` (or subclass) on ``dim`` with ``intervals`` the caller vouches for.
 
-    No re-check: the split engine moves a split from dimension to dimension on every op.
+    No re-check, and no generic copy: the split engine moves a split from dimension to
+    dimension on almost every op it sees.
     """
     cls = type(value)
     new = object.__new__(cls)
-    for name in _field_names(cls):  # type: ignore[arg-type]
-        object.__setattr__(new, name, changes[name] if name in changes else getattr(value, name))
+    _set(new, "dim", dim)
+    _set(new, "intervals", intervals)
+    extra = _EXTRA.get(cls)
+    if extra is None:
+        extra = _EXTRA[cls] = tuple(f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                                    if f.name not in ("dim", "intervals"))
+    for name in extra:
+        _set(new, name, getattr(value, name))
     return new
 
 
-@functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+_EXTRA: dict[type, tuple[str, ...]] = {}
+_set = object.__setattr__
 
 
 class _Shard(Protocol):

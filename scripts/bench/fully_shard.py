@@ -19,6 +19,15 @@ run, for each world size. Reported per side and world size:
 
     python scripts/bench/fully_shard.py            # hidden 1024, intermediate 2816, 4 layers, vocab 32000
     python scripts/bench/fully_shard.py --small    # a quick look (hidden 256, vocab 4096, seq 64)
+    python scripts/bench/fully_shard.py --worlds 1 2 4 --hybrid   # the scaling curve, and 2 x 2
+    python scripts/bench/fully_shard.py --meta --layers 28 --hidden 2048 --intermediate 5632 --worlds 4
+
+With ``--hybrid``, 2 x 2 on 4 ranks as well: shardkit's tensor parallel (transformers' plan)
+within {0, 1} and {2, 3} and ``fully_shard`` over {0, 2} and {1, 3}, against FSDP2 on the
+``dp`` axis of a (2, 2) mesh after ``parallelize_module`` on its ``tp`` axis. With ``--meta``,
+no training: the model is built on the meta device, fully sharded, and each rank's rows are
+allocated and initialized (``shard_model(model, composite(), seed=0)``); reported against
+the unsharded fp32 size and one rank's share of the machine's memory.
 """
 
 from __future__ import annotations
@@ -113,11 +122,43 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     unsharded = sum(p.numel() * p.element_size() for p in model.parameters())
+    # The most bytes one unit gathers: a decoder layer, or the root's own parameters (embeddings, head, norm).
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    root_bytes = unsharded - layer_bytes * len(model.model.layers)
+    unit_bytes = max(layer_bytes, root_bytes)
     wire = None
+    dp_index, dp_size = rank, world
+    if side.endswith("2x2"):
+        dp_index, dp_size = rank // 2, 2
     if side == "shardkit":
         for layer in model.model.layers:
             st.fully_shard(layer)
         st.fully_shard(model)
+    elif side == "shardkit-2x2":
+        tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        st.shard_model(model, st.tensor_parallel_spec(model, [0, 1]), process_group=tp_groups[rank // 2])
+        for layer in model.model.layers:
+            st.fully_shard(layer)  # over {0, 2} and {1, 3}: the data-parallel groups of the tensor-parallel model
+        st.fully_shard(model)
+    elif side == "fsdp2-2x2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # tp {0, 1}, {2, 3}; dp {0, 2}, {1, 3}
+        # The layout st.tensor_parallel_spec reads from transformers' plan: the vocabulary split in the
+        # embedding and the head, the decoder layers' projections split by heads and features.
+        parallelize_module(model, mesh["tp"], {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                               "lm_head": ColwiseParallel(output_layouts=Replicate())})
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], {
+                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()})
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -129,8 +170,9 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
         wire = _Wire(world)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
-    per = args.batch // world
-    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)[rank * per:(rank + 1) * per]
+    per = args.batch // dp_size
+    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq),
+                             generator=gen)[dp_index * per:(dp_index + 1) * per]
                for _ in range(args.steps + 1)]
 
     def step(batch: torch.Tensor) -> float:
@@ -149,12 +191,11 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
         for i, batch in enumerate(batches[1:]):
             dist.barrier()
             t0 = time.perf_counter()
-            if i == 0 and side == "shardkit":
+            if i == 0 and side.startswith("shardkit"):
                 with st.CommCounter() as comm:
                     step(batch)
                 comm_bytes, comm_counts = comm.bytes_sent, dict(comm.counts)
-            elif i == 0:
-                assert wire is not None
+            elif i == 0 and wire is not None:
                 wire.active = True
                 step(batch)
                 wire.active = False
@@ -167,19 +208,44 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
     loss = torch.tensor([first], dtype=torch.float64)
     dist.all_reduce(loss)
     return {"times": times, "peak_growth": peak.growth, "rss_before": rss_before, "held": held,
-            "unsharded": unsharded, "wire_bytes": comm_bytes, "collectives": comm_counts,
+            "unsharded": unsharded, "unit_bytes": unit_bytes, "wire_bytes": comm_bytes, "collectives": comm_counts,
             "first_loss": float(loss) / world}
+
+
+def _meta_rank(rank: int, world: int, args: Any) -> dict[str, Any]:
+    """Build the model on meta, fully shard it, then allocate and initialize only this rank's rows."""
+    from transformers import LlamaForCausalLM
+
+    import sharded_tensor as st
+    from sharding import composite
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(args))
+    unsharded = sum(p.numel() * 4 for p in model.parameters())
+    with PeakGrowth() as peak:
+        t0 = time.perf_counter()
+        for layer in model.model.layers:
+            st.fully_shard(layer)
+        st.fully_shard(model)
+        st.shard_model(model, composite(), seed=0)
+        seconds = time.perf_counter() - t0
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"unsharded": unsharded, "held": held, "peak_growth": peak.growth, "seconds": seconds}
 
 
 def _summary(results: list[dict[str, Any]], world: int) -> dict[str, Any]:
     times = results[0]["times"]
+    over_world = 4 * results[0]["unsharded"] / world
     return {
         "step_seconds_median": round(statistics.median(times), 3),
         "step_seconds_range": [round(min(times), 3), round(max(times), 3)],
         "peak_rss_growth_mib_per_rank": [round(r["peak_growth"] / MiB) for r in results],
         "held_mib_per_rank": [round(r["held"] / MiB, 1) for r in results],
         # parameters, gradients and the two AdamW moments, unsharded, over the world
-        "unsharded_over_world_mib": round(4 * results[0]["unsharded"] / world / MiB, 1),
+        "unsharded_over_world_mib": round(over_world / MiB, 1),
+        "held_over_one_nth": round(max(r["held"] for r in results) / over_world, 3),
+        # what a rank holds at most during a step: its share plus one unit's gathered parameters
+        "one_nth_plus_one_unit_mib": round((over_world + results[0]["unit_bytes"]) / MiB, 1),
         "wire_mib_per_step_per_rank": [round(r["wire_bytes"] / MiB, 1) for r in results],
         "collectives_per_step": results[0]["collectives"],
         "first_loss": results[0]["first_loss"],
@@ -196,8 +262,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up step")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--small", action="store_true", help="hidden 256, intermediate 704, vocab 4096, seq 64")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="also 2 x 2 on 4 ranks: shardkit's tensor parallel + fully_shard against FSDP2 + "
+                             "parallelize_module on a (dp, tp) mesh")
+    parser.add_argument("--meta", action="store_true",
+                        help="only build the model on meta and materialize each rank's rows (no training); "
+                             "reports held bytes and peak RSS growth against the unsharded fp32 size")
     args = parser.parse_args()
     if args.small:
         args.hidden, args.intermediate, args.vocab, args.seq = 256, 704, 4096, 64
@@ -208,6 +280,18 @@ def main() -> None:
                   "dtype": "float32", "optimizer": "AdamW"},
         "timed_steps": args.steps, "worlds": {},
     }
+    if args.meta:
+        total_kib = int(Path("/proc/meminfo").read_text().split()[1])
+        for world in args.worlds:
+            results = run_fresh(_meta_rank, world, args, what=f"meta build on {world} ranks")
+            report["worlds"][str(world)] = {
+                "unsharded_fp32_mib": round(results[0]["unsharded"] / MiB),
+                "machine_memory_share_per_rank_mib": round(total_kib / 1024 / world),
+                "held_mib_per_rank": [round(r["held"] / MiB, 1) for r in results],
+                "peak_rss_growth_mib_per_rank": [round(r["peak_growth"] / MiB) for r in results],
+                "build_seconds": [round(r["seconds"], 1) for r in results]}
+        print(json.dumps(report, indent=2))
+        return
     for world in args.worlds:
         sides = {}
         for side in ("shardkit", "fsdp2"):
@@ -218,6 +302,18 @@ def main() -> None:
         sides["first_loss_relative_difference"] = abs(sk["first_loss"] - f2["first_loss"]) / abs(f2["first_loss"])
         report["worlds"][str(world)] = sides
         print(json.dumps({str(world): sides}), file=sys.stderr, flush=True)
+    if args.hybrid:
+        sides = {}
+        for side in ("shardkit-2x2", "fsdp2-2x2"):
+            results = run_fresh(_rank, 4, args, side, what=f"{side} on 4 ranks")
+            sides[side] = _summary(results, 4)
+        sk, f2 = sides["shardkit-2x2"], sides["fsdp2-2x2"]
+        sides["step_time_ratio_shardkit_over_fsdp2"] = round(sk["step_seconds_median"] / f2["step_seconds_median"], 3)
+        sides["first_loss_relative_difference"] = abs(sk["first_loss"] - f2["first_loss"]) / abs(f2["first_loss"])
+        # FSDP2's tensor-parallel collectives are functional collectives, not counted by _Wire.
+        sides["note"] = "wire bytes: shardkit's include the tensor-parallel all-reduces; FSDP2's only its own gathers"
+        report["hybrid_2x2"] = sides
+        print(json.dumps({"2x2": sides}), file=sys.stderr, flush=True)
     print(json.dumps(report, indent=2))
 
 

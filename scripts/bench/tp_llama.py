@@ -10,6 +10,12 @@ first step must agree.
 
     python scripts/bench/tp_llama.py                  # hidden 1024, 4 layers, 16 heads, seq 256, batch 4
     python scripts/bench/tp_llama.py --hidden 256 --seq 64 --steps 3   # a quick look
+    python scripts/bench/tp_llama.py --compile --steps 6   # both sides under torch.compile (inductor)
+
+With ``--compile`` both models are wrapped in ``torch.compile`` (inductor) after sharding; one
+untimed step per side compiles forward and backward (its time is reported as
+``compile_seconds``), and the graph breaks dynamo recorded on each side are reported. The
+collectives are not counted then: the compiled graphs run them outside the counters.
 """
 
 from __future__ import annotations
@@ -68,7 +74,6 @@ def _comm_dtensor(fn: Any) -> dict[str, Any]:
 def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
-    import sharded_tensor as st
     config = _config(args)
     torch.manual_seed(0)
     base = LlamaForCausalLM(config)
@@ -78,26 +83,17 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
         m.load_state_dict(base.state_dict())
         models[side] = shard(m, world, args.layers)
     del base
+    if args.compile:
+        models = {side: torch.compile(m) for side, m in models.items()}
     opts = {side: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False) for side, m in models.items()}
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)
                for _ in range(args.steps + 1)]
     out: dict[str, Any] = {}
-    # Collectives of one forward and one backward, per side.
-    x = batches[0]
-    m = models["shardkit"]
-    with st.CommCounter() as fwd:
-        loss = m(x, labels=x).loss
-    with st.CommCounter() as bwd:
-        loss.backward()
-    m.zero_grad()
-    out["shardkit_forward"] = {"counts": dict(fwd.counts), "bytes": dict(fwd.bytes_by_op)}
-    out["shardkit_backward"] = {"counts": dict(bwd.counts), "bytes": dict(bwd.bytes_by_op)}
-    m = models["dtensor"]
-    holder: dict[str, Any] = {}
-    out["dtensor_forward"] = {"counts": _comm_dtensor(lambda: holder.setdefault("loss", m(x, labels=x).loss))}
-    out["dtensor_backward"] = {"counts": _comm_dtensor(lambda: holder["loss"].backward())}
-    m.zero_grad()
+    if args.compile:
+        out.update(_compile_warmup(models, opts, batches[0]))
+    else:
+        out.update(_count_collectives(models, batches[0]))
     # Training steps, alternating sides.
     times: dict[str, list[float]] = {"shardkit": [], "dtensor": []}
     losses: dict[str, list[float]] = {"shardkit": [], "dtensor": []}
@@ -113,9 +109,45 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
             opt.step()
             elapsed = time.perf_counter() - t0
             times[side].append(elapsed)
-            losses[side].append(float(loss))
+            losses[side].append(float(loss.detach()))
     out["times"] = times
     out["losses"] = losses
+    return out
+
+
+def _compile_warmup(models: dict[str, Any], opts: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
+    """One untimed step per side, which compiles forward and backward; graph breaks and the time it took."""
+    from torch._dynamo.utils import counters
+    out: dict[str, Any] = {"compile_seconds": {}, "graph_breaks": {}, "graphs": {}}
+    for side, model in models.items():
+        counters.clear()
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        model(x, labels=x).loss.backward()
+        opts[side].zero_grad()
+        out["compile_seconds"][side] = time.perf_counter() - t0
+        out["graph_breaks"][side] = sum(counters["graph_break"].values())
+        out["graphs"][side] = counters["stats"]["unique_graphs"]
+    return out
+
+
+def _count_collectives(models: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
+    """Collectives of one forward and one backward, per side."""
+    import sharded_tensor as st
+    out: dict[str, Any] = {}
+    m = models["shardkit"]
+    with st.CommCounter() as fwd:
+        loss = m(x, labels=x).loss
+    with st.CommCounter() as bwd:
+        loss.backward()
+    m.zero_grad()
+    out["shardkit_forward"] = {"counts": dict(fwd.counts), "bytes": dict(fwd.bytes_by_op)}
+    out["shardkit_backward"] = {"counts": dict(bwd.counts), "bytes": dict(bwd.bytes_by_op)}
+    m = models["dtensor"]
+    holder: dict[str, Any] = {}
+    out["dtensor_forward"] = {"counts": _comm_dtensor(lambda: holder.setdefault("loss", m(x, labels=x).loss))}
+    out["dtensor_backward"] = {"counts": _comm_dtensor(lambda: holder["loss"].backward())}
+    m.zero_grad()
     return out
 
 
@@ -128,20 +160,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="torch.compile (inductor) both sides")
     args = parser.parse_args()
     results = launch(_rank, 2, args)
     # The slowest rank's time per step, then the median over steps.
     per_side = {side: statistics.median(max(r["times"][side][i] for r in results) for i in range(args.steps))
                 for side in ("shardkit", "dtensor")}
+    slowest = {side: [max(r["times"][side][i] for r in results) for i in range(args.steps)]
+               for side in ("shardkit", "dtensor")}
+    ratios = [a / b for a, b in zip(slowest["shardkit"], slowest["dtensor"])]
     r0 = results[0]
     report = {
-        "benchmark": "tp_llama", "machine": machine(), "world": 2,
+        "benchmark": "tp_llama", "machine": machine(), "world": 2, "compile": args.compile,
         "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "seq": args.seq,
                   "batch": args.batch, "vocab": args.vocab},
-        "forward_collectives": {"shardkit": r0["shardkit_forward"], "dtensor": r0["dtensor_forward"]},
-        "backward_collectives": {"shardkit": r0["shardkit_backward"], "dtensor": r0["dtensor_backward"]},
+        **({"compile_seconds": r0["compile_seconds"], "graph_breaks": [r["graph_breaks"] for r in results],
+            "graphs": r0["graphs"]} if args.compile else
+           {"forward_collectives": {"shardkit": r0["shardkit_forward"], "dtensor": r0["dtensor_forward"]},
+            "backward_collectives": {"shardkit": r0["shardkit_backward"], "dtensor": r0["dtensor_backward"]}}),
         "step_seconds_median": per_side,
+        "step_seconds_range": {side: [min(t), max(t)] for side, t in slowest.items()},
         "step_time_ratio_shardkit_over_dtensor": per_side["shardkit"] / per_side["dtensor"],
+        "step_time_ratio_range": [min(ratios), max(ratios)],
         "first_loss": {"shardkit": r0["losses"]["shardkit"][0], "dtensor": r0["losses"]["dtensor"][0]},
         "steps": args.steps,
     }

@@ -26,8 +26,7 @@ from sharding import EnumerableShardingSpec, RemoteDevice, ShardMetadata
 
 from .._model import guard as _guard
 from .._model.parallel import classify
-from .._model.record import ShardedParameter, sharded_parameters
-from .._model.sharder import _load_hook, _state_dict_hook
+from .._model.record import ShardedParameter, attach, install_hooks, sharded_parameters
 from .plan import FlatParam, partition, plan_unit, shard_spec
 from .unit import Unit, unit_of
 
@@ -85,7 +84,7 @@ def _check_ranks(given: list[int] | None, world: int, rank: int) -> None:
     if len(set(given)) != len(given) or given != sorted(given):
         msg = f"ranks={given} must be distinct and in increasing order."
         raise ValueError(msg)
-    if rank not in given:
+    if given and rank not in given:
         msg = (f"ranks={given} does not include this rank ({rank}); each rank passes the data-parallel group it "
                f"belongs to.")
         raise ValueError(msg)
@@ -202,7 +201,9 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
         module: the block (or root) to shard; modified in place.
         ranks: the global ranks this rank's data-parallel group holds, the same list on each of
             them (``None``: the whole world). The world must divide into such groups of one
-            size; gradients are averaged within a group.
+            size; gradients are averaged within a group. ``[]`` on a rank: it holds no part
+            (no rows; it takes part in the state dict's collectives, never computes), so a
+            model can be fully sharded over some of the ranks, e.g. 3 of 4.
         reshard_after_forward: free the gathered parameters after forward (gather again for
             backward) rather than keep them until the end of backward.
         param_dtype: gather and compute in this dtype (e.g. ``torch.bfloat16``); the local
@@ -266,10 +267,11 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
     if all(r is None for r in requested_all) and any(t is not None for t in tp_of):
         requested_all = _data_parallel_groups(tp_of, world)
     parts = partition(requested_all, world)
-    mine = next(p for p in parts if rank in p)
+    mine = next((p for p in parts if rank in p), None)
     group = _flat.partition_group(parts, rank)
-    group_rank = mine.index(rank)
-    plan = plan_unit(names, len(mine))
+    # A rank outside every group (ranks=[]) holds no rows: the place after the last group rank.
+    group_rank = mine.index(rank) if mine is not None else len(parts[0])
+    plan = plan_unit(names, len(parts[0]))
     local: list[nn.Parameter] = []
     label = f"another fully sharded {type(module).__name__}"
     for (pname, param, owners), flat, tp_sp in zip(params, plan.params, tensor_parallel):
@@ -286,20 +288,18 @@ def fully_shard(module: nn.Module, ranks: Sequence[int] | None = None, *, reshar
         shape = tuple(global_shapes[len(local)])
         metadata = spec.build_metadata(shape, param.dtype, world_size=world)
         sp = ShardedParameter(classify(pname, metadata, world), spec, None)
-        _guard.remember(new, sp)
+        attach(new, sp)
         _ours[new] = tp_ranks
         for owner, attr in owners:
             owner._parameters[attr] = new
-            owner.__dict__.setdefault("_shardkit_params", {})[attr] = sp
-            if "_shardkit_hooks" not in owner.__dict__:
-                owner.__dict__["_shardkit_hooks"] = (owner.register_state_dict_post_hook(_state_dict_hook),
-                                                     owner.register_load_state_dict_pre_hook(_load_hook))
+            install_hooks(owner)
         _replaced[param] = label
         local.append(new)
     _guard.retire(((pname, param) for pname, param, _ in params), by="fully_shard")
     unit = Unit(module, type(module).__name__, plan, local, [owners for _, _, owners in params], group=group,
                 group_rank=group_rank, reshard_after_forward=reshard_after_forward,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    unit.absent = mine is None
     module.__dict__["_shardkit_fsdp"] = unit
     unit.handles = [module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True),
                     # Also after a forward that raised: the slots get the local rows back.

@@ -133,8 +133,9 @@ def partition(requested: Sequence[Sequence[int] | None], world: int) -> list[tup
     """The data-parallel groups every rank asked for, checked; ``requested[r]`` is rank ``r``'s ``ranks``.
 
     ``None`` everywhere means one group of the whole world. Otherwise every rank names its own
-    group (global ranks, itself included), the members of a group name the same ranks, the
-    groups are disjoint, cover the world, and have one size, so the world divides into them.
+    group (global ranks, itself included) or ``[]`` (it holds no part), the members of a group
+    name the same ranks, the groups are disjoint, cover every rank that named one, and have
+    one size.
 
     Raises:
         ValueError: naming the ranks and groups at fault and the rule they break.
@@ -153,11 +154,16 @@ def partition(requested: Sequence[Sequence[int] | None], world: int) -> list[tup
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank, ranks in enumerate(requested):
         part = tuple(ranks)  # type: ignore[arg-type]
+        if not part:
+            continue  # ranks=[]: this rank holds no part
         if rank not in part:
             msg = (f"rank {rank} passed ranks={list(part)}, which does not include it; each rank passes the "
                    f"data-parallel group it belongs to.")
             raise ValueError(msg)
         groups.setdefault(part, []).append(rank)
+    if not groups:
+        msg = "ranks=[] on every rank leaves no rank to hold the parameters; name the data-parallel groups."
+        raise ValueError(msg)
     for part, callers in groups.items():
         if sorted(callers) != sorted(part):
             msg = (f"ranks {sorted(callers)} passed ranks={list(part)}, but its members must be exactly the ranks "

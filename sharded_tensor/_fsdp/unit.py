@@ -105,6 +105,7 @@ class Unit:
         self._reductions: list[tuple[Unit, _flat.PendingCollective, torch.Tensor, list[bool], torch.Tensor]] = []
         self._callback_queued = False
         self.handles: list[Any] = []
+        self.absent = False  # this rank is in no data-parallel group (ranks=[]): it holds no rows
 
     # -- the unsharded buffer --------------------------------------------------------------------
 
@@ -203,6 +204,10 @@ class Unit:
 
     def pre_forward(self, module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.absent:
+            msg = (f"{self.label}: this rank was given ranks=[] (it holds no part of the parameters), so it "
+                   f"cannot run the module; run forward only on the ranks of the data-parallel groups.")
+            raise ValueError(msg)
         root = _active.root
         if root is None or root is self or self not in root.order:  # (a root left over by a failed forward)
             root = self

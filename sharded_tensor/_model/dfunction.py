@@ -29,7 +29,9 @@ import torch
 from sharding import DevicePlacement, PlacementSpec, ShardedTensorMetadata
 
 from .._reshard import redistribute
-from .._tensor import ShardedTensor
+from .._tensor import ShardedTensor, from_local, local_by_index, rank_of, world_of
+from . import regions as _regions
+from .rule_table import RULES, LayoutRuleName
 
 __all__ = ["DFunction", "LayoutDecision", "register_layout_rule"]
 
@@ -49,7 +51,22 @@ class LayoutDecision:
 
 
 LayoutRule = Callable[[Sequence[ShardedTensorMetadata], Sequence[PlacementSpec | None]], LayoutDecision]
-_RULES: dict[str, LayoutRule] = {}
+
+
+class _LayoutRules:
+    """Layout rules by name, kept in the one table of sharded compute rules (``rule_table``)."""
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and LayoutRuleName(name) in RULES
+
+    def get(self, name: str) -> LayoutRule | None:
+        return RULES.get(LayoutRuleName(name))
+
+    def __setitem__(self, name: str, rule: LayoutRule) -> None:
+        RULES[LayoutRuleName(name)] = rule
+
+
+_RULES = _LayoutRules()
 
 
 def register_layout_rule(name: str, rule: LayoutRule, *, replace: bool = False) -> None:
@@ -136,6 +153,8 @@ class DFunction:
         """Run on plain tensors (autograd as usual) or on ShardedTensors (see the class)."""
         sharded = [a for a in args if isinstance(a, ShardedTensor)]
         if not sharded:
+            if _regions.in_region() and any(isinstance(a, torch.Tensor) and hasattr(a, _regions._TAG) for a in args):
+                return _on_slices(cls, args)
             return cls._function().apply(*args)
         rule = _RULES.get(cls.layout_rule) if cls.layout_rule is not None else None
         if rule is None:
@@ -158,27 +177,52 @@ class DFunction:
                 msg = (f"layout rule {cls.layout_rule!r} left the ShardedTensor arguments of {cls.__name__} in "
                        f"different layouts; a rule must put every input where the local forward can combine them.")
                 raise ValueError(msg)
-        rank = first._rank
+        rank = rank_of(first)
         outputs: dict[int, torch.Tensor] = {}
-        locals_by_arg = [a._local_by_index() if isinstance(a, ShardedTensor) else None for a in args]
+        locals_by_arg = [local_by_index(a) if isinstance(a, ShardedTensor) else None for a in args]
         for index, _ in layout.shards_on(rank):
             local_args = [m[index] if m is not None else a for a, m in zip(args, locals_by_arg)]
             outputs[index] = cls._function().apply(*local_args)
         dtype = next(iter(outputs.values())).dtype if outputs else layout.dtype
         result_layout = ShardedTensorMetadata(layout.shards, layout.size, dtype)
-        result = ShardedTensor._make(outputs, result_layout, first.sharding_spec(), rank=rank, group=first._group)
+        result = from_local(outputs, result_layout, first.sharding_spec(), rank=rank, group=first.process_group)
         if decision.output is not None and first.sharding_spec() != decision.output:
             result.reshard(decision.output)
         return result
+
+
+# The split rule a DFunction follows on split activations when none is registered for it: the one
+# its layout rule describes ("elementwise" acts slice by slice); otherwise its inputs are gathered.
+_SPLIT_RULE_OF_LAYOUT: dict[str, Callable[..., Any]] = {"elementwise": _regions._elementwise}
+
+
+def _on_slices(cls: type[DFunction], args: tuple[Any, ...]) -> Any:
+    """``cls`` inside a sharded model, on split activations: through its split rule, as a torch op would be.
+
+    The rule is the one registered for ``cls`` (``st.register_split_rule(cls, ...)``) or the one
+    its layout rule names; without one, or where the rule cannot keep the split, the split
+    inputs are gathered and the function runs on whole tensors (exact, at an all-gather's cost).
+    """
+    function = cls._function().apply
+    rule = RULES.get(cls)
+    if rule is None and cls.layout_rule is not None:
+        rule = _SPLIT_RULE_OF_LAYOUT.get(cls.layout_rule)
+    with _regions.outside_propagation():
+        if rule is not None:
+            try:
+                return rule(function, args, {})
+            except _regions._Fallback:
+                pass
+        return function(*[_regions.to_replicated(a) if isinstance(a, torch.Tensor) else a for a in args])
 
 
 def _resharded(tensor: ShardedTensor, spec: PlacementSpec | None) -> ShardedTensor:
     """``tensor`` itself, or a copy of it laid out as ``spec`` (collective; the original is untouched)."""
     if spec is None:
         return tensor
-    target = spec.build_metadata(tensor.shape, tensor.dtype, world_size=tensor._world())
+    target = spec.build_metadata(tensor.shape, tensor.dtype, world_size=world_of(tensor))
     if target.shards == tensor.sharding_metadata().shards:
         return tensor
-    rank, group = tensor._rank, tensor._group
-    local = redistribute(tensor._local_by_index(), tensor.sharding_metadata(), target, rank=rank, group=group)
-    return ShardedTensor._make(local, target, spec, rank=rank, group=group)
+    rank, group = rank_of(tensor), tensor.process_group
+    local = redistribute(local_by_index(tensor), tensor.sharding_metadata(), target, rank=rank, group=group)
+    return from_local(local, target, spec, rank=rank, group=group)

@@ -1,4 +1,4 @@
-"""Which parameter objects shardkit created and which it replaced, and the optimizer check.
+"""The optimizer check: an optimizer holding parameters that shardkit replaced refuses to step.
 
 ``shard_model`` replaces each parameter by a new ``nn.Parameter`` holding the rank's block.
 An optimizer built before that still holds the old objects (on the meta device, or the full
@@ -8,57 +8,86 @@ longer uses, and training would silently do nothing.
 shardkit does not hand the old objects the new data instead (``param.data = block``): some
 optimizers allocate per-parameter state when they are built (``torch.optim.Adagrad``'s
 ``state_sum`` has the full, meta shape), and learning rates or groups chosen for full
-tensors are not always right for blocks. It makes the mistake loud instead: the first time
-shardkit replaces a parameter, it registers one global ``torch.optim`` step pre-hook that
-raises a ``RuntimeError`` when an optimizer is about to step a replaced parameter. The
-hook costs one dictionary lookup per parameter and step, and never fires for parameters
-shardkit did not replace.
-
-The same module remembers, for each new parameter, its ``ShardedParameter`` (layout and
-process group), so helpers given a plain iterable of parameters (``clip_grad_norm_``)
-still know how each one is laid out. Both tables hold their keys weakly.
+tensors are not always right for blocks. It makes the mistake loud instead, on the old
+objects alone and with nothing installed in torch: each replaced parameter becomes a
+``_Replaced`` parameter, whose ``.grad`` raises a ``RuntimeError`` when an optimizer reads
+it (every ``torch.optim`` optimizer reads each parameter's ``.grad`` in ``step()`` and
+``zero_grad()``); read anywhere else, it is an ordinary gradient. Parameters shardkit did
+not replace, and optimizers that hold none of them, never meet the check.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
+from torch import nn
 
-if TYPE_CHECKING:
-    from .record import ShardedParameter
+__all__ = ["retire", "check_optimizer"]
 
-__all__ = ["remember", "retire", "layout_of", "check_optimizer"]
-
-_layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()   # new parameter -> ShardedParameter
-_retired: WeakIdKeyDictionary = WeakIdKeyDictionary()   # replaced parameter -> (its name, what replaced it)
-_hook_handle: Any = None
+# On a replaced parameter: (its name, the function that replaced it).
+_REPLACED = "_shardkit_replaced"
+_ORIGINAL_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the descriptor itself
 
 
-def remember(param: torch.Tensor, sharded: ShardedParameter) -> None:
-    """Record that ``param`` is the local block of a parameter laid out as ``sharded`` says."""
-    _layouts[param] = sharded
+class _Replaced(nn.Parameter):
+    """A parameter that shardkit replaced: its ``.grad`` refuses the optimizers that still hold it."""
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        found = _optimizer_calling()
+        if found is not None:
+            check_optimizer(*found)
+        value: torch.Tensor | None = _ORIGINAL_GRAD.__get__(self)
+        return value
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _ORIGINAL_GRAD.__set__(self, value)
 
 
-def layout_of(param: torch.Tensor) -> ShardedParameter | None:
-    """The layout recorded for ``param``, or ``None`` for a parameter shardkit did not shard."""
-    found: ShardedParameter | None = _layouts.get(param)
-    return found
+# Parameter type -> its subclass with the check (made once per type).
+_traps: dict[type, type] = {nn.Parameter: _Replaced}
+
+
+def _optimizer_calling() -> tuple[torch.optim.Optimizer, str] | None:
+    """The optimizer whose method is reading a ``.grad`` now, and that method's name (``step``)."""
+    frame: FrameType | None = sys._getframe(2)
+    found: torch.optim.Optimizer | None = None
+    method = "step"
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.optim.Optimizer) and (found is None or owner is found):
+                found = owner
+                if not code.co_name.startswith("_") and callable(getattr(type(owner), code.co_name, None)):
+                    method = code.co_name
+        frame = frame.f_back
+    return (found, method) if found is not None else None
 
 
 def retire(replaced: Iterable[tuple[str, torch.Tensor]], by: str = "shard_model") -> None:
-    """Record parameters that ``shard_model`` (or ``by``) replaced (``(name, old parameter)`` pairs)."""
-    global _hook_handle
+    """Mark parameters that ``shard_model`` (or ``by``) replaced (``(name, old parameter)`` pairs)."""
     for name, param in replaced:
-        _retired[param] = (name, by)
-    if _hook_handle is None and len(_retired):
-        _hook_handle = register_optimizer_step_pre_hook(_step_pre_hook)
+        setattr(param, _REPLACED, (name, by))
+        cls = type(param)
+        if cls in _traps.values():
+            continue
+        if cls not in _traps and issubclass(cls, nn.Parameter):
+            _traps[cls] = type(f"_Replaced{cls.__name__}", (cls,), {"grad": _Replaced.grad})
+        subclass = _traps.get(cls)
+        if subclass is not None:
+            try:
+                param.__class__ = subclass
+            except TypeError:  # a parameter type whose layout differs; get_state_dict still checks
+                continue
 
 
-def check_optimizer(optim: torch.optim.Optimizer) -> None:
+def check_optimizer(optim: torch.optim.Optimizer, method: str = "step") -> None:
     """Raise if ``optim`` holds parameters that shardkit replaced.
 
     Raises:
@@ -68,7 +97,7 @@ def check_optimizer(optim: torch.optim.Optimizer) -> None:
     stale = []
     for group in optim.param_groups:
         for param in group["params"]:
-            found = _retired.get(param)
+            found = getattr(param, _REPLACED, None)
             if found is not None:
                 stale.append((found, param))
     if not stale:
@@ -77,12 +106,8 @@ def check_optimizer(optim: torch.optim.Optimizer) -> None:
                       for (name, _), p in stale[:4])
     by = stale[0][0][1]
     more = f" and {len(stale) - 4} more" if len(stale) > 4 else ""
-    msg = (f"{type(optim).__name__}.step(): this optimizer holds {len(stale)} parameter(s) that "
+    msg = (f"{type(optim).__name__}.{method}(): this optimizer holds {len(stale)} parameter(s) that "
            f"st.{by} replaced, {shown}{more}; it was created before {by} and would update "
            f"tensors the model no longer uses. Create the optimizer after {by}, from the sharded "
            f"model: optim = {type(optim).__name__}(model.parameters(), ...).")
     raise RuntimeError(msg)
-
-
-def _step_pre_hook(optim: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    check_optimizer(optim)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -43,10 +44,12 @@ from sharding.layout import Packed
 
 from . import regions as _regions
 from . import registry as _registry
-from .functional import Intervals
+from . import strided as _strided  # noqa: F401 - the strided split (heads merged with the batch)
+from .functional import Intervals, copy_to_ranks
 from .param_layout import ParamLayout, classify, split_placement
 
-__all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install", "optimize"]
+__all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install",
+           "optimize"]
 
 # -- 2. plans -----------------------------------------------------------------------------------------
 
@@ -65,6 +68,12 @@ class LinearPlan:
     bias: Literal["none", "replicated", "local", "disjoint"]
     bias_intervals: Intervals | None
     weight_dim: int | None
+    pieces: tuple[Intervals, ...] | None = None  # "out" packed: each rank's slices of the output features
+
+    @property
+    def output_split(self) -> Intervals | Packed:
+        """The split of the output features: one slice per rank, or several (packed)."""
+        return Packed(0, self.pieces) if self.pieces is not None else self.intervals
 
 
 @dataclass(frozen=True)
@@ -142,9 +151,26 @@ def _refuse_packed(label: str, layouts: Mapping[str, ParamLayout], what: str) ->
             raise ValueError(msg)
 
 
+def _plan_packed_linear(label: str, module: nn.Linear, weight: ParamLayout, bias: ParamLayout | None) -> LinearPlan:
+    """A Linear whose weight holds several slices of the output features per rank (a fused q/k/v)."""
+    pieces = weight.pieces
+    assert pieces is not None
+    if weight.dim != 0:
+        _refuse_packed(label, {"weight": weight}, "a Linear split on its input features")
+    if bias is not None and bias.kind != "replicated" and bias.pieces != pieces:
+        msg = (f"{label}: the weight's output features are packed as {[list(p) for p in pieces]} ((start, length) "
+               f"slices per rank) but the bias is laid out otherwise ({bias.describe()}); split the bias into the "
+               f"same slices as dim 0 of the weight, or keep it whole on every rank.")
+        raise ValueError(msg)
+    kind = "none" if module.bias is None else "replicated" if bias is None or bias.kind == "replicated" else "local"
+    return LinearPlan("out", (), kind, None, 0, pieces)  # type: ignore[arg-type]
+
+
 def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayout]) -> LinearPlan:
-    _refuse_packed(label, layouts, "a Linear")
     weight = layouts.get("weight")
+    if weight is not None and weight.pieces is not None:
+        return _plan_packed_linear(label, module, weight, layouts.get("bias") if module.bias is not None else None)
+    _refuse_packed(label, layouts, "a Linear")
     bias = layouts.get("bias") if module.bias is not None else None
     for name, layout in (("weight", weight), ("bias", bias)):
         if layout is not None and layout.kind in ("blocks", "partial"):
@@ -208,13 +234,17 @@ class ShardedLinear(_registry.ShardedModule):
 
     def activations(self, plan: LinearPlan) -> tuple[Intervals | None, Intervals | None]:
         if plan.mode == "out":
-            return None, plan.intervals
+            return None, plan.output_split  # type: ignore[return-value]
         if plan.mode == "in":
             return plan.intervals, None
         return None, None
 
     def empty_dims(self, plan: LinearPlan) -> Mapping[str, int]:
         return {} if plan.weight_dim is None else {"weight": plan.weight_dim}
+
+    def computes_alike(self, module: nn.Module) -> bool:
+        """A Linear subclass whose own forward is ``input @ weight.T (+ bias)`` (Falcon's ``FalconLinear``)."""
+        return _forward_is_linear(type(module), getattr(module, "bias", None) is not None, module)
 
     def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         plan: LinearPlan = call.plan
@@ -226,15 +256,77 @@ class ShardedLinear(_registry.ShardedModule):
             y = F.linear(call.enter(input), weight, bias if plan.bias == "local" else None)
             if plan.bias == "replicated":
                 if _regions.in_region():
-                    return call.split_output(y + call.local_slice(bias, plan.intervals), plan.intervals)
-                return call.split_output(y, plan.intervals) + bias
-            return call.split_output(y, plan.intervals)
+                    return call.split_output(y + _local_bias(call, bias, plan), plan.output_split)
+                return call.split_output(y, plan.output_split) + bias
+            return call.split_output(y, plan.output_split)
         y = F.linear(call.split_input(input, plan.intervals), weight)
         if plan.bias == "disjoint":
             start, length = plan.bias_intervals[call.rank]  # type: ignore[index]
             y = y + F.pad(bias, (start, module.out_features - start - length))
-        y = call.reduce(y)
-        return y + bias if plan.bias == "replicated" else y
+        return call.pending_sum(y, bias if plan.bias == "replicated" else None)
+
+
+_TRANSPOSES = {("T",), ("mT",), ("t",), ("transpose", 0, 1), ("transpose", 1, 0), ("transpose", -1, -2),
+               ("transpose", -2, -1)}
+
+
+def _forward_is_linear(cls: type, has_bias: bool, module: nn.Module) -> bool:
+    """Whether ``module``'s forward, traced with ``torch.fx``, is ``F.linear`` or ``input @ weight.T (+ bias)``.
+
+    Decided once per class and bias presence; anything fx cannot trace, or any other op, is no.
+    """
+    key = (cls, has_bias)
+    if key not in _LINEAR_FORWARDS:
+        try:
+            graph = torch.fx.Tracer().trace(module)
+        except Exception:  # noqa: BLE001 - a forward fx cannot trace is simply not recognized
+            _LINEAR_FORWARDS[key] = False
+        else:
+            _LINEAR_FORWARDS[key] = _is_linear_graph(graph, has_bias)
+    return _LINEAR_FORWARDS[key]
+
+
+_LINEAR_FORWARDS: dict[tuple[type, bool], bool] = {}
+
+
+def _is_linear_graph(graph: torch.fx.Graph, has_bias: bool) -> bool:
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    attrs = {n.target: n for n in nodes if n.op == "get_attr"}
+    if len(inputs) != 1 or set(attrs) != ({"weight", "bias"} if has_bias else {"weight"}):
+        return False
+    x, weight, bias = inputs[0], attrs["weight"], attrs.get("bias")
+    ops = [n for n in nodes if n.op in ("call_function", "call_method")]
+    result = output.args[0]
+    if len(ops) == 1 and ops[0] is result and ops[0].target in (F.linear, torch._C._nn.linear):
+        return list(ops[0].args) + list(ops[0].kwargs.values()) == ([x, weight, bias] if has_bias else [x, weight])
+    if len(ops) != (3 if has_bias else 2):
+        return False
+    transpose, product = ops[0], ops[1]
+    if transpose.op == "call_function" and transpose.target is getattr:
+        form = (transpose.args[1],)
+        source = transpose.args[0]
+    else:
+        form = (transpose.target, *transpose.args[1:])
+        source = transpose.args[0]
+    if source is not weight or form not in _TRANSPOSES:
+        return False
+    if product.target not in (operator.matmul, torch.matmul) or list(product.args) != [x, transpose]:
+        return False
+    if not has_bias:
+        return result is product
+    add = ops[2]
+    return result is add and add.target in (operator.add, torch.add) and set(add.args) == {product, bias} \
+        and not add.kwargs
+
+
+def _local_bias(call: _registry.ShardedCall, bias: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
+    """This rank's slices of a whole bias, laid out as its output features (one slice, or packed)."""
+    if plan.pieces is None:
+        return call.local_slice(bias, plan.intervals)
+    whole = copy_to_ranks(bias, call.group)
+    return torch.cat([whole.narrow(0, s, n) for s, n in plan.pieces[call.rank]])
 
 
 class ShardedEmbedding(_registry.ShardedModule):
@@ -457,7 +549,5 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
         for root in roots:
             module = named[root]
             module.__dict__["forward"] = _regions.RegionForward(type(module).forward.__get__(module))
-        for name, label in split_params.items():
-            _regions.own(model.get_parameter(name), f"{name!r} of {label}")
         return roots
     return commit

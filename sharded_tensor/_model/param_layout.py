@@ -4,8 +4,8 @@ The placement (``sharding.layout``: ``Split``, ``Packed``, ``Replicated``) is th
 spec attached to the parameter's metadata; :func:`classify` adds what compute needs on top:
 each rank's block (``boxes``), a packed placement whose slices are adjacent read as a split,
 and a ``kind`` for the layouts no placement describes (blocks along several dimensions,
-copies held by some ranks only, the whole tensor on one rank). The engine's activation tags
-(``regions.Split`` / ``regions.Packed``) are the same placements with their process group.
+copies held by some ranks only, the whole tensor on one rank). The propagation engine tags
+split activations with the same placements, plus their process group.
 """
 
 from __future__ import annotations

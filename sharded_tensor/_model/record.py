@@ -1,9 +1,13 @@
 """The record of one sharded parameter: its layout, spec and group (``ShardedParameter``).
 
-``shard_model``, ``shard_parameter`` and ``fully_shard`` attach one record per sharded
-parameter to the module that owns it (``module.__dict__["_shardkit_params"]``, read with
-``sharded_parameters``); the optimizer guard, the training helpers and the state-dict hooks
-read the same record.
+``shard_model``, ``shard_parameter`` and ``fully_shard`` make one record per sharded
+parameter and :func:`attach` it to the parameter object, the one place it is kept. Every
+part reads it from there: :func:`record_of` for a parameter (``clip_grad_norm_`` given a
+list of parameters; the regions, which refuse a direct use of a split parameter), and
+:func:`sharded_parameters` for a module's own parameters (the state-dict hooks here, the
+optimizer state, ``fully_shard``). A parameter replaced in its module
+(``load_state_dict(assign=True)`` included, see ``_load_hook``) takes its record along or
+is no longer sharded; there is no second table to fall out of step.
 """
 
 from __future__ import annotations
@@ -15,24 +19,35 @@ import torch
 from torch import nn
 
 from _shardkit import comm as _comm
+from _shardkit import unfilled as _unfilled
 from sharding import PlacementSpec, ShardedTensorMetadata
 from sharding.layout import box_slices
 
 from .._reshard import redistribute
-from .._tensor import ShardedTensor
+from .._tensor import ShardedTensor, from_local, local_by_index
+from . import regions as _regions
 from .parallel import ParamLayout
 
-__all__ = ["ShardedParameter", "assemble", "sharded_parameters"]
+__all__ = ["ShardedParameter", "assemble", "attach", "record_of", "sharded_parameters", "install_hooks"]
+
 
 
 @dataclass(frozen=True)
 class ShardedParameter:
-    """What a module remembers about one of its sharded parameters."""
+    """What shardkit knows about one sharded parameter.
+
+    ``label`` names the parameter in messages (``"'0.weight' of module '0' (Linear)"``) when only
+    its module may compute with it (a split parameter of ``shard_model``): the model's code
+    using it directly would see this rank's block alone, so the regions refuse that. ``None``
+    for parameters whose module gets them whole before computing (``fully_shard``'s) or that
+    are whole on every rank.
+    """
 
     layout: ParamLayout
     spec: PlacementSpec
     group: _comm.ProcessGroup
     compute_dim: int | None = None
+    label: str | None = None
 
     @property
     def metadata(self) -> ShardedTensorMetadata:
@@ -60,7 +75,7 @@ class ShardedParameter:
         metadata = self.metadata
         if local.dtype != metadata.dtype:  # e.g. model.double() after sharding
             metadata = ShardedTensorMetadata(metadata.shards, metadata.size, local.dtype)
-        return ShardedTensor._make(tensors, metadata, self.spec, rank=rank, group=self.group)
+        return from_local(tensors, metadata, self.spec, rank=rank, group=self.group)
 
     def local_from(self, value: object, key: str, rank: int) -> torch.Tensor:
         """This rank's block of ``value`` (a ShardedTensor in any layout, or the full tensor)."""
@@ -73,10 +88,10 @@ class ShardedParameter:
                 raise ValueError(msg)
             source = value.sharding_metadata()
             if source.shards == self.metadata.shards:
-                pieces = value._local_by_index()
+                pieces = local_by_index(value)
             else:
                 target = ShardedTensorMetadata(self.metadata.shards, shape, source.dtype)
-                pieces = redistribute(value._local_by_index(), source, target, rank=rank, group=self.group)
+                pieces = redistribute(local_by_index(value), source, target, rank=rank, group=self.group)
             return assemble(pieces, self.layout, rank, sizes, source.dtype)
         if isinstance(value, torch.Tensor):
             if tuple(value.shape) != shape:
@@ -103,6 +118,58 @@ def assemble(pieces: Mapping[int, torch.Tensor], layout: ParamLayout, rank: int,
     return out
 
 
+def attach(param: torch.Tensor, record: ShardedParameter) -> None:
+    """Record that ``param`` (this rank's local tensor) is laid out as ``record`` says."""
+    setattr(param, _regions.RECORD, record)
+
+
+def record_of(param: torch.Tensor) -> ShardedParameter | None:
+    """The record of ``param``, or ``None`` for a parameter shardkit did not shard."""
+    found = getattr(param, _regions.RECORD, None)
+    return found if isinstance(found, ShardedParameter) else None
+
+
 def sharded_parameters(module: nn.Module) -> dict[str, ShardedParameter]:
     """The sharded parameters of ``module`` itself (not its children), by attribute name."""
-    return dict(module.__dict__.get("_shardkit_params", {}))
+    return {attr: record for attr, param in module._parameters.items()
+            if param is not None and (record := record_of(param)) is not None}
+
+
+def install_hooks(module: nn.Module) -> None:
+    """Make ``module``'s ``state_dict()`` and ``load_state_dict()`` read its records (once per module)."""
+    if "_shardkit_hooks" not in module.__dict__:
+        module.__dict__["_shardkit_hooks"] = (module.register_state_dict_post_hook(_state_dict_hook),
+                                              module.register_load_state_dict_pre_hook(_load_hook))
+
+
+def _state_dict_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object) -> None:
+    for attr, sp in sharded_parameters(module).items():
+        key = prefix + attr
+        if key in state_dict:
+            rank, _ = _comm.rank_and_world(sp.group)
+            state_dict[key] = sp.wrap(state_dict[key], rank)  # type: ignore[arg-type]
+
+
+def _load_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: dict[str, object],
+               strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    sharded = sharded_parameters(module)
+    for attr, param in module._parameters.items():
+        key = prefix + attr
+        if param is None or key not in state_dict:
+            continue
+        value = state_dict[key]
+        _unfilled.unmark(param)  # load_state_dict fills it (or raises)
+        try:
+            if attr in sharded:
+                rank, _ = _comm.rank_and_world(sharded[attr].group)
+                local = sharded[attr].local_from(value, key, rank)
+                if local_metadata.get("assign_to_params_buffers"):
+                    # load_state_dict(assign=True) installs this object as the parameter: it carries the record.
+                    local = nn.Parameter(local, requires_grad=param.requires_grad)
+                    attach(local, sharded[attr])
+                state_dict[key] = local
+            elif isinstance(value, ShardedTensor):
+                state_dict[key] = value.full_tensor()
+        except ValueError as exc:
+            error_msgs.append(str(exc))
+            del state_dict[key]

@@ -25,6 +25,11 @@ op, while the code runs:
 * A consumer whose input is tagged the way it is split takes the slice as it is; the
   region's outputs that are still tagged are gathered, so a region looks replicated-in,
   replicated-out from outside.
+* A consumer inside a region hands out its partial sum tagged :class:`Partial` (``pending``):
+  it stays pending through ops linear in it (another pending sum, a whole tensor added once)
+  until an op needs it whole, so sums that meet first share one all-reduce.
+* A reshape that merges the split heads with the batch (``reshape(batch * num_heads, ...)``)
+  gives a :class:`Strided` split (``strided``), kept through batched matmuls and reshaped back.
 * Producers of one region that read the same input share one ``copy_to_ranks``: q, k and v
   then cost one all-reduce of the input's gradient in backward instead of three.
 
@@ -66,16 +71,20 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from _shardkit import comm as _comm
 from sharding import layout
 
+from . import rule_table as _rule_table
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
-__all__ = ["Split", "Packed", "split_of", "tag", "in_region", "shared_copy", "RegionForward", "loss_parallel",
+__all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "GLOBAL_SIZES",
+           "split_of", "tag", "in_region", "shared_copy",
+           "RegionForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
 
 
@@ -103,18 +112,69 @@ class Packed(layout.Packed):
     group: _comm.ProcessGroup = None
 
 
+@dataclass(frozen=True, slots=True)
+class Partial(layout.Partial):
+    """A tensor that holds this rank's addend of a logical tensor: the placement
+    ``sharding.layout.Partial`` (``reduce_op="sum"``) over the process group ``group``.
+
+    A row-parallel projection (``o_proj``, ``down_proj``: input features split) computes one
+    such addend per rank. It stays pending through ops that are linear in it (adding another
+    pending sum, adding a whole tensor once, scaling by a whole tensor, reshaping) until an op
+    needs its values, which sums it with one all-reduce (see ``pending``).
+    """
+
+    group: _comm.ProcessGroup = None
+
+
+@dataclass(frozen=True)
+class Strided:
+    """A split dimension merged with dimensions outside it: ``blocks`` blocks, each split by ``intervals``.
+
+    ``reshape(batch * num_heads, ...)`` of a tensor split on its heads gives one: along ``dim``,
+    block ``b`` covers global positions ``[b * size, (b + 1) * size)`` and rank ``r`` holds
+    ``intervals[r]`` of each block, its blocks laid one after the other locally (see ``strided``).
+    """
+
+    dim: int
+    intervals: Intervals
+    blocks: int
+    group: _comm.ProcessGroup = None
+
+    @property
+    def size(self) -> int:
+        """The global size of one block."""
+        return max((s + n for s, n in self.intervals), default=0)
+
+    def moved(self, dim: int) -> Strided:
+        return Strided(dim, self.intervals, self.blocks, self.group)
+
+
+# Tags beyond Split and Packed, by type: (the rule for an op reading a tensor so tagged, its whole
+# tensor). The modules that give their meaning fill it (``pending``, ``strided``).
+TAG_KINDS: dict[type, tuple[Callable[..., Any], Callable[[torch.Tensor, Any], torch.Tensor]]] = {}
+
+
+# Tags whose tensors tell the model's code their global sizes (``x.shape``, ``x.size(0)``), by type:
+# the metadata read to run instead. A strided split does (see ``strided``): code such as BLOOM's
+# ``x.shape[0] // num_heads`` reads the merged dimension as the whole batch times the heads.
+GLOBAL_SIZES: dict[type, Callable[..., Any]] = {}
+
+
 # A tag lives on the tensor object itself: reading an attribute costs far less per op than a
 # weak dictionary lookup, and it goes away with the tensor just the same.
 _TAG = "_shardkit_split"
-# Local blocks of split parameters -> how to name them in a message. Inside a region, an op
-# that reads one directly (not through its module's registration) would see only this rank's
-# block, so it is refused instead of computing wrong numbers.
-_OWNED = "_shardkit_owned"
+# A sharded parameter carries its record (``record.ShardedParameter``) under this attribute.
+# Inside a region, an op that reads a parameter whose record has a ``label`` directly (not
+# through its module's registration) would see only this rank's block, so it is refused
+# instead of computing wrong numbers.
+RECORD = "_shardkit_record"
+_OWNED = RECORD
 
 
-def own(parameter: torch.Tensor, label: str) -> None:
-    """Mark ``parameter`` as the local block of a split parameter, named ``label`` in messages."""
-    setattr(parameter, _OWNED, label)
+def _split_label(tensor: torch.Tensor) -> str | None:
+    """How messages name ``tensor`` when it is a split parameter only its module may use, else ``None``."""
+    label: str | None = getattr(getattr(tensor, _OWNED, None), "label", None)
+    return label
 
 
 class _State(threading.local):
@@ -122,9 +182,20 @@ class _State(threading.local):
         self.depth = 0
         self.copies: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
         self.keep_split_outputs = False
+        self.ranks: dict[Any, int] = {}  # this process's rank per group, looked up once per region call
 
 
 _STATE = _State()
+
+
+def _rank(group: _comm.ProcessGroup) -> int:
+    """This process's rank in ``group`` (``rank_and_world`` costs a microsecond or more per call)."""
+    ranks = _STATE.ranks
+    try:
+        return ranks[group]
+    except KeyError:
+        found = ranks[group] = _comm.rank_and_world(group)[0]
+        return found
 
 
 def split_of(tensor: object) -> Split | None:
@@ -135,7 +206,7 @@ def split_of(tensor: object) -> Split | None:
     return None
 
 
-def tag(tensor: torch.Tensor, split: Split | Packed) -> torch.Tensor:
+def tag(tensor: torch.Tensor, split: Split | Packed | Partial | Strided) -> torch.Tensor:
     """Mark ``tensor`` as this rank's slice of a logical tensor split as ``split``."""
     setattr(tensor, _TAG, split)
     return tensor
@@ -159,14 +230,27 @@ def shared_copy(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor
     return copied
 
 
-@contextlib.contextmanager
-def outside_propagation() -> Iterator[None]:
+class _Outside:
+    """Leaves the propagation mode for a ``with`` block when it is the innermost mode (once per sharded layer call)."""
+
+    __slots__ = ("_popped",)
+
+    def __enter__(self) -> None:
+        self._popped = None
+        if _STATE.depth:
+            n = torch._C._len_torch_function_stack()
+            if n and isinstance(torch._C._get_function_stack_at(n - 1), _Propagate):
+                self._popped = torch._C._pop_torch_function_stack()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._popped is not None:
+            torch._C._push_on_torch_function_stack(self._popped)
+            self._popped = None
+
+
+def outside_propagation() -> contextlib.AbstractContextManager[None]:
     """Run a sharded layer's own forward on its local tensors, unseen by the propagation."""
-    if _STATE.depth and isinstance(torch.overrides._get_current_function_mode(), _Propagate):
-        with torch.overrides._pop_mode_temporarily():
-            yield
-    else:
-        yield
+    return _Outside()
 
 
 def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
@@ -176,6 +260,9 @@ def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     if isinstance(found, Split):
         return gather(tensor, found.dim, found.intervals, found.group)
+    kind = TAG_KINDS.get(type(found))
+    if kind is not None:
+        return kind[1](tensor, found)
     # Packed: the j-th slices of all ranks are gathered together, then laid side by side.
     counts = {len(slices) for slices in found.pieces}
     if len(counts) != 1:
@@ -229,23 +316,29 @@ def _tensors(flat: Sequence[object]) -> list[tuple[int, torch.Tensor]]:
 
 def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Ops that act element by element, with broadcasting (add, mul, silu, where, dropout, ...)."""
-    flat, spec = tree_flatten((args, kwargs))
-    tensors = _tensors(flat)
-    out_ndim = max(t.dim() for _, t in tensors)
+    keys = tuple(kwargs)
+    nested = any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values()))
+    if nested:
+        flat, spec = tree_flatten((args, kwargs))
+    else:  # the usual call, tensors and numbers side by side: no pytree needed
+        flat, spec = [*args, *kwargs.values()], None
+    tensors = [(i, x, getattr(x, _TAG, None)) for i, x in enumerate(flat) if isinstance(x, Tensor)]
+    out_ndim = max(t.dim() for _, t, _ in tensors)
     found: Split | None = None
-    for _, t in tensors:
-        split = split_of(t)
+    for _, t, split in tensors:
         if split is None:
             continue
-        aligned = split.moved(out_ndim - t.dim() + split.dim)
+        if not isinstance(split, Split):
+            raise _Fallback
+        aligned = split if out_ndim == t.dim() else split.moved(out_ndim - t.dim() + split.dim)
         if found is not None and aligned != found:
             raise _Fallback
         found = aligned
     assert found is not None
-    if isinstance(args[0], torch.Tensor) and not hasattr(args[0], _TAG) and _in_place(func):
+    if isinstance(args[0], Tensor) and not hasattr(args[0], _TAG) and _in_place(func):
         raise _Fallback  # a replicated tensor updated in place must receive whole values
-    for i, t in tensors:
-        if split_of(t) is not None:
+    for i, t, split in tensors:
+        if split is not None:
             continue
         local_dim = found.dim - (out_ndim - t.dim())
         if local_dim < 0 or t.shape[local_dim] == 1:
@@ -254,9 +347,13 @@ def _elementwise(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         if t.shape[local_dim] != found.size:
             raise _Fallback
         flat[i] = _to_local(t, local_dim, found)  # a replicated operand: take this rank's slice
-    args, kwargs = tree_unflatten(flat, spec)
-    out = func(*args, **kwargs)
-    if isinstance(out, torch.Tensor) and out.dim() == out_ndim:
+    if spec is None:
+        n = len(args)
+        out = func(*flat[:n], **dict(zip(keys, flat[n:])))
+    else:
+        args, kwargs = tree_unflatten(flat, spec)
+        out = func(*args, **kwargs)
+    if isinstance(out, Tensor) and out.dim() == out_ndim:
         return tag(out, found)
     raise _Fallback
 
@@ -272,10 +369,40 @@ def _in_place(func: Callable[..., Any]) -> bool:
 
 def _first_split(args: tuple[Any, ...]) -> tuple[torch.Tensor, Split]:
     x = args[0]
-    split = split_of(x)
-    if split is None:
+    split = getattr(x, _TAG, None)
+    if not isinstance(split, Split):
         raise _Fallback
     return x, split
+
+
+_MOVES: dict[tuple[Split, int], Split] = {}
+
+
+def _move(split: Split, dim: int) -> Split:
+    """``split.moved(dim)``, built once per split and dimension (a lookup costs less than a new split)."""
+    if split.dim == dim:
+        return split
+    try:
+        return _MOVES[split, dim]
+    except KeyError:
+        if len(_MOVES) > 4096:  # many distinct layouts (e.g. changing groups): start over
+            _MOVES.clear()
+        found = _MOVES[split, dim] = split.moved(dim)
+        return found
+
+
+_NAMES: dict[Any, str] = {}
+
+
+def _aten_name(func: Any) -> str:
+    """``aten_name(func)``, worked out once per op object."""
+    try:
+        return _NAMES[func]
+    except KeyError:
+        found = _NAMES[func] = aten_name(func)
+        return found
+    except TypeError:  # an unhashable op
+        return aten_name(func)
 
 
 def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
@@ -392,10 +519,23 @@ def _shape_key(value: Any) -> Any:
     return value
 
 
+def _reshape_key(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor,
+                 split: Any) -> tuple[Any, ...]:
+    """What a reshape's decision depends on: the op, the shapes, dtypes and splits of its tensors, its sizes."""
+    if not kwargs and all(type(a) is int for a in args[1:]):  # x.view(b, s, -1, d): the sizes as given
+        return (func, x.shape, x.dtype, split, args[1:])
+    return (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
+
+
 def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """view / reshape / flatten / unflatten / (un)squeeze / view_as, decided once per shapes and split."""
     x, split = _first_split(args)
-    key = (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
+    return _reshaped(func, args, kwargs, x, split, _reshape_key(func, args, kwargs, x, split))
+
+
+def _reshaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor, split: Split,
+              key: tuple[Any, ...]) -> Any:
+    """``_reshape`` with its key already worked out."""
     try:
         plan = _RESHAPE_PLANS[key]
     except KeyError:
@@ -406,7 +546,7 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         raise _Fallback
     shape, moved, view = plan
     local = list(shape)
-    local[moved.dim] = moved.intervals[_comm.rank_and_world(split.group)[0]][1]
+    local[moved.dim] = moved.intervals[_rank(split.group)][1]
     return tag(x.view(local) if view else x.reshape(local), moved)
 
 
@@ -421,10 +561,13 @@ def _named(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 def _transpose(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, split = _first_split(args)
     ndim = x.dim()
-    name = aten_name(func)
+    name = _aten_name(func)
     order = list(range(ndim))
     if name == "t":
         order = order[::-1]
+    elif len(args) == 3 and not kwargs and type(args[1]) is int and type(args[2]) is int and name != "permute":
+        d0, d1 = _norm(args[1], ndim), _norm(args[2], ndim)  # x.transpose(1, 2): no binding needed
+        order[d0], order[d1] = order[d1], order[d0]
     else:
         bound = _named(func, args, kwargs)
         if name == "permute":
@@ -434,7 +577,7 @@ def _transpose(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             d1 = _norm(bound["dim1"] if "dim1" in bound else bound["axis1"], ndim)
             order[d0], order[d1] = order[d1], order[d0]
     out = func(*args, **kwargs)
-    return tag(out, split.moved(order.index(split.dim)))
+    return tag(out, _move(split, order.index(split.dim)))
 
 
 def _getter(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -513,8 +656,13 @@ def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
 def _along_dim(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Ops that work along one dimension (softmax, cat, split, cumsum): fine along any other."""
-    name = aten_name(func)
-    bound = _named(func, args, kwargs)
+    name = _aten_name(func)
+    if (name in ("cat", "stack") and len(args) in (1, 2) and isinstance(args[0], (list, tuple))
+            and (len(args) == 1 or type(args[1]) is int)
+            and (not kwargs or (len(args) == 1 and list(kwargs) == ["dim"]))):  # cat((a, b), dim=-1): no binding
+        bound = {"tensors": args[0], "dim": args[1] if len(args) == 2 else kwargs.get("dim", 0)}
+    else:
+        bound = _named(func, args, kwargs)
     if name in ("cat", "concat", "concatenate", "stack"):
         # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
         tensors = [t for t in bound["tensors"] if not (name != "stack" and t.dim() == 1 and t.numel() == 0)]
@@ -541,6 +689,60 @@ def _along_dim(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         moved = split.moved(split.dim - 1) if name == "unbind" and _norm(dim, x.dim()) < split.dim else split
         return tuple(tag(p, moved) for p in parts)
     return tag(func(*args, **kwargs), split)
+
+
+def _setitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``buffer[key] = value`` where ``key`` leaves the buffer's split whole and ``value`` is split alike."""
+    if len(args) != 3 or kwargs or split_of(args[0]) is None:
+        raise _Fallback
+    view = _getitem(torch.Tensor.__getitem__, args[:2], {})
+    if not isinstance(args[2], torch.Tensor) or split_of(args[2]) != split_of(view) or args[2].dim() != view.dim():
+        raise _Fallback
+    return func(*args, **kwargs)
+
+
+def _roll(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``roll`` along dimensions other than the split."""
+    x, split = _first_split(args)
+    dims = _named(func, args, kwargs).get("dims")
+    dims = (dims,) if isinstance(dims, int) else dims
+    if not dims or not all(isinstance(d, int) for d in dims) or split.dim in {_norm(d, x.dim()) for d in dims}:
+        raise _Fallback
+    return tag(func(*args, **kwargs), split)
+
+
+def _write_split(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``buffer.index_copy_(dim, index, source)`` (along another dimension than the split) and
+    ``buffer.copy_(source)`` (same shape) of a split source into a buffer.
+
+    A buffer tagged with the source's split takes its slice as is. An untagged buffer whose
+    extent along the split is this rank's slice, not the whole, can only have been sized from
+    split tensors' shapes (which read local): a static key/value cache allocated from the first
+    keys. The whole tensor would not fit in it, so the unsharded program cannot mean that: it
+    takes this rank's slice and is tagged with the split from then on.
+    """
+    bound = _named(func, args, kwargs)
+    dest = bound.get("self")
+    if aten_name(func) == "copy_":
+        source, dim, index = bound.get("src"), None, None
+    else:
+        source, dim, index = bound.get("source"), bound.get("dim"), bound.get("index")
+    split = split_of(source)
+    if (split is None or not isinstance(dest, torch.Tensor) or not isinstance(source, torch.Tensor)
+            or hasattr(index, _TAG) or dest.dim() != source.dim()
+            or (dim is None and dest.shape != source.shape)
+            or (dim is not None and (not isinstance(dim, int) or _norm(dim, dest.dim()) == split.dim))):
+        raise _Fallback
+    held = getattr(dest, _TAG, None)
+    if held is None:
+        local = source.shape[split.dim]
+        if dest.shape[split.dim] != local or local == split.size:
+            raise _Fallback
+    elif held != split:
+        raise _Fallback
+    out = func(*args, **kwargs)
+    tag(dest, split)
+    return out
 
 
 def _reduce(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -739,11 +941,13 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     if not isinstance(packed, Packed):
         raise _Fallback
     name = aten_name(func)
+    total = packed.size
+    if name == "getitem":
+        return _packed_getitem(x, args[1], packed)
     named = _named(func, args, kwargs)
     dim = named.get("dim", 0)
     if not isinstance(dim, int) or _norm(dim, x.dim()) != packed.dim:
         raise _Fallback
-    total = packed.size
     if name == "chunk":
         count = named["chunks"]
         step = -(-total // count)
@@ -769,6 +973,36 @@ def _split_packed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     return tuple(tag(t, Split(packed.dim, tuple(part), packed.group)) for t, part in zip(local, per_part))
 
 
+def _packed_getitem(x: torch.Tensor, index: Any, packed: Packed) -> torch.Tensor:
+    """``qkv[..., low:high]``: one slice of each rank's along the packed dimension, as an ordinary split."""
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(1 for i in index if i is Ellipsis) > 1 or any(
+            not (i is Ellipsis or isinstance(i, slice)) for i in index):
+        raise _Fallback
+    before = index.index(Ellipsis) if Ellipsis in index else len(index)
+    positions = list(range(before)) + [x.dim() - (len(index) - j) for j in range(before + 1, len(index))]
+    picked = None
+    for position, i in zip(positions, (i for i in index if i is not Ellipsis)):
+        if i == slice(None):
+            continue
+        if position != packed.dim or picked is not None:
+            raise _Fallback
+        picked = i
+    if picked is None or picked.step not in (None, 1):
+        raise _Fallback
+    low, high, _ = picked.indices(packed.size)
+    rank, _ = _comm.rank_and_world(packed.group)
+    part, offset = [], 0
+    for r, slices in enumerate(packed.pieces):
+        inside = [(s, n) for s, n in slices if low <= s and s + n <= high]
+        if len(inside) != 1 or sum(n for s, n in slices if s < high and s + n > low) != inside[0][1]:
+            raise _Fallback  # a slice straddles a boundary, or the part holds several of a rank's slices
+        part.append((inside[0][0] - low, inside[0][1]))
+        if r == rank:
+            offset = sum(n for s, n in slices if s < inside[0][0])
+    return tag(x.narrow(packed.dim, offset, part[rank][1]), Split(packed.dim, tuple(part), packed.group))
+
+
 _ELEMENTWISE = {
     # Elementwise for shardkit's purpose though ATen does not tag them pointwise (composites, casts, copies).
     "where", "masked_fill", "masked_fill_", "true_divide", "rsub", "hardswish", "logsigmoid", "softsign",
@@ -792,6 +1026,7 @@ _NAMED_RULES: dict[str, Callable[..., Any]] = {
     "layer_norm": _norm_last, "rms_norm": _norm_last,
     "scaled_dot_product_attention": _sdpa,
     "cross_entropy": _cross_entropy,
+    "index_copy_": _write_split, "copy_": _write_split, "__setitem__": _setitem, "roll": _roll,
 }
 _METADATA = {"size", "dim", "stride", "is_contiguous", "is_floating_point", "is_complex", "element_size",
              "data_ptr", "__len__", "storage_offset", "get_device", "untyped_storage", "__hash__", "__format__",
@@ -835,8 +1070,9 @@ def _tables() -> tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[
     """Rules, metadata reads and side-effecting ops, keyed by the op objects torch hands the mode.
 
     Built on the first op inside a region, not at import (reading ATen's op tags takes a while).
+    The rules go into the one table of every sharded compute rule (``rule_table``).
     """
-    rules: dict[Any, Callable[..., Any]] = {}
+    rules: dict[Any, Callable[..., Any]] = _rule_table.RULES
     for name in _ELEMENTWISE | _pointwise():
         for obj in _objects(name):
             rules[obj] = _elementwise
@@ -852,12 +1088,13 @@ def _any_tagged(values: Any) -> bool:
     """Whether a tagged tensor or a split parameter is among ``values`` or one level down."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            if hasattr(v, _TAG) or hasattr(v, _OWNED):
+            # A split parameter's record has a label (_split_label, inlined: this runs on every op).
+            if hasattr(v, _TAG) or getattr(getattr(v, _OWNED, None), "label", None):
                 return True
         elif isinstance(v, (list, tuple)):
             for x in v:
                 if isinstance(x, (list, tuple, dict)) or (
-                        isinstance(x, torch.Tensor) and (hasattr(x, _TAG) or hasattr(x, _OWNED))):
+                        isinstance(x, torch.Tensor) and (hasattr(x, _TAG) or _split_label(x))):
                     return True  # deeper structures take the full look
         elif isinstance(v, dict):
             return True
@@ -898,51 +1135,154 @@ class _Propagate(TorchFunctionMode):
     """Run every torch op on split slices where a rule proves it exact, else on gathered tensors."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if not _any_tagged(args) and not _any_tagged(kwargs.values()):
-            return func(*args, **kwargs)
-        rules, metadata, effects = _tables()
-        getter = getattr(func, "__name__", "") == "__get__"
-        if func in metadata or (getter and not _reads_values(func)):
-            return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
-        flat = _shallow_tensors(args, kwargs)
-        if flat is None:
-            flat = tree_flatten((args, kwargs))[0]
-        owned = next((x for x in flat if isinstance(x, torch.Tensor) and hasattr(x, _OWNED)), None)
-        if owned is not None:
-            msg = (f"parameter {getattr(owned, _OWNED)} is split across ranks, but the model's code uses it directly "
-                   f"in {_describe(func)} instead of calling its module, so that op would see only this rank's block "
-                   f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
-                   f"its module.")
-            raise RuntimeError(msg)
-        if not any(isinstance(x, torch.Tensor) and hasattr(x, _TAG) for x in flat):
-            return func(*args, **kwargs)
-        rule = _getter if getter else rules.get(func)
-        if any(isinstance(getattr(x, _TAG, None), Packed) for x in flat if isinstance(x, torch.Tensor)):
-            rule = _split_packed if aten_name(func) in ("split", "chunk") else None
-        if rule is not None:
-            try:
-                return rule(func, args, kwargs)
-            except _Fallback:
-                pass
-        written = kwargs.get("out")
-        if written is None and args and (func in effects or _in_place(func)):
-            written = args[0]
-        if isinstance(written, torch.Tensor) and hasattr(written, _TAG):  # a gathered copy would take the write
-            owner = written
-            split = getattr(owner, _TAG)
-            msg = (f"in-place op {getattr(func, '__name__', func)!r} on an activation split across ranks along "
-                   f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
-                   f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
-            raise RuntimeError(msg)
-        flat, spec = tree_flatten((args, kwargs))
-        flat = [to_replicated(x) if isinstance(x, torch.Tensor) and hasattr(x, _TAG) else x for x in flat]
-        args, kwargs = tree_unflatten(flat, spec)
+        # Every torch call of a region's code lands here, and most touch neither a tagged
+        # activation nor a split parameter: they go straight through. Both marks are
+        # attributes, so a tensor with no attributes of its own (an empty ``__dict__``, the
+        # usual case) carries neither, which one read tells.
+        for v in args:
+            if isinstance(v, Tensor):
+                found = v.__dict__
+                if found and (_TAG in found or (_OWNED in found and _split_label(v))):
+                    break
+            elif isinstance(v, (list, tuple)):
+                if v and _any_tagged(v):
+                    break
+            elif isinstance(v, dict):
+                break
+        else:
+            if not kwargs:
+                return func(*args)
+            if not _any_tagged(kwargs.values()):
+                return func(*args, **kwargs)
+        return _dispatch(func, args, kwargs or {})
+
+
+# What an op object is, decided once per object: a metadata read (no values read), an
+# attribute getter that returns values (``.T``), or any other op (whose rule is looked up
+# each time: ``register_split_rule`` may add one later).
+_KINDS: dict[Any, str] = {}
+_METADATA_KIND, _GETTER_KIND, _OP_KIND = "metadata", "getter", "op"
+
+
+def _kind_of(func: Any) -> str:
+    try:
+        return _KINDS[func]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable op
+        return _find_kind(func)
+    found = _KINDS[func] = _find_kind(func)
+    return found
+
+
+def _find_kind(func: Any) -> str:
+    getter = getattr(func, "__name__", "") == "__get__"
+    if func in _tables()[1] or (getter and not _reads_values(func)):
+        return _METADATA_KIND  # shape, dtype, device, ...: no values read
+    return _GETTER_KIND if getter else _OP_KIND
+
+
+def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An op with a tagged tensor or a split parameter among (or near) its arguments."""
+    kind = _kind_of(func)
+    if kind is _METADATA_KIND:
+        found = getattr(args[0], _TAG, None) if args and isinstance(args[0], Tensor) else None
+        if found is not None and type(found) in GLOBAL_SIZES:
+            return GLOBAL_SIZES[type(found)](func, args, kwargs)
+        return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
+    flat = _shallow_tensors(args, kwargs)
+    if flat is None:
+        flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
+    tags = []
+    for x in flat:
+        found = x.__dict__
+        if found:
+            if _OWNED in found and _split_label(x):
+                _refuse_owned(func, x)
+            tags.append(found.get(_TAG))
+    if not any(t is not None for t in tags):
         return func(*args, **kwargs)
+    rule = _getter if kind is _GETTER_KIND else _tables()[0].get(func)
+    other = next((t for t in tags if t is not None and type(t) is not Split), None)
+    if other is not None:  # the first tag that is not a plain split decides
+        if type(other) is Packed:
+            rule = _split_packed if _aten_name(func) in ("split", "chunk", "getitem") else None
+        else:
+            rule = TAG_KINDS[type(other)][0]
+    elif rule is _elementwise:
+        out = _same_split(func, args, kwargs)
+        if out is not None:
+            return out
+    if rule is not None:
+        try:
+            return rule(func, args, kwargs)
+        except _Fallback:
+            pass
+    return _gathered(func, args, kwargs)
+
+
+def _same_split(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An element-wise op whose tensors are all split alike (same split, same rank) among plain numbers.
+
+    The output is split the same way, whatever the op: the common case (``q * cos`` aside) of
+    activations combined with each other or with constants, decided without the general rule.
+    ``None`` when the call is not of that form.
+    """
+    found = None
+    ndim = -1
+    for a in args:
+        if isinstance(a, Tensor):
+            split = a.__dict__.get(_TAG) if a.__dict__ else None
+            if split is None or a.dim() != ndim and ndim >= 0:
+                return None
+            if found is None:
+                found, ndim = split, a.dim()
+            elif split is not found and split != found:
+                return None
+        elif not isinstance(a, (int, float, bool)):
+            return None
+    if not isinstance(found, Split):
+        return None
+    for v in kwargs.values():  # options (inplace=False, alpha=2) only
+        if not (v is None or isinstance(v, (int, float, bool, str))):
+            return None
+    out = func(*args, **kwargs)
+    if isinstance(out, Tensor) and out.dim() == ndim:
+        return tag(out, found)
+    return _gathered(func, args, kwargs)
+
+
+def _refuse_owned(func: Any, owned: Tensor) -> None:
+    msg = (f"parameter {_split_label(owned)} is split across ranks, but the model's code uses it directly "
+           f"in {_describe(func)} instead of calling its module, so that op would see only this rank's block "
+           f"(shape {tuple(owned.shape)}); keep the parameter whole on every rank, or use it only through "
+           f"its module.")
+    raise RuntimeError(msg)
+
+
+def _gathered(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The op on whole tensors: every split input gathered (collective), unless it writes a split tensor."""
+    _, _, effects = _tables()
+    written = kwargs.get("out")
+    if written is None and args and (func in effects or _in_place(func)):
+        written = args[0]
+    if isinstance(written, Tensor) and hasattr(written, _TAG):  # a gathered copy would take the write
+        owner = written
+        split = getattr(owner, _TAG)
+        msg = (f"in-place op {getattr(func, '__name__', func)!r} on an activation split across ranks along "
+               f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
+               f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
+        raise RuntimeError(msg)
+    flat_all, spec = tree_flatten((args, kwargs))
+    flat_all = [to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in flat_all]
+    args, kwargs = tree_unflatten(flat_all, spec)
+    return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def _region() -> Iterator[None]:
+    if not _STATE.depth:
+        _STATE.ranks = {}  # groups may change between calls, never during one
     _STATE.depth += 1
     _STATE.copies.append({})
     try:
@@ -956,18 +1296,21 @@ def _region() -> Iterator[None]:
         _STATE.depth -= 1
 
 
-def _gather_outputs(value: Any) -> Any:
+def _gather_outputs(value: Any, pending_only: bool = False) -> Any:
+    """``value`` with its tagged tensors whole (with ``pending_only``, its pending sums only: splits stay)."""
     if isinstance(value, torch.Tensor):
+        if pending_only and not isinstance(getattr(value, _TAG, None), Partial):
+            return value
         return to_replicated(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_gather_outputs(v) for v in value)
+        return tuple(_gather_outputs(v, pending_only) for v in value)
     if isinstance(value, list):
-        return [_gather_outputs(v) for v in value]
+        return [_gather_outputs(v, pending_only) for v in value]
     if isinstance(value, dict) and type(value) is dict:
-        return {k: _gather_outputs(v) for k, v in value.items()}
+        return {k: _gather_outputs(v, pending_only) for k, v in value.items()}
     if isinstance(value, dict):  # e.g. transformers' ModelOutput: update in place, keep the type
         for k, v in list(value.items()):
-            value[k] = _gather_outputs(v)
+            value[k] = _gather_outputs(v, pending_only)
         return value
     return value
 
@@ -978,28 +1321,48 @@ class RegionForward:
     def __init__(self, original: Callable[..., Any]) -> None:
         self._original = original
         functools.update_wrapper(self, original)  # inspect.signature(model.forward) keeps working
+        self._ties = _ties(original.__self__)  # type: ignore[attr-defined]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.depth:
             return self._original(*args, **kwargs)
         if torch.compiler.is_compiling():
-            return _traced_region(self._original.__self__, *args, **kwargs)  # type: ignore[attr-defined]
+            return _traced_region(self._original.__self__, self._ties, *args, **kwargs)  # type: ignore[attr-defined]
         with _region():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
-            return out
+            return _gather_outputs(out, pending_only=True)
         return _gather_outputs(out)
 
 
+def _ties(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Names under which ``module`` holds one parameter or buffer several times (tied embeddings), in order."""
+    names: dict[int, list[str]] = {}
+    held = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, value in held:
+        names.setdefault(id(value), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def _attribute(module: torch.nn.Module, name: str) -> Any:
+    owner, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(owner), attr)
+
+
 @torch._dynamo.nonstrict_trace
-def _traced_region(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _traced_region(module: torch.nn.Module, ties: tuple[tuple[str, ...], ...], *args: Any, **kwargs: Any) -> Any:
     """A region's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
 
     Dynamo does not step into the propagation (its tags and rules are plain Python, decided
     from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
     local ops and the collectives each rule chose, and their backward.
+
+    AOTAutograd swaps each parameter for its traced value under its first name only; a tied
+    parameter's other names (an ``lm_head`` tied to the embedding) would keep the real tensor,
+    a constant without gradient, so they are pointed at the traced value too.
     """
-    with _region():
+    aliases = {alias: _attribute(module, group[0]) for group in ties for alias in group[1:]}
+    with torch.nn.utils.stateless._reparametrize_module(module, aliases), _region():
         out = type(module).forward(module, *args, **kwargs)
     if _STATE.keep_split_outputs:
         return out

@@ -24,6 +24,7 @@ shardkit cannot read reliably; the registration states it once, next to that cod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -34,13 +35,16 @@ from torch import nn
 from _shardkit import comm as _comm
 from sharding.layout import Packed, Split
 
+from . import pending as _pending
 from . import regions as _regions
+from . import rule_table as _rule_table
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .param_layout import ParamLayout, split_placement
 
 __all__ = ["ShardedModule", "ShardedCall", "register_sharded_module", "handler_for", "registered_types"]
 
-_REGISTRY: dict[type[nn.Module], ShardedModule] = {}
+# Module types live in the one table of sharded compute rules, next to the ops' split rules.
+_REGISTRY: dict[Any, Any] = _rule_table.RULES
 
 
 class ShardedModule:
@@ -92,6 +96,13 @@ class ShardedModule:
     def forward(self, call: ShardedCall, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The module's forward on this rank's local parameters; communicate through ``call``."""
         raise NotImplementedError
+
+    def computes_alike(self, module: nn.Module) -> bool:
+        """Whether ``module``, of a subclass that overrides the registered type's forward, computes the same.
+
+        The default says no, so such a subclass needs a registration of its own.
+        """
+        return False
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,20 @@ class ShardedCall:
         """The sum over ranks of the partial results ``y``: one all-reduce, replicated after."""
         return reduce_from_ranks(y, self.group)
 
+    def pending_sum(self, y: torch.Tensor, once: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum over ranks of the partial results ``y``, plus ``once`` (whole on every rank, e.g. a bias).
+
+        Inside a region the sum stays pending (each rank keeps its addend, ``once`` added on one
+        rank) until an op needs it whole, so sums that meet first (attention and MLP in parallel)
+        share one all-reduce; outside, it is :meth:`reduce` then ``+ once``.
+        """
+        if not _regions.in_region():
+            y = self.reduce(y)
+            return y if once is None else y + once
+        if once is not None:
+            y = y + _pending.add_once(once, self.group)
+        return _pending.pending(y, self.group)
+
     def gather(self, y: torch.Tensor, dim: int, intervals: Intervals) -> torch.Tensor:
         """Concatenate every rank's slice ``y`` along ``dim``."""
         return gather(y, dim, intervals, self.group)
@@ -165,10 +190,21 @@ class ShardedCall:
 
 def _as_tag(split: Intervals | Split | Packed | ParamLayout, dim: int,
             group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
-    placement = split_placement(split, dim)
-    if isinstance(placement, Packed):
-        return _regions.Packed(dim, placement.pieces, group)
-    return _regions.Split(dim, placement.intervals, group)
+    if isinstance(split, ParamLayout):
+        return _tag(split_placement(split, 0), dim, group)
+    if isinstance(split, list):  # intervals as lists: hashable for the cache
+        split = tuple(tuple(pair) for pair in split)
+    return _tag(split, dim, group)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tag(split: Intervals | Split | Packed, dim: int, group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
+    """The engine's tag for an output split as ``split`` along ``dim``: one per layer, built once."""
+    if isinstance(split, Packed):
+        return _regions.Packed(dim, split.pieces, group)
+    if isinstance(split, Split):
+        return _regions.Split(dim, split.intervals, group)
+    return _regions.Split(dim, split, group)  # per-rank intervals; checked there
 
 
 def register_sharded_module(module_type: type[nn.Module], handler: ShardedModule, *, replace: bool = False) -> None:
@@ -209,9 +245,10 @@ def handler_for(module: nn.Module) -> tuple[ShardedModule | None, str | None]:
     cls = type(module)
     for base in cls.__mro__:
         handler = _REGISTRY.get(base)
-        if handler is None:
+        if not isinstance(handler, ShardedModule):
             continue
-        if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward:
+        if base is not cls and cls.forward is not cast("type[nn.Module]", base).forward \
+                and not handler.computes_alike(module):
             return None, (f"{cls.__name__} overrides the forward of {base.__name__}, whose registration "
                           f"therefore does not apply")
         return handler, None
@@ -220,4 +257,4 @@ def handler_for(module: nn.Module) -> tuple[ShardedModule | None, str | None]:
 
 def registered_types() -> list[str]:
     """Names of the registered module types, for messages."""
-    return sorted(t.__name__ for t in _REGISTRY)
+    return sorted(t.__name__ for t in list(_REGISTRY) if isinstance(t, type) and issubclass(t, nn.Module))

@@ -2,8 +2,8 @@
 
 After sharding, a parameter is an ordinary ``nn.Parameter`` holding this rank's block of the
 global tensor (so ``model.parameters()`` and any ``torch.optim`` optimizer work unchanged),
-and its module remembers the layout (``_shardkit_params``). Three things follow from that
-layout:
+and it carries its record (``record.ShardedParameter``). Three things follow from that
+record:
 
 * compute: ``nn.Linear`` / ``nn.Embedding`` get a sharded forward (see ``_parallel``);
   anything else with a split parameter is refused at shard time;
@@ -50,13 +50,12 @@ from sharding import (
 from sharding.layout import box_slices
 
 from .._reshard import redistribute
-from .._tensor import ShardedTensor
 from . import experts as _experts
 from . import guard as _guard
 from . import parallel as _parallel
 from .init import LayoutInvariantInit
 from .parallel import ParamLayout, Plan
-from .record import ShardedParameter, assemble, sharded_parameters
+from .record import ShardedParameter, assemble, attach, install_hooks, sharded_parameters
 
 __all__ = ["shard_parameter", "shard_model"]
 
@@ -94,7 +93,11 @@ class _Entry:
         if self.recorded is not None:
             return self.recorded
         assert self.layout is not None and self.spec is not None
-        return ShardedParameter(self.layout, self.spec, group, self.compute_dim)
+        label = None
+        if self.layout.kind != "replicated":
+            mod_name, module, _ = self.owners[0]
+            label = f"{self.name!r} of {_label(mod_name, module)}"
+        return ShardedParameter(self.layout, self.spec, group, self.compute_dim, label)
 
     def box(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if self.layout is None:
@@ -293,14 +296,14 @@ class _Initializers:
         return _reset_method(module)
 
 
-def _agree(payload: dict[str, Any], group: _comm.ProcessGroup) -> list[dict[str, Any]]:
+def _agree(payload: dict[str, Any], group: _comm.ProcessGroup, caller: str) -> list[dict[str, Any]]:
     """Every rank's ``payload``; raises the same ``ValueError`` everywhere if the models differ. Collective."""
-    _, everyone = _comm.agree("shard_model", lambda: payload, group, share=lambda p: p, error=ValueError)
+    _, everyone = _comm.agree(caller, lambda: payload, group, share=lambda p: p, error=ValueError)
     first = everyone[0]
     for rank, other in enumerate(everyone):
         for key in ("params", "spec", "src_rank", "seed_given"):
             if other[key] != first[key]:
-                msg = (f"shard_model must be called with the same model and arguments on every rank, but {key} "
+                msg = (f"{caller} must be called with the same model and arguments on every rank, but {key} "
                        f"differs between rank 0 and rank {rank}: {_short(first[key])} vs {_short(other[key])}.")
                 raise ValueError(msg)
     return everyone
@@ -384,7 +387,7 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
     rank, world = _comm.rank_and_world(process_group)
     _check_arguments(model, src_rank, seed, world)
     entries, plans = _plan_model(model, sharding_spec, process_group, world)
-    seed_value = _agree_on_model(entries, sharding_spec, src_rank, seed, process_group, world)
+    seed_value = _agree_on_model(entries, sharding_spec, src_rank, seed, process_group, world, "shard_model")
     _assign_sources(entries, src_rank)
     initializers = _check_initialization(model, entries, seed, init)
     default_device = _default_device(entries, rank)
@@ -449,17 +452,19 @@ def _adopt_fully_sharded(entry: _Entry, group: _comm.ProcessGroup) -> None:
 
 
 def _agree_on_model(entries: Sequence[_Entry], sharding_spec: PlacementSpec, src_rank: int | None,
-                    seed: int | None, group: _comm.ProcessGroup, world: int) -> int:
+                    seed: int | None, group: _comm.ProcessGroup, world: int, caller: str) -> int:
     """Agree across ranks on the model, the arguments and the seed before any data moves.
 
+    ``caller`` (``shard_model`` or ``shard_parameter``) names the function in messages.
     Returns the seed every rank uses (``seed``, or rank 0's draw when meta parameters need one).
     """
     is_meta = [e.param.is_meta for e in entries]
-    proposal = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()) if any(is_meta) else 0
+    needs_draw = seed is None and src_rank is None and any(is_meta)  # with src_rank nothing is initialized
+    proposal = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()) if needs_draw else 0
     payload: dict[str, Any] = {"params": [[e.name, list(e.shape), str(e.param.dtype)] for e in entries],
                "spec": sharding_spec.to_dict(),
                "src_rank": src_rank, "seed_given": seed is not None, "meta": is_meta, "seed": proposal}
-    everyone = _everyones_payload(payload, group, world)
+    everyone = _agree(payload, group, caller) if world > 1 else [payload]
     if src_rank is None:
         for r, other in enumerate(everyone):
             if other["meta"] != is_meta:
@@ -471,8 +476,10 @@ def _agree_on_model(entries: Sequence[_Entry], sharding_spec: PlacementSpec, src
     else:
         src_meta = [e.name for e, m in zip(entries, everyone[src_rank]["meta"]) if m]
         if src_meta:
-            msg = (f"src_rank={src_rank} has parameters on the meta device ({src_meta[:5]}); the source rank "
-                   f"must hold real values, or pass src_rank=None to initialize meta parameters.")
+            instead = ("pass src_rank=None to initialize meta parameters" if caller == "shard_model" else
+                       "for a model built on meta, use shard_model(), which initializes it shard by shard")
+            msg = (f"src_rank={src_rank} has parameters on the meta device ({src_meta[:5]}); {caller} takes the "
+                   f"values from the source rank, which must hold real values; {instead}.")
             raise ValueError(msg)
     return int(everyone[0]["seed"])
 
@@ -536,10 +543,6 @@ def _install_forwards(model: nn.Module, entries: Sequence[_Entry],
             _parallel.install(module, None)
         raise
 
-
-def _everyones_payload(payload: dict[str, Any], group: _comm.ProcessGroup, world: int) -> list[dict[str, Any]]:
-    """Every rank's ``payload`` (the one place ``_agree`` is called from)."""
-    return _agree(payload, group) if world > 1 else [payload]
 
 
 def _split_labels(entries: Sequence[_Entry]) -> dict[str, str]:
@@ -714,48 +717,14 @@ def _init_module(ctx: LayoutInvariantInit, mod_name: str, module: nn.Module,
 
 
 def _finish(model: nn.Module, entries: Sequence[_Entry], group: _comm.ProcessGroup) -> None:
-    """Record layouts on their modules and install the state_dict hooks."""
+    """Attach the records of the new parameters, mark the ones they replace, and install the state_dict hooks."""
     _guard.retire((e.name, e.param) for e in entries if e.new is not None and e.new is not e.param)
     for entry in entries:
-        if entry.layout is None:
-            continue
-        sp = entry.sharded(group)
-        _guard.remember(entry.new, sp)  # type: ignore[arg-type]
-        for _, module, attr in entry.owners:
-            params = module.__dict__.setdefault("_shardkit_params", {})
-            params[attr] = sp
+        if entry.layout is not None:
+            attach(entry.new, entry.sharded(group))  # type: ignore[arg-type]
     for module in dict.fromkeys(m for _, m in model.named_modules()):
-        if module._parameters and "_shardkit_hooks" not in module.__dict__:
-            module.__dict__["_shardkit_hooks"] = (module.register_state_dict_post_hook(_state_dict_hook),
-                                                  module.register_load_state_dict_pre_hook(_load_hook))
-
-
-def _state_dict_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object) -> None:
-    for attr, sp in sharded_parameters(module).items():
-        key = prefix + attr
-        if key in state_dict:
-            rank, _ = _comm.rank_and_world(sp.group)
-            state_dict[key] = sp.wrap(state_dict[key], rank)  # type: ignore[arg-type]
-
-
-def _load_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object,
-               strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-    sharded = sharded_parameters(module)
-    for attr, param in module._parameters.items():
-        key = prefix + attr
-        if param is None or key not in state_dict:
-            continue
-        value = state_dict[key]
-        _unfilled.unmark(param)  # load_state_dict fills it (or raises)
-        try:
-            if attr in sharded:
-                rank, _ = _comm.rank_and_world(sharded[attr].group)
-                state_dict[key] = sharded[attr].local_from(value, key, rank)
-            elif isinstance(value, ShardedTensor):
-                state_dict[key] = value.full_tensor()
-        except ValueError as exc:
-            error_msgs.append(str(exc))
-            del state_dict[key]
+        if module._parameters:
+            install_hooks(module)  # also unsharded ones: they take a ShardedTensor's full tensor
 
 
 def shard_parameter(module: nn.Module, param_name: str, sharding_spec: PlacementSpec, src_rank: int = 0,
@@ -799,15 +768,8 @@ def shard_parameter(module: nn.Module, param_name: str, sharding_spec: Placement
     entry.spec = sharding_spec
     entry.layout = _layout(entry, world)
     plans = _plans(module, [entry], process_group)
-    payload: dict[str, Any] = {"params": [[param_name, list(entry.param.shape), str(entry.param.dtype)]],
-               "spec": sharding_spec.to_dict(), "src_rank": src_rank, "seed_given": False,
-               "meta": [entry.param.is_meta], "seed": 0}
-    everyone = _everyones_payload(payload, process_group, world)
-    if everyone[src_rank]["meta"] == [True]:
-        msg = (f"parameter {param_name!r} is on the meta device on src_rank={src_rank}; shard_parameter shards "
-               f"existing values. For a model built on meta, use shard_model(), which initializes it shard by shard.")
-        raise ValueError(msg)
-    entry.source = "src"
+    _agree_on_model([entry], sharding_spec, src_rank, None, process_group, world, "shard_parameter")
+    _assign_sources([entry], src_rank)
     entry.new = _new_param(entry, rank, process_group, src_rank, torch.device("cpu"))
     for _, owner, attr in entry.owners:
         owner._parameters[attr] = entry.new

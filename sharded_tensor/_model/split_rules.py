@@ -1,7 +1,8 @@
 """The public registry of split rules: how an op computes on split activations inside a region.
 
-shardkit's own rules live in the table of :mod:`regions`, keyed by the op objects torch hands
-a ``TorchFunctionMode``; :func:`register_split_rule` writes into that same table, so a rule
+Every rule lives in the one table of ``rule_table``, keyed by what the model calls: shardkit's
+own rules for torch ops (put there by ``regions``), module registrations (``registry``) and
+``DFunction`` rules alike. :func:`register_split_rule` writes into that table, so a rule
 registered here is found exactly as the built-in ones are.
 """
 
@@ -11,8 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
+from . import dfunction as _dfunction
 from . import regions as _regions
+from . import registry as _registry
+from . import rule_table as _rule_table
 
 __all__ = ["register_split_rule"]
 
@@ -48,7 +53,24 @@ def _decomposed(decomposition: Callable[..., Any]) -> Callable[..., Any]:
     return rule
 
 
-def register_split_rule(op: Any, rule: str | Callable[..., Any], *, replace: bool = False) -> None:
+def _register_dfunction(op: type[_dfunction.DFunction], rule: Any, replace: bool) -> None:
+    if isinstance(rule, str):
+        if rule not in _NAMED:
+            msg = f"rule {rule!r} names no split rule; use one of {sorted(_NAMED)} or a decomposition (a callable)."
+            raise ValueError(msg)
+        resolved = _NAMED[rule]
+    elif callable(rule):
+        resolved = _decomposed(rule)
+    else:
+        msg = f"rule must be 'elementwise' or a callable decomposition, got {rule!r} ({type(rule).__name__})."
+        raise TypeError(msg)
+    if op in _rule_table.RULES and not replace:
+        msg = f"{op.__qualname__} already has a split rule; pass replace=True to replace it."
+        raise ValueError(msg)
+    _rule_table.RULES[op] = resolved
+
+
+def register_split_rule(op: Any, rule: Any, *, replace: bool = False) -> None:
     """Say how ``op`` computes on split activations inside a sharded model.
 
     Inside a module whose forward runs on split activations (a *region*: ``LlamaAttention``,
@@ -69,12 +91,23 @@ def register_split_rule(op: Any, rule: str | Callable[..., Any], *, replace: boo
     docs/extending.md does. Decisions depend only on shapes and splits, so every rank takes
     the same path.
 
+    Every rule lives in one table keyed by what the model calls (``rule_table``): torch ops,
+    and also the two other things a sharded model calls, which this function registers too:
+
+    - an ``nn.Module`` type with a ``ShardedModule`` as ``rule``: how the module computes
+      with split parameters (what ``st.register_sharded_module`` does);
+    - a ``DFunction`` subclass with ``"elementwise"`` or a decomposition: how the function
+      runs on split activations inside a sharded model (without one, the split rule its
+      ``layout_rule`` names, else its split inputs are gathered).
+
     Args:
         op: a torch function (``torch.*``, ``torch.nn.functional.*``), a Tensor method
             (``torch.Tensor.xlogy``), or an operator of ``torch.ops`` / ``torch.library``
-            (a packet registers every overload). Only the object given is registered: a
-            function and its Tensor-method form are two ops.
-        rule: ``"elementwise"`` or a decomposition (a callable).
+            (a packet registers every overload); an ``nn.Module`` type; or a ``DFunction``
+            subclass. Only the object given is registered: a function and its Tensor-method
+            form are two ops.
+        rule: ``"elementwise"`` or a decomposition (a callable); a ``ShardedModule`` for a
+            module type.
         replace: replace the rule ``op`` already has (shardkit's own included); without it,
             registering an op that has a rule raises ``ValueError``.
 
@@ -89,6 +122,12 @@ def register_split_rule(op: Any, rule: str | Callable[..., Any], *, replace: boo
         ...     return torch.tanh(x) * scale
         >>> st.register_split_rule(scaled_tanh, lambda x, scale: torch.tanh(x) * scale)  # doctest: +SKIP
     """
+    if isinstance(op, type) and issubclass(op, nn.Module):
+        _registry.register_sharded_module(op, rule, replace=replace)
+        return
+    if isinstance(op, type) and issubclass(op, _dfunction.DFunction):
+        _register_dfunction(op, rule, replace)
+        return
     objects = _op_objects(op)
     if isinstance(rule, str):
         if rule not in _NAMED:

@@ -119,12 +119,16 @@ def tensor_parallel_spec(model: nn.Module, ranks: Sequence[str | RemoteDevice | 
     the weight on input features with the bias whole, ``packed_colwise`` splits each of the
     two packed halves (each rank named twice), ``embedding_rowwise`` splits the vocabulary,
     ``replicated_with_grad_allreduce`` (Qwen3's ``q_norm``/``k_norm``) keeps the parameter
-    whole on every rank (the reduction of its gradient is the sharded model's job). Styles that
-    only change the forward (``moe_tp_experts``, ``all_reduce``, ...) add nothing: shardkit
-    derives the communication from the layouts. Models without a plan (GPT-2, OPT, Falcon,
-    BLOOM, BERT, RoBERTa, DistilBERT, T5, ViT) get the same layout from their block structure.
-    Embeddings, norms and the output head stay whole on every rank unless the plan splits
-    them. Keys use ``*`` for the layer number, so the spec stays short.
+    whole on every rank (the reduction of its gradient is the sharded model's job). As in
+    transformers' own plan, the input embedding (``embed_tokens``) is split on the vocabulary
+    unless the plan names it, and a head's entries are added (``lm_head`` split on the
+    vocabulary: a loss computed in the forward takes the split logits, the logits returned
+    are gathered, or stay split inside ``st.loss_parallel()``). Styles that only change the
+    forward (``moe_tp_experts``, ``all_reduce``, ...) add nothing: shardkit derives the
+    communication from the layouts. Models without a plan (GPT-2, OPT, Falcon, BLOOM, BERT,
+    RoBERTa, DistilBERT, T5, ViT) get the same layout from their block structure. Norms (and
+    the embeddings and head of a model without a plan) stay whole on every rank. Keys use
+    ``*`` for the layer number, so the spec stays short.
 
     Pure: reads the module tree (a model on the meta device is fine), communicates nothing.
 
@@ -160,9 +164,12 @@ def tensor_parallel_spec(model: nn.Module, ranks: Sequence[str | RemoteDevice | 
     placements = _placements(ranks)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
-    plan = _transformers_plan(model, experts)
-    if plan is None:
+    planned = _transformers_plan(model, experts)
+    if planned is None:
         plan = _inferred_plan(model, modules)
+        from_config = set(plan)
+    else:
+        plan, from_config = planned
     parts: dict[str, PlacementSpec] = {}
     for key, value in plan.items():
         style_name, factor = (value, 2) if isinstance(value, str) else value
@@ -172,8 +179,8 @@ def tensor_parallel_spec(model: nn.Module, ranks: Sequence[str | RemoteDevice | 
                    f"shardkit does not map; known styles: {sorted(_STYLES)}. Write that entry by hand.")
             raise ValueError(msg)
         parts.update(_entries(key, style, factor if style.packed else 1, placements, modules, params))
-    unmatched = [key for key in plan if not _matches_any(key, modules, params)]
-    if unmatched and len(unmatched) == len(plan):  # a plan for another model, not a variant of this one
+    unmatched = [key for key in plan if key in from_config and not _matches_any(key, modules, params)]
+    if unmatched and len(unmatched) == len(from_config):  # a plan for another model, not a variant of this one
         msg = (f"the tensor-parallel plan names {unmatched[0]!r}, which matches no module or parameter of the "
                f"model, and none of its other entries match either: it is not a plan for "
                f"{type(model).__name__}.")
@@ -202,12 +209,33 @@ def _placements(ranks: Sequence[str | RemoteDevice | DevicePlacement | int]) -> 
     return out
 
 
-def _transformers_plan(model: nn.Module, experts: Experts) -> dict[str, str | tuple[str, int]] | None:
-    """The model's transformers plan with full parameter/module names, or ``None`` if it has none."""
+def _transformers_plan(model: nn.Module, experts: Experts) -> tuple[dict[str, str | tuple[str, int]], set[str]] | None:
+    """The model's transformers plan with full parameter/module names and the keys that came from
+    the config's plans (not the embedding and head added to them), or ``None`` if it has none.
+
+    Put together as transformers puts its full plan together (``init_parallel_plans``), but from
+    the config as it is now: the config's ``base_model_tp_plan`` under the base model's prefix,
+    the base model's ``embed_tokens`` split on the vocabulary unless the plan names it, and the
+    model class's own entries (a head's: ``lm_head`` split on the vocabulary).
+    """
     config = getattr(model, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base:
         return None
+    # The base model's plan names are relative to the base model: prefix them as the model nests it.
+    prefix = ""
+    base_model = model
+    base_name = getattr(model, "base_model_prefix", "")
+    if base_name and isinstance(getattr(model, base_name, None), nn.Module):
+        prefix = base_name + "."
+        base_model = getattr(model, base_name)
+    plan: dict[str, str | tuple[str, int]] = {}
+    if isinstance(getattr(base_model, "embed_tokens", None), nn.Embedding) and "embed_tokens" not in base:
+        plan[prefix + "embed_tokens"] = "embedding_rowwise"
+    plan.update({prefix + k: v for k, v in base.items()})
+    from_config = {prefix + k for k in base}
+    if base_model is not model:
+        plan.update(dict(getattr(type(model), "_tp_plan", None) or {}))
     if experts == "expert":
         ep = dict(getattr(config, "base_model_ep_plan", None) or {})
         if not ep:
@@ -215,13 +243,9 @@ def _transformers_plan(model: nn.Module, experts: Experts) -> dict[str, str | tu
                    f"base_model_ep_plan (the model has no mixture-of-experts layers transformers can divide); "
                    f"use experts='tensor'.")
             raise ValueError(msg)
-        base.update(ep)
-    # The base model's plan names are relative to the base model: prefix them as the model nests it.
-    prefix = ""
-    base_name = getattr(model, "base_model_prefix", "")
-    if base_name and isinstance(getattr(model, base_name, None), nn.Module):
-        prefix = base_name + "."
-    return {prefix + key: style for key, style in base.items()}
+        plan.update({prefix + k: v for k, v in ep.items()})
+        from_config.update(prefix + k for k in ep)
+    return plan, from_config
 
 
 def _suffix_matches(pattern: list[str], name: str) -> str | None:

@@ -34,7 +34,7 @@ from sharding.layout import Box
 
 from . import guard as _guard
 from .optim import load_optim_state_dict, optim_state_dict
-from .record import ShardedParameter, sharded_parameters
+from .record import ShardedParameter, record_of, sharded_parameters
 
 __all__ = ["clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads"]
 
@@ -60,7 +60,7 @@ def _parameters_and_layouts(parameters_or_model: nn.Module | torch.Tensor | Iter
             msg = (f"clip_grad_norm_ takes a model, a tensor or an iterable of tensors; item {i} is a "
                    f"{type(p).__name__}.")
             raise TypeError(msg)
-    found = {id(p): layout for p in params if (layout := _guard.layout_of(p)) is not None}
+    found = {id(p): layout for p in params if (layout := record_of(p)) is not None}
     return params, found
 
 

@@ -11,8 +11,10 @@ features; everything else whole), from rank 0's weights. On every rank:
   shows here);
 * 3 SGD steps give the same losses, the same parameters (gathered) and the same logits;
 * the forward's collectives are counted: one all-reduce per row-parallel projection (and per
-  statistic over split features, as OLMo2's norms across heads) and no all-gather (every model
-  here has heads that divide the 2 ranks).
+  statistic over split features, as OLMo2's norms across heads), one per layer where attention
+  and MLP run in parallel (their pending sums are added before one all-reduce), and no
+  all-gather (every model here has heads that divide the 2 ranks; BLOOM's merge of the batch
+  with the heads keeps them split).
 
 Each architecture is also imported as docs/huggingface.md does (``save_pretrained`` on rank 0,
 a meta model sharded with ``init=False``, ``checkpoint.load``): the gathered parameters must
@@ -310,31 +312,10 @@ def _register_conv1d() -> None:
     st.register_sharded_module(Conv1D, ShardedConv1D(), replace=True)
 
 
-class ShardedFalconLinear(st.ShardedModule):
-    """Falcon's Linear (its own forward, same math): split on outputs (dim 0) or inputs (dim 1), no bias."""
-
-    def plan(self, module, layouts, *, name):  # type: ignore[no-untyped-def]
-        w = layouts.get("weight")
-        if w is None or w.kind != "split" or w.dim not in (0, 1) or "bias" in layouts:
-            raise ValueError(f"{name}: split the weight on dim 0 (outputs) or dim 1 (inputs); no bias")
-        return w
-
-    def activations(self, plan):  # type: ignore[no-untyped-def]
-        return (None, plan) if plan.dim == 0 else (plan, None)
-
-    def forward(self, call, module, x):  # type: ignore[no-untyped-def]
-        w = call.plan
-        if w.dim == 0:
-            return call.split_output(call.enter(x) @ module.weight.T, w)
-        return call.reduce(call.split_input(x, w.intervals) @ module.weight.T)
-
-
-def _register_falcon_linear() -> None:
-    from transformers.models.falcon.modeling_falcon import FalconLinear
-    st.register_sharded_module(FalconLinear, ShardedFalconLinear(), replace=True)
-
-
 L2 = 2 * LAYERS  # a layer with attention and an MLP: two row-parallel projections
+# Attention and MLP in parallel: their two row-parallel sums stay pending (Partial), are added to
+# each other and to the residual (added once), and cost one all-reduce per layer together.
+PARALLEL = LAYERS
 ARCHS = [
     Arch("llama", "GQA, RoPE, SwiGLU", "decoders", _llama, _llama_like, L2),
     Arch("llama_eager", "GQA, attention as matmul + softmax (eager)", "decoders", _llama_eager, _llama_like, L2),
@@ -343,7 +324,7 @@ ARCHS = [
     Arch("qwen3", "GQA, qk-norm per head", "decoders", _qwen3, _llama_like, L2),
     Arch("gemma2", "GQA, sliding window, logit soft-capping", "decoders", _gemma2, _llama_like, L2),
     Arch("gemma3", "GQA, qk-norm per head, sliding window", "decoders", _gemma3, _llama_like, L2),
-    Arch("cohere", "GQA, parallel attention+MLP, LayerNorm", "decoders", _cohere, _llama_like, L2),
+    Arch("cohere", "GQA, parallel attention+MLP, LayerNorm", "decoders", _cohere, _llama_like, PARALLEL),
     # The norm across all heads needs one statistic (a sum of squares) summed over the ranks: 2 more
     # all-reduces per layer, for q and for k.
     Arch("olmo2", "GQA, qk-norm across heads", "decoders", _olmo2, _llama_like, 2 * L2),
@@ -354,10 +335,10 @@ ARCHS = [
     Arch("phi3", "fused qkv and gate/up (packed), GQA", "decoders", _phi3, _phi3_spec, L2),
     Arch("gpt_neox", "fused qkv per head, parallel attention+MLP, partial rotary", "others", _gpt_neox,
          lambda r: _tp(r, "gpt_neox.layers", ("attention.query_key_value", "mlp.dense_h_to_4h"),
-                       ("attention.dense", "mlp.dense_4h_to_h")), L2),
+                       ("attention.dense", "mlp.dense_4h_to_h")), PARALLEL),
     Arch("gptj", "parallel attention+MLP, interleaved rotary", "others", _gptj,
          lambda r: _tp(r, "transformer.h", ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"),
-                       ("attn.out_proj", "mlp.fc_out")), L2),
+                       ("attn.out_proj", "mlp.fc_out")), PARALLEL),
     Arch("gpt2", "Conv1D fused qkv (packed), learned positions", "others", _gpt2_model, _gpt2, L2,
          register=_register_conv1d),
     Arch("opt", "learned positions, biases, view to a fixed num_heads", "others", _opt,
@@ -365,7 +346,7 @@ ARCHS = [
                                                    "fc1"), ("self_attn.out_proj", "fc2")), L2),
     Arch("falcon", "fused qkv grouped by kv head, GQA, parallel attention+MLP", "others", _falcon,
          lambda r: _tp(r, "transformer.h", ("self_attention.query_key_value", "mlp.dense_h_to_4h"),
-                       ("self_attention.dense", "mlp.dense_4h_to_h")), L2, register=_register_falcon_linear),
+                       ("self_attention.dense", "mlp.dense_4h_to_h")), PARALLEL),
     Arch("bloom", "ALiBi, fused qkv per head, batch and heads merged", "others", _bloom,
          lambda r: _tp(r, "transformer.h", ("self_attention.query_key_value", "mlp.dense_h_to_4h"),
                        ("self_attention.dense", "mlp.dense_4h_to_h")), L2),
@@ -493,11 +474,6 @@ def _matrix(rank: int, world: int, names: list[str], folder: str) -> dict[str, d
 # The current failure of each architecture the engine does not handle yet (strict: a fix turns the
 # test red until its entry goes).
 XFAIL: dict[str, str] = {
-    "bloom": "exact, but 6 all-gathers per forward: reshape(batch_size * num_heads, -1, head_dim) merges the batch "
-             "with the split heads, so q, k and v are gathered",
-    "phi3": "refused at shard time: ValueError: module 'model.layers.0.self_attn.qkv_proj' (Linear): weight "
-            "is split into several non-adjacent slices per rank along dimension 0 ... a Linear computes with "
-            "one slice per rank",
 }
 
 
@@ -515,14 +491,9 @@ def group_runs(tmp_path_factory) -> Callable[[str], list[dict[str, dict[str, Any
     return run
 
 
-# Imports that do not give the saved weights: transformers 5 saves Mixtral's experts one tensor
-# per expert, which from_pretrained merges into the fused parameters; a byte-range load does not
-# merge tensors, so it refuses to leave the fused experts uninitialized.
-IMPORT_XFAIL: dict[str, str] = {
-    "mixtral": "the file holds block_sparse_moe.experts.N.w1/w2/w3.weight, the model mlp.experts.gate_up_proj "
-               "and down_proj (fused): the load refuses to leave them uninitialized",
-    "phi3": XFAIL["phi3"],  # refused by shard_model, before any load
-}
+# Imports that do not give the saved weights (none today: Mixtral's per-expert tensors are merged
+# into its fused experts as from_pretrained merges them).
+IMPORT_XFAIL: dict[str, str] = {}
 
 
 def _param(arch: Arch, xfail: dict[str, str]) -> Any:

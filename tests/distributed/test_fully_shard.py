@@ -105,12 +105,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient (fully sharded ones gathered), by name."""
-    from sharded_tensor._model.guard import layout_of
+    from sharded_tensor._model.record import record_of
 
     out = {}
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     for name, p in model.named_parameters():
-        layout = layout_of(p)
+        layout = record_of(p)
         out[name] = layout.wrap(p.grad, rank).full_tensor() if layout is not None else p.grad.clone()
     return out
 

@@ -19,7 +19,18 @@ layer's 3 rows leave one rank without any) and AdamW, the training state from
    writes the same values;
 6. 2 fully sharded ranks load it (bit for bit again), ``collect_state_dict`` gives the same
    full tensors, train 1 step on half the batch each and save; one process loads that:
-   bit for bit what the 2 ranks held, within 1e-6 of the uninterrupted 5-step run.
+   bit for bit what the 2 ranks held, within 1e-6 of the uninterrupted 5-step run;
+7. FSDP2 (torch's ``fully_shard`` over the 4 ranks, its DTensor state dicts from
+   ``get_model_state_dict`` / ``get_optimizer_state_dict``) loads the checkpoint of step 4
+   with ``checkpoint.load``: model and AdamW state bit for bit; its next step is the
+   uninterrupted run's (1e-6); ``checkpoint.save`` of its state dicts loads back into 4 fully
+   sharded shardkit ranks and into one process, bit for bit.
+
+In the same spawn a transformers Llama is sharded 2 x 2 (its own tensor-parallel plan,
+``st.tensor_parallel_spec``, within {0, 1} and {2, 3}; fully sharded over {0, 2} and
+{1, 3}), trains 3 AdamW steps like one process on the whole batch (1e-6), and its
+checkpoint holds each parameter as one layout over the 4 ranks (``q_proj``'s rows in 4
+blocks), which one process loads bit for bit.
 """
 
 from __future__ import annotations
@@ -145,7 +156,119 @@ def _two_by_two(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
             "local": [tuple(p.shape) for p in model.parameters()]}
 
 
+LLAMA_BATCH, LLAMA_STEPS = 4, 3
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+                         use_cache=False, attention_dropout=0.0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, 40, (LLAMA_BATCH, 9), generator=torch.Generator().manual_seed(300 + step))
+
+
+def _llama_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole batch: the losses and the parameters after training."""
+    model = _llama()
+    optim = _optim(model)
+    losses = []
+    for step in range(LLAMA_STEPS):
+        x = _tokens(step)
+        optim.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _llama_two_by_two(rank: int, world: int, dst: str) -> dict[str, object]:
+    """A transformers Llama, tensor parallel (its own plan) within {0, 1} and {2, 3}, fully sharded over
+    {0, 2} and {1, 3}: trained on the whole batch, saved as one mesh split."""
+    import torch.distributed as dist
+
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = _llama()
+    spec = st.tensor_parallel_spec(model, [0, 1])
+    st.shard_model(model, spec, process_group=tp_groups[rank // 2])
+    tp_local = tuple(model.model.layers[0].self_attn.q_proj.weight.shape)
+    for layer in model.model.layers:
+        st.fully_shard(layer)
+    st.fully_shard(model)
+    optim = _optim(model)
+    rows = slice(rank // 2 * 2, rank // 2 * 2 + 2)  # each data-parallel rank: half the batch
+    losses = []
+    for step in range(LLAMA_STEPS):
+        x = _tokens(step)[rows]
+        optim.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    state = st.get_state_dict(model, optim)
+    checkpoint.save(state, dst)
+    q = state["model"]["model.layers.0.self_attn.q_proj.weight"]
+    blocks = sorted((s.offsets, s.dims, s.rank) for s in q.sharding_metadata().shards)
+    full = {k: v.full_tensor() if isinstance(v, st.ShardedTensor) else v.detach().clone()
+            for k, v in model.state_dict().items()}
+    return {"losses": losses, "params": full, "tp_local": tp_local,
+            "q_local": tuple(model.model.layers[0].self_attn.q_proj.weight.shape), "q_blocks": blocks,
+            "after": _flat_state(state)}
+
+
+def _fsdp2(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
+    """FSDP2 (torch's fully_shard, DTensors) loads the 4-rank shardkit checkpoint with its optimizer state,
+    trains a step and saves its own state dict; shardkit, fully sharded over 4, loads that."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp()
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = _optim(model)
+    _steps(model, optim, range(0, 1), rank, world)  # the optimizer state exists; the load overwrites it
+
+    def state() -> dict[str, object]:
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+
+    def whole(tree: dict) -> dict[str, torch.Tensor]:  # type: ignore[type-arg]
+        out = {f"model.{k}": v.full_tensor() for k, v in tree["model"].items()}
+        for name, entry in tree["optim"]["state"].items():
+            for key, value in entry.items():
+                full = value.full_tensor() if hasattr(value, "full_tensor") else torch.as_tensor(value)
+                out[f"optim.{name}.{key}"] = full.detach().clone()
+        return out
+
+    loading = state()
+    checkpoint.load(loading, src)
+    set_model_state_dict(model, loading["model"])  # type: ignore[arg-type]
+    set_optimizer_state_dict(model, optim, loading["optim"])  # type: ignore[arg-type]
+    loaded = whole(state())
+    losses = _steps(model, optim, range(4, 5), rank, world)
+    checkpoint.save(state(), dst)
+    after = whole(state())
+    back = _sharded()
+    back_optim = _optim(back)
+    back_loaded = _load(back, back_optim, dst)
+    return {"loaded": loaded, "after": after, "losses": losses, "back": back_loaded}
+
+
 def _on_four(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
+    llama = _llama_two_by_two(rank, world, dst + "-llama")
     hybrid = _hybrid(rank, world, src, dst + "-hybrid")
     two_by_two = _two_by_two(rank, world, src, dst + "-2x2")
     model = _sharded()
@@ -160,8 +283,10 @@ def _on_four(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
     except checkpoint.CheckpointError as exc:
         mismatch = str(exc)
     local = [tuple(p.shape) for p in model.parameters()]
+    fsdp2 = _fsdp2(rank, world, dst, dst + "-fsdp2")
     return {"loaded": loaded, "losses": losses, "after": _flat_state(st.get_state_dict(model, optim)),
-            "mismatch": mismatch, "local": local, "hybrid": hybrid, "2x2": two_by_two}
+            "mismatch": mismatch, "local": local, "hybrid": hybrid, "2x2": two_by_two, "llama": llama,
+            "fsdp2": fsdp2}
 
 
 def _on_two(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
@@ -201,9 +326,32 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
     ref_losses += _steps(ref, ref_optim, range(4, 5))
     after_five = _flat_state(st.get_state_dict(ref, ref_optim))
 
+    llama_losses, llama_params = _llama_reference()
+
     # 2. Four fully sharded ranks resume from it, train 2 steps, save.
     four = str(tmp_path / "four")
     results = run_distributed(_on_four, 4, plain, four, timeout=300)
+    # A transformers Llama as 2 x 2 (its tensor-parallel plan within {0, 1} and {2, 3}, fully sharded
+    # over {0, 2} and {1, 3}) trains like one process on the whole batch.
+    for rank, res in enumerate(results):
+        llama = res["llama"]
+        # Ranks 0 and 2 trained on the two halves of the batch (1 and 3 on the same halves).
+        mean = [(results[0]["llama"]["losses"][i] + results[2]["llama"]["losses"][i]) / 2
+                for i in range(LLAMA_STEPS)]
+        assert all(a == b for a, b in zip(llama["losses"], results[rank ^ 1]["llama"]["losses"]))  # tp pair
+        assert max(abs(a - b) / b for a, b in zip(mean, llama_losses)) <= 1e-6
+        for name, value in llama["params"].items():
+            assert _rel(value, llama_params[name]) <= 1e-6, (rank, name, _rel(value, llama_params[name]))
+        assert llama["tp_local"] == (16, 32)  # 4 heads of 8 split over 2 tensor-parallel ranks
+        assert llama["q_local"] == (8, 32)  # then its rows over 2 data-parallel ranks
+        # The checkpoint sees one layout over the 4 ranks: the (32, 32) weight in 4 row blocks.
+        assert llama["q_blocks"] == [((0, 0), (8, 32), 0), ((8, 0), (8, 32), 2), ((16, 0), (8, 32), 1),
+                                     ((24, 0), (8, 32), 3)], llama["q_blocks"]
+        _assert_equal(llama["after"], results[0]["llama"]["after"], f"rank {rank} 2 x 2 Llama against rank 0")
+    model = _llama()
+    optim = _optim(model)
+    _assert_equal(_load(model, optim, four + "-llama"), results[0]["llama"]["after"],
+                  "one process loading the 2 x 2 Llama checkpoint")
     for rank, res in enumerate(results):
         _assert_equal(res["loaded"], saved, f"rank {rank} of 4 after loading the one-process checkpoint")
         for name, value in res["after"].items():
@@ -255,6 +403,19 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
     assert len(model_entries) == len(dict(model.named_parameters()))
     for name, value in model_entries.items():
         assert torch.equal(consolidated[name], value), name
+
+    # FSDP2 (torch's fully_shard) loads the 4-rank checkpoint, model and AdamW state, bit for bit; its step
+    # after that is the uninterrupted run's; what it saves loads into shardkit bit for bit.
+    for rank, res in enumerate(results):
+        fsdp2 = res["fsdp2"]
+        _assert_equal(fsdp2["loaded"], results[0]["after"], f"FSDP2 rank {rank} loading the shardkit checkpoint")
+        for name, value in fsdp2["after"].items():
+            assert _rel(value, after_five[name]) <= 1e-6, (rank, name, _rel(value, after_five[name]))
+        _assert_equal(fsdp2["back"], fsdp2["after"], f"shardkit rank {rank} loading the FSDP2 checkpoint")
+    model = _mlp()
+    optim = _optim(model)
+    _assert_equal(_load(model, optim, four + "-fsdp2"), results[0]["fsdp2"]["after"],
+                  "one process loading the FSDP2 checkpoint")
 
     # 4. Two fully sharded ranks load it, train 1 step, save; one process loads that.
     two = str(tmp_path / "two")

@@ -8,8 +8,9 @@ itself (tiny configs, no downloads):
 * a decoder layer's forward does exactly 2 all-reduces and no all-gather, and so does its
   backward (q, k and v share one input copy);
 * 3 AdamW steps give the same losses as the unsharded model;
-* greedy ``generate`` with the key/value cache (Llama, and Mistral with a sliding window) gives
-  the unsharded model's tokens; every decode step does 2 all-reduces per layer and no
+* greedy ``generate`` with the key/value cache (Llama, and Mistral with a sliding window; the
+  dynamic cache and the static one, ``cache_implementation="static"``) gives the unsharded
+  model's tokens; every decode step does 2 all-reduces per layer and no
   all-gather, and each rank's cache holds its own key/value head, tagged with the head split;
 * a meta model initialized by the model's own ``_init_weights`` with ``seed`` holds the same
   values on 2 ranks as in a world of one;
@@ -58,7 +59,9 @@ def _bert_config():  # type: ignore[no-untyped-def]
                       attention_probs_dropout_prob=0.0)
 
 
-def llama_spec(world: int, *, lm_head: bool = False, q_split: list[int] | None = None):  # type: ignore[no-untyped-def]
+def llama_spec(world: int, *, lm_head: bool = False, q_split: list[int] | None = None,  # type: ignore[no-untyped-def]
+               vocab: bool = False):
+    """Attention by heads, MLPs by features; ``lm_head`` (and ``vocab``: the embedding too) on the vocabulary."""
     ranks = [f"rank:{r}/cpu" for r in range(world)]
     col, row = single_split(0, ranks), single_split(1, ranks)
     parts = {}
@@ -69,8 +72,10 @@ def llama_spec(world: int, *, lm_head: bool = False, q_split: list[int] | None =
         parts[f"{attn}.o_proj"] = row
         parts[f"{mlp}.gate_proj"] = parts[f"{mlp}.up_proj"] = col
         parts[f"{mlp}.down_proj"] = row
-    if lm_head:
+    if lm_head or vocab:
         parts["lm_head"] = col
+    if vocab:
+        parts["model.embed_tokens"] = col
     return composite(**parts)
 
 
@@ -103,12 +108,13 @@ def _sharded_pair(cls, config, world: int):  # type: ignore[no-untyped-def]
     return model, ref
 
 
-def _generate(model, ref) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def _generate(model, ref, **extra) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """Greedy decoding of NEW_TOKENS with the cache: tokens, collectives per forward, the cache's layout."""
     model.eval()
     ref.eval()
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
-    kwargs = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "use_cache": True}
+    kwargs = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "use_cache": True,
+              **extra}
     steps: list[st.CommCounter] = []
 
     def opened(module, args, kw):  # type: ignore[no-untyped-def]
@@ -169,7 +175,11 @@ def _hf_models(rank: int, world: int) -> dict[str, object]:
     # Greedy generation with the key/value cache: the cached keys and values stay split by heads.
     out["generate_llama"] = _generate(model, ref)
     from transformers import MistralForCausalLM
-    out["generate_mistral"] = _generate(*_sharded_pair(MistralForCausalLM, _mistral_config(), world))
+    mistral = _sharded_pair(MistralForCausalLM, _mistral_config(), world)
+    out["generate_mistral"] = _generate(*mistral)
+    # A static cache: buffers allocated from the first (split) keys, written in place.
+    out["generate_llama_static"] = _generate(model, ref, cache_implementation="static")
+    out["generate_mistral_static"] = _generate(*mistral, cache_implementation="static")
 
     # Meta init by the model's own _init_weights, layout-invariant with seed.
     with torch.device("meta"):
@@ -234,7 +244,7 @@ def test_llama_sharded_equals_unsharded(hf_runs):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "llama_static", "mistral_static"])
 def test_generation_with_a_cache_matches_and_gathers_nothing(hf_runs, arch):
     for out in hf_runs:
         run = out[f"generate_{arch}"]
@@ -245,7 +255,9 @@ def test_generation_with_a_cache_matches_and_gathers_nothing(hf_runs, arch):
         # every decode step: o_proj's and down_proj's all-reduce in each layer, no all-gather
         assert decode == [{"all_reduce": 2 * LAYERS}] * (NEW_TOKENS - 1)
         # each rank caches its own key/value head (2 of them over 2 ranks), tagged with the head split
-        kept = 5 + NEW_TOKENS - 1 if arch == "llama" else 6 - 1
+        # (a static cache holds max_cache_len positions: the prompt and the new tokens, or the window)
+        kept = {"llama": 5 + NEW_TOKENS - 1, "mistral": 6 - 1, "llama_static": 5 + NEW_TOKENS - 1,
+                "mistral_static": 6}[arch]
         for keys, values in run["cache"]:
             assert keys == values == ((2, 1, kept, 16), 1, ((0, 1), (1, 1)))
 

@@ -26,6 +26,7 @@ from torch import nn
 
 import checkpoint
 import sharded_tensor as st
+from sharded_tensor._model.record import sharded_parameters
 from sharding import DevicePlacement, composite, mesh, single_split
 from tests.distributed._launch import run_distributed
 
@@ -191,7 +192,7 @@ def local_boxes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int,
     rank = dist.get_rank()
     out = {}
     for mod_name, module in model.named_modules():
-        for attr, sp in module.__dict__.get("_shardkit_params", {}).items():
+        for attr, sp in sharded_parameters(module).items():
             out[f"{mod_name}.{attr}" if mod_name else attr] = sp.box(rank)
     return out
 
@@ -306,7 +307,7 @@ def check_refusals(world: int) -> dict[str, str]:
     refused("mesh", lambda: nn.Linear(8, 8), composite(weight=mesh([r[:2], r[2:4]]) if world == 4 else mesh([r])))
     refused("bias", lambda: nn.Linear(DIM, HIDDEN),
             composite(weight=single_split(0, r), bias=single_split(0, r, [HIDDEN - world + 1] + [1] * (world - 1))))
-    refused("not_a_block", lambda: nn.Linear(8, 8), single_split(0, r + r))
+    refused("not_a_block", lambda: nn.Linear(8, 8), composite(weight=single_split(1, r + r)))  # packed inputs
     refused("max_norm", lambda: nn.Embedding(VOCAB, DIM, max_norm=1.0), single_split(0, r))
     refused("freq", lambda: nn.Embedding(VOCAB, DIM, scale_grad_by_freq=True), single_split(0, r))
     refused("rank", lambda: nn.Linear(8, 8), single_split(0, [*r, f"rank:{world}/cpu"]))
@@ -510,7 +511,7 @@ def test_mlp_forward_does_one_all_reduce(runs, world):
     pytest.param("bias", r"ValueError: the root module \(Linear\): the bias is split as .* but the weight's output "
                          r"features as", id="bias-split-differently"),
     pytest.param("not_a_block", r"ValueError: the root module \(Linear\): weight is split into several non-adjacent "
-                                r"slices per rank along dimension 0", id="repeated-rank"),
+                                r"slices per rank along dimension 1", id="repeated-rank"),
     pytest.param("max_norm", r"ValueError: the root module \(Embedding\): max_norm=1.0", id="embedding-max-norm"),
     pytest.param("freq", r"ValueError: .*scale_grad_by_freq=True.*split the embedding dimension",
                  id="embedding-grad-by-freq"),

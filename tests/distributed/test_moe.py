@@ -14,16 +14,24 @@ experts, and checks against the unsharded model, on every rank:
   root of the squared gradients, which turns float noise in a near-zero gradient into a
   visible fraction of a step of 1e-2);
 * the forward does one all-reduce per MoE layer for the experts;
-* layouts that cannot compute are refused at shard time, saying how to split.
+* layouts that cannot compute are refused at shard time, saying how to split;
+* on 2 ranks, Mixtral and Qwen2-MoE folders written by ``save_pretrained`` (one tensor per
+  expert and matrix, Mixtral's older ``block_sparse_moe`` names) and folders holding the fused
+  tensors load into meta models sharded with ``init=False``, both expert layouts: every
+  parameter equals ``from_pretrained``'s of the same folder, each rank reads exactly its half
+  of the experts' bytes, and a bfloat16 folder loads into float32 with ``cast=True``.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+import checkpoint  # noqa: E402
 import sharded_tensor as st  # noqa: E402
 from sharded_tensor._model.experts import combine_bytes  # noqa: E402
 from sharded_tensor._model.record import sharded_parameters  # noqa: E402
@@ -171,13 +179,82 @@ def _refusals(world: int) -> dict[str, str | None]:
     return out
 
 
-def _moe(rank: int, world: int) -> dict[str, object]:
+IMPORTED = ("mixtral", "qwen2_moe")
+# Every architecture and expert layout from save_pretrained's per-expert folder; the fused
+# folder and the bfloat16 one (cast=True) once per architecture, the layouts alternating.
+IMPORT_CASES = [(arch, "per_expert", mode) for arch in IMPORTED for mode in MODES] + [
+    ("mixtral", "fused", "expert"), ("qwen2_moe", "fused", "tensor"),
+    ("mixtral", "per_expert_bf16", "tensor"), ("qwen2_moe", "per_expert_bf16", "expert")]
+
+
+def write_folders(root: str) -> None:
+    """For each imported architecture: ``save_pretrained``'s folder (per expert), in bfloat16, and a fused one."""
+    from safetensors.torch import save_file
+    for arch in IMPORTED:
+        torch.manual_seed(5)
+        model = _model_class(arch)(_config(arch, 2))
+        model.save_pretrained(os.path.join(root, arch, "per_expert"))
+        fused = os.path.join(root, arch, "fused")
+        model.config.save_pretrained(fused)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or
+                   not model.config.tie_word_embeddings}, os.path.join(fused, "model.safetensors"))
+        model.to(torch.bfloat16).save_pretrained(os.path.join(root, arch, "per_expert_bf16"))
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+def _expert_bytes_read(model: torch.nn.Module, folder: str, mode: str) -> int:
+    """Bytes read for the experts alone: a load of them minus a load of the router's 512 bytes.
+
+    Tensor-parallel ``down_proj`` blocks are columns, copied from mapped pages, which read
+    syscalls do not count: there only ``gate_up_proj``, read by rows, is counted.
+    """
+    state = model.state_dict()
+    experts = {k: v for k, v in state.items()
+               if ".mlp.experts." in k and (mode == "expert" or k.endswith("gate_up_proj"))}
+    router = {"model.layers.0.mlp.gate.weight": state["model.layers.0.mlp.gate.weight"]}
+    before = _read_bytes()
+    checkpoint.load(router, folder, strict=False)
+    middle = _read_bytes()
+    checkpoint.load(experts, folder, strict=False)
+    return (_read_bytes() - middle) - (middle - before) + router["model.layers.0.mlp.gate.weight"].numel() * 4
+
+
+def _imports(rank: int, world: int, root: str) -> dict[str, object]:
+    """Each folder into a meta model sharded each way: parameters, and the bytes of experts read."""
+    out: dict[str, object] = {}
+    references: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for arch, layout, mode in IMPORT_CASES:
+        cls = _model_class(arch)
+        folder = os.path.join(root, arch, layout)
+        if (arch, layout) not in references:
+            ref = cls.from_pretrained(folder, dtype=torch.float32)
+            references[arch, layout] = {k: v.detach() for k, v in ref.named_parameters()}
+        want = references[arch, layout]
+        with torch.device("meta"):
+            model = cls(_config(arch, world))
+        st.shard_model(model, moe_spec(arch, world, mode), init=False)
+        checkpoint.load(model.state_dict(), folder, cast=layout.endswith("bf16"))
+        got = _full_params(model, rank)
+        case: dict[str, object] = {"names": sorted(got) == sorted(want),
+                                   "differ": [k for k, v in got.items() if not torch.equal(v, want[k])]}
+        if layout == "per_expert":
+            case["expert_bytes_read"] = _expert_bytes_read(model, folder, mode)
+        out[f"import/{arch}/{layout}/{mode}"] = case
+    return out
+
+
+def _moe(rank: int, world: int, root: str) -> dict[str, object]:
     out: dict[str, object] = {f"{arch}/{mode}": _case(arch, mode, rank, world)
                               for arch in ARCHS[:WORLD_ARCHS[world]] for mode in MODES}
     out["refusals"] = _refusals(world)
-    if world == 2:  # the one-call plan (transformers' own plans, both expert layouts)
+    if world == 2:  # the one-call plan (transformers' own plans, both expert layouts); imports
         for arch, mode in PLANNED:
             out[f"planned/{arch}/{mode}"] = _case(arch, mode, rank, world, planned=True)
+        out.update(_imports(rank, world, root))
     return out
 
 
@@ -189,8 +266,11 @@ WORLD_ARCHS = {2: 3, 4: 2}
 
 
 @pytest.fixture(scope="module", params=sorted(WORLD_ARCHS), ids=lambda w: f"{w}ranks")
-def moe_runs(request) -> list[dict[str, object]]:
-    return run_distributed(_moe, request.param, timeout=900)
+def moe_runs(request, tmp_path_factory) -> list[dict[str, object]]:
+    root = str(tmp_path_factory.mktemp("moe"))
+    if request.param == 2:
+        write_folders(root)
+    return run_distributed(_moe, request.param, root, timeout=900)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -268,3 +348,21 @@ def test_bad_expert_layouts_are_refused(moe_runs):
         refusals = out["refusals"]
         assert refusals["contiguous"] is not None and "single_split(1, ranks * 2)" in refusals["contiguous"]
         assert refusals["uneven"] is not None and "divisible" in refusals["uneven"]
+
+
+@pytest.mark.parametrize(("arch", "layout", "mode"), IMPORT_CASES)
+def test_moe_import_equals_from_pretrained(moe_runs, arch, layout, mode):
+    """A folder per expert (save_pretrained's) or fused loads by byte ranges into either expert layout."""
+    if len(moe_runs) != 2:
+        pytest.skip("the imports run on 2 ranks")
+    config = _config(arch, 2)
+    inter = config.intermediate_size if arch == "mixtral" else config.moe_intermediate_size
+    experts_bytes = LAYERS * EXPERTS * (3 if mode == "expert" else 2) * inter * HIDDEN * 4
+    for out in moe_runs:
+        case = out[f"import/{arch}/{layout}/{mode}"]
+        assert case["names"] and case["differ"] == []
+        if layout != "per_expert":
+            continue  # the layout whose byte ranges are the point (and whose reads are all counted)
+        # exactly the rank's half of the experts' bytes (headers are read by both loads alike);
+        # tensor-parallel: of gate_up_proj's
+        assert case["expert_bytes_read"] == experts_bytes // 2, (case["expert_bytes_read"], experts_bytes)

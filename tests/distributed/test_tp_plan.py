@@ -1,12 +1,13 @@
 """``st.tensor_parallel_spec`` on real transformers models, 2 Gloo ranks, one spawn.
 
-For each architecture (Llama and Qwen2 from transformers' ``base_model_tp_plan``, GPT-2, BERT,
-OPT, DistilBERT and ViT from their block structure, GPT-NeoX with its plan's
-vocabulary-split embedding), one model is sharded with the plan's spec and one with the
-hand-written spec of the docs and tests: logits and the loss are equal bit for bit between
-the two, and logits, loss and every local gradient equal the unsharded model's. Qwen3's plan
-(``replicated_with_grad_allreduce`` for ``q_norm``/``k_norm``) and OLMo2's (q/k normalized over
-all their split features) give the unsharded logits and every gradient.
+For each architecture (Llama and Qwen2 from transformers' plan: ``base_model_tp_plan``, the
+embedding and ``lm_head`` split on the vocabulary; GPT-2, BERT, OPT, DistilBERT and ViT from
+their block structure; GPT-NeoX with its plan's vocabulary-split embedding and head), one
+model is sharded with the plan's spec and one with the hand-written spec of the docs and
+tests: logits and the loss are equal bit for bit between the two, and logits, loss and every
+local gradient equal the unsharded model's. Qwen3's plan (``replicated_with_grad_allreduce``
+for ``q_norm``/``k_norm``) and OLMo2's (q/k normalized over all their split features) give the
+unsharded logits and every gradient.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ def _models(world: int):  # type: ignore[no-untyped-def]
     bert = dict(small, intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
                 attention_probs_dropout_prob=0.0)
     return {
-        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig(**decoder, head_dim=16), llama_spec(world), text),
-        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config(**decoder), llama_spec(world), text),
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig(**decoder, head_dim=16), llama_spec(world, vocab=True), text),
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config(**decoder), llama_spec(world, vocab=True), text),
+        # lm_head is the embedding: one parameter split on the vocabulary, used at both ends
+        "llama_tied": (tf.LlamaForCausalLM, tf.LlamaConfig(**decoder, head_dim=16, tie_word_embeddings=True),
+                       llama_spec(world, vocab=True), text),
         "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=LAYERS,
                                                    n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                                    bos_token_id=0, eos_token_id=0),
@@ -81,7 +85,8 @@ def _models(world: int):  # type: ignore[no-untyped-def]
                 {"pixel_values": pixels, "labels": torch.tensor([0, 2])}),
         "gpt_neox": (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**dict(small, intermediate_size=128,
                                                                     max_position_embeddings=64, use_cache=False)),
-                     composite(**{"gpt_neox.embed_in": single_split(0, _ranks(world))},
+                     composite(**{"gpt_neox.embed_in": single_split(0, _ranks(world)),
+                                  "lm_head": single_split(0, _ranks(world))},
                                **_col_row_spec(world, "gpt_neox.layers",
                                                ("attention.query_key_value", "mlp.dense_h_to_4h"),
                                                ("attention.dense", "mlp.dense_4h_to_h")).param_placement),
@@ -157,7 +162,8 @@ def plan_runs() -> list[dict[str, object]]:
     return run_distributed(_plans, 2, timeout=400)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "bert", "opt", "distilbert", "vit", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "gpt2", "bert", "opt", "distilbert", "vit",
+                                  "gpt_neox"])
 def test_planned_spec_equals_hand_written_and_unsharded(plan_runs, name):
     for out in plan_runs:
         result = out[name]

@@ -62,6 +62,7 @@ def test_a_scalar_parameter_is_refused() -> None:
     pytest.param([[0, 2], [1, 3], [0, 2], [1, 3]], 4, [(0, 2), (1, 3)], id="columns"),
     pytest.param([[0, 1], [0, 1], [2, 3], [2, 3]], 4, [(0, 1), (2, 3)], id="rows"),
     pytest.param([[0], [1]], 2, [(0,), (1,)], id="singletons"),
+    pytest.param([[0, 1, 2], [0, 1, 2], [0, 1, 2], []], 4, [(0, 1, 2)], id="three-of-four"),
 ])
 def test_partition(requested: list, world: int, expected: list) -> None:  # type: ignore[type-arg]
     assert partition(requested, world) == expected
@@ -74,6 +75,8 @@ def test_partition(requested: list, world: int, expected: list) -> None:  # type
     pytest.param([[1], [1]], 2, r"rank 0 passed ranks=\[1\], which does not include it", id="not-including"),
     pytest.param([[0, 1], [1]], 2, r"ranks \[0\] passed ranks=\[0, 1\], but its members must be exactly",
                  id="disagreeing"),
+    pytest.param([[], []], 2, r"ranks=\[\] on every rank leaves no rank", id="nobody"),
+    pytest.param([[0, 1], [0, 1], [], [3]], 4, r"different sizes \[1, 2\]", id="uneven-with-absent"),
 ])
 def test_partition_refuses(requested: list, world: int, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):

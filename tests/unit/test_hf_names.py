@@ -106,3 +106,33 @@ def test_parameters_filled_by_load_state_dict_count_as_filled(tmp_path: Path):
     target.load_state_dict(model.state_dict())
     checkpoint.load(target.state_dict(), tmp_path / "part", strict=False)  # the rest is filled now
     assert torch.equal(target[1].weight, torch.ones(2, 4)) and torch.equal(target[0].weight, model[0].weight)
+
+
+def _mixtral():  # type: ignore[no-untyped-def]
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=3)
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config)
+
+
+def test_per_expert_tensors_load_into_fused_experts_and_gaps_are_named(tmp_path: Path):
+    model = _mixtral()
+    model.save_pretrained(tmp_path / "mixtral")  # experts.N.w1/w2/w3 under block_sparse_moe
+    file = tmp_path / "mixtral" / "model.safetensors"
+    assert "model.layers.0.block_sparse_moe.experts.2.w3.weight" in load_file(file)
+    target = _zeros(_mixtral())
+    checkpoint.load(target.state_dict(), tmp_path / "mixtral")
+    experts = model.model.layers[0].mlp.experts
+    assert torch.equal(target.model.layers[0].mlp.experts.gate_up_proj, experts.gate_up_proj)
+    assert torch.equal(target.model.layers[0].mlp.experts.down_proj, experts.down_proj)
+
+    tensors = load_file(file)
+    del tensors["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(checkpoint.CheckpointError, match=r"gate_up_proj.*numbered \[0, 2\]; \[1\] are missing"):
+        checkpoint.load(_zeros(_mixtral()).state_dict(), tmp_path / "mixtral")
+
+    tensors["model.layers.0.block_sparse_moe.experts.1.w3.weight"] = torch.zeros(16, 32, dtype=torch.float16)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(checkpoint.CheckpointError, match=r"gate_up_proj' have different dtypes"):
+        checkpoint.load(_zeros(_mixtral()).state_dict(), tmp_path / "mixtral")

@@ -13,6 +13,7 @@ from sharded_tensor._model.parallel import (
     plan_module,
 )
 from sharding import DevicePlacement, mesh, single_split
+from sharding.layout import Packed
 
 R4 = [f"rank:{r}/cpu" for r in range(4)]
 
@@ -49,10 +50,22 @@ def test_slices_of_one_dimension_form_a_packed_layout():
     assert got.local_region(1, ((6, 0), (2, 4))) == ((2, 0), (2, 4))
 
 
-def test_packed_layouts_are_refused_by_linear():
+def test_linear_packed_on_its_outputs_gives_packed_outputs():
+    pieces = (((0, 2), (4, 2)), ((2, 2), (6, 2)), (), ())
+    plan = _plan(nn.Linear(4, 8), weight=single_split(0, R4[:2] * 2))
+    assert plan == LinearPlan("out", (), "replicated", None, 0, pieces)
+    assert plan.output_split == Packed(0, pieces)
+    both = _plan(nn.Linear(4, 8), weight=single_split(0, R4[:2] * 2), bias=single_split(0, R4[:2] * 2))
+    assert both == LinearPlan("out", (), "local", None, 0, pieces)
+
+
+def test_packed_layouts_linear_cannot_compute_are_refused():
     with pytest.raises(ValueError, match=r"weight is split into several non-adjacent slices per rank along dimension "
-                                         r"0 \(rank 0: \[\(0, 2\), \(4, 2\)\]"):
-        _plan(nn.Linear(4, 8), weight=single_split(0, R4[:2] * 2))
+                                         r"1 \(rank 0: \[\(0, 1\), \(2, 1\)\]"):
+        _plan(nn.Linear(4, 8), weight=single_split(1, R4[:2] * 2))
+    with pytest.raises(ValueError, match=r"output features are packed as \[\[\(0, 2\), \(4, 2\)\], .* but the bias "
+                                         r"is laid out otherwise .* split the bias into the same slices"):
+        _plan(nn.Linear(4, 8), weight=single_split(0, R4[:2] * 2), bias=single_split(0, R4))
 
 
 def test_classify_refuses_shards_that_differ_along_several_dimensions():
@@ -122,6 +135,28 @@ class _Lin(nn.Linear):
 def test_linear_subclass_with_its_own_forward_is_refused():
     with pytest.raises(ValueError, match=r"\(_Lin\).*\(whose forward is not overridden\)"):
         _plan(_Lin(12, 8), weight=single_split(0, R4))
+
+
+class _MatmulLinear(nn.Linear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # Falcon's FalconLinear
+        hidden_states = input @ self.weight.T
+        if self.bias is None:
+            return hidden_states
+        return hidden_states + self.bias
+
+
+class _ScaledMatmulLinear(nn.Linear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return input @ self.weight.T * 2
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_subclass_whose_forward_is_a_matmul_plus_bias_is_a_linear(bias):
+    with torch.device("meta"):  # recognized by tracing, without computing
+        module = _MatmulLinear(12, 8, bias=bias)
+    assert _plan(module, weight=single_split(1, R4)) == _plan(nn.Linear(12, 8, bias=bias), weight=single_split(1, R4))
+    with pytest.raises(ValueError, match=r"\(_ScaledMatmulLinear\).*\(whose forward is not overridden\)"):
+        _plan(_ScaledMatmulLinear(12, 8), weight=single_split(0, R4))
 
 
 def test_multihead_attention_split_inside_a_head_is_refused():

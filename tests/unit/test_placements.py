@@ -26,7 +26,8 @@ R4 = [f"rank:{r}/cpu" for r in range(4)]
 
 @pytest.mark.parametrize(("make", "error", "match"), [
     pytest.param(lambda: Split(-1, ((0, 2),)), ValueError, r"Split dim=-1 must be a non-negative int", id="neg-dim"),
-    pytest.param(lambda: Split(True, ((0, 2),)), TypeError, r"Split dim=True must be a non-negative int", id="bool-dim"),
+    pytest.param(lambda: Split(True, ((0, 2),)), TypeError, r"Split dim=True must be a non-negative int",
+                 id="bool-dim"),
     pytest.param(lambda: Split(0, ((0, 2), (1, 2))), ValueError,
                  r"intervals=\(\(0, 2\), \(1, 2\)\): the slices overlap at index 1", id="overlap"),
     pytest.param(lambda: Split(0, ((0, 2), (3, 2))), ValueError,
@@ -143,3 +144,16 @@ def test_parameter_layouts_read_the_placement_the_spec_attached():
     assert split_placement(((0, 1), (1, 1)), 1) == Split(1, ((0, 1), (1, 1)))
     with pytest.raises(TypeError, match=r"a split must be per-rank \(start, length\) intervals.* got str 'x'"):
         split_placement("x", 0)  # type: ignore[arg-type]
+
+
+def test_a_layer_output_split_is_given_in_any_of_its_forms():
+    from sharded_tensor._model.registry import _as_tag
+
+    tag = _regions.Split(1, ((0, 2), (2, 2)), None)
+    assert _as_tag(((0, 2), (2, 2)), 1, None) == tag
+    assert _as_tag([[0, 2], [2, 2]], 1, None) == tag
+    assert _as_tag(Split(0, ((0, 2), (2, 2))), 1, None) == tag
+    layout = classify("w", single_split(0, R4[:2] * 2).build_metadata((8, 4), world_size=2), 2)
+    assert _as_tag(layout, 1, None) == _regions.Packed(1, (((0, 2), (4, 2)), ((2, 2), (6, 2))), None)
+    with pytest.raises(TypeError, match=r"Split intervals=5 must be a sequence of \(start, length\) pairs"):
+        _as_tag(5, 1, None)  # type: ignore[arg-type]

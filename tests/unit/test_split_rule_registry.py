@@ -106,3 +106,59 @@ def test_bad_registrations_are_refused_with_the_offending_value() -> None:
         st.register_split_rule(torch.special.erfcx, torch.special.erfcx)
     rules = _regions._tables()[0]
     assert rules[torch.tanh] is _regions._elementwise  # refused registrations changed nothing
+
+
+class _TanhTimes(st.DFunction):
+    layout_rule = "elementwise"
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+        t = torch.tanh(x)
+        ctx.save_for_backward(t, w)
+        return t * w
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        t, w = ctx.saved_tensors
+        return grad * w * (1 - t * t), (grad * t).sum_to_size(w.shape)
+
+
+class _TanhTimesWhole(_TanhTimes):
+    layout_rule = "replicate"
+
+
+def test_a_dfunction_runs_on_split_activations_through_its_split_rule() -> None:
+    # "elementwise" layout: the function runs on each rank's slice, exact forward and backward.
+    assert _run(_TanhTimes.apply, (3,)) == [False, False]
+    assert _run(_TanhTimes.apply, (5, 1)) == [False, False]
+    # "replicate": its split inputs are gathered first, until a split rule is registered for it.
+    assert _run(_TanhTimesWhole.apply, (3,)) == [True, True]
+    st.register_split_rule(_TanhTimesWhole, "elementwise")
+    assert _run(_TanhTimesWhole.apply, (3,)) == [False, False]
+    with pytest.raises(ValueError, match=r"_TanhTimesWhole already has a split rule; pass replace=True"):
+        st.register_split_rule(_TanhTimesWhole, "elementwise")
+
+
+def test_one_table_holds_op_rules_module_registrations_and_dfunction_rules() -> None:
+    from sharded_tensor._model import registry, rule_table
+    from sharded_tensor._model.parallel import ShardedLinear
+
+    class _Scale(torch.nn.Module):
+        pass
+
+    class _ScaleHandler(st.ShardedModule):
+        pass
+
+    handler = _ScaleHandler()
+    st.register_split_rule(_Scale, handler)  # a module type: its registration, as register_sharded_module
+    _regions._tables()
+    table = rule_table.RULES
+    assert table[_Scale] is handler and registry.handler_for(_Scale()) == (handler, None)
+    assert isinstance(table[torch.nn.Linear], ShardedLinear)
+    assert table[torch.tanh] is _regions._elementwise
+    assert table[rule_table.LayoutRuleName("elementwise")] is not None  # DFunction's layout rules
+    assert "_Scale" in registry.registered_types() and "tanh" not in registry.registered_types()
+    with pytest.raises(ValueError, match=r"_Scale already has a sharded registration \(_ScaleHandler\)"):
+        st.register_split_rule(_Scale, handler)
+    with pytest.raises(TypeError, match=r"handler must be a ShardedModule instance, got str"):
+        st.register_split_rule(_Scale, "elementwise", replace=True)

@@ -82,7 +82,7 @@ def test_optimizer_created_before_shard_model_fails_at_first_step(meta):
 
 
 def test_optimizer_check_leaves_other_optimizers_alone():
-    st.shard_model(_meta_model(), composite(), seed=0)  # registers the global hook
+    st.shard_model(_meta_model(), composite(), seed=0)  # replaces parameters: the check is armed
     plain = nn.Linear(3, 3)
     optim = torch.optim.SGD(plain.parameters(), lr=0.1)
     plain(torch.ones(1, 3)).sum().backward()
@@ -156,3 +156,37 @@ def test_optimizer_check_looks_at_every_param_group():
     with pytest.raises(RuntimeError, match=r"SGD.step\(\): this optimizer holds 2 parameter\(s\) that st.shard_model "
                                            r"replaced, '1.weight' \(cpu \(2, 4\)\), '1.bias'"):
         mixed.step()
+
+
+def test_one_record_per_parameter_and_nothing_installed_in_torch():
+    """The parameter and its module hold the same record; load_state_dict(assign=True) keeps it; no torch hook."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    from sharded_tensor._model.record import record_of, sharded_parameters
+    from sharding import single_split
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    st.shard_model(model, composite(**{"0.weight": single_split(0, ["rank:0/cpu"])}), src_rank=0)
+    assert not _global_optimizer_pre_hooks
+    record = record_of(model[0].weight)
+    assert record is not None and sharded_parameters(model[0])["weight"] is record
+    assert record_of(model[0].bias) is None and sharded_parameters(model[1]) == {}
+    state = model.state_dict()
+    assert isinstance(state["0.weight"], st.ShardedTensor)
+    model.load_state_dict(state, assign=True)
+    assert record_of(model[0].weight) is record
+    assert isinstance(model.state_dict()["0.weight"], st.ShardedTensor)
+    with pytest.raises(RuntimeError, match=r"SGD.zero_grad\(\): this optimizer holds 4 parameter\(s\) that "
+                                           r"st.shard_model replaced"):
+        early.zero_grad()
+
+
+def test_shard_parameter_refuses_meta_values_on_the_source_rank():
+    from sharding import single_split
+
+    layer = _meta_model()[0]
+    with pytest.raises(ValueError, match=r"src_rank=0 has parameters on the meta device \(\['weight'\]\); "
+                                         r"shard_parameter takes the values from the source rank.*use shard_model\(\)"):
+        st.shard_parameter(layer, "weight", single_split(0, ["rank:0/cpu"]))
+    assert layer.weight.is_meta

@@ -1,0 +1,232 @@
+"""Pending sums inside a region: a row-parallel result left unreduced until something needs it whole.
+
+A Linear split on its input features (``o_proj``, ``down_proj``) computes on each rank one
+addend of its output. Inside a region it hands out that addend tagged :class:`Partial`
+instead of all-reducing it at once, and the ops below keep it pending because they are linear
+in it:
+
+========================================  ==========================================================
+op on a pending ``p`` (``r`` whole)       each rank computes / gradient (``g``: the output's)
+========================================  ==========================================================
+``p + q``, ``p - q`` (both pending)       its addends' sum; ``g`` for each (replicated)
+``p + r``, ``r - p``, ``p + 1``           ``r`` added on rank 0 only; ``r`` gets ``g`` on every rank
+``p * c``, ``p / c``, ``-p``              its addend scaled (``c`` a number, or a whole tensor that
+                                          needs no gradient)
+views, reshapes, transposes, indexing     its addend reshaped
+``dropout`` with ``p=0`` or in eval       the identity
+========================================  ==========================================================
+
+Any other op sums the addends first (``reduce_from_ranks``: one all-reduce forward, the
+identity backward), once per tensor: the sum is kept on the tensor until it is written to,
+and once taken it is what every later op uses (a norm's ``x.pow(2)`` sums ``x``, its ``x *
+rsqrt(...)`` then reads the sum instead of scaling the addends, which would need a second).
+Reductions (``mean``, ``sum``) sum first for the same reason: their input is nearly always
+used again (a LayerNorm's ``x - x.mean()``).
+So ``attention(x) + mlp(x) + x`` (parallel attention and MLP: GPT-J, GPT-NeoX, Cohere,
+Falcon) costs one all-reduce instead of two.
+
+Why the gradients are exact: the gradient of a pending sum is the gradient of the whole
+value, replicated: the all-reduce that ends it has the identity as its backward, and every
+op above maps a replicated gradient to a replicated one. A whole tensor added once still gets
+that whole gradient on every rank (the rank that did not add it too, which is what
+``_Once`` does). A whole tensor that needs a gradient and scales a pending sum (Qwen2-MoE's
+gate on its shared expert) sums it first: scaling the addends would leave each rank a share
+of its gradient to all-reduce in backward, so a pending sum never costs a collective more
+than summing at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from _shardkit import comm as _comm
+
+from . import regions as _regions
+from .functional import reduce_from_ranks
+from .signatures import aten_name, bind
+
+__all__ = ["Partial", "pending", "add_once"]
+
+Partial = _regions.Partial
+_SUM = "_shardkit_sum"  # (version of the addend when summed, the sum)
+
+
+def pending(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
+    """Inside a region, ``tensor`` (this rank's addend) tagged as a pending sum; outside, the sum (all-reduce)."""
+    if not _regions.in_region() or _comm.rank_and_world(group)[1] == 1:
+        return reduce_from_ranks(tensor, group)
+    return _regions.tag(tensor, Partial(group=group))
+
+
+def _summed(tensor: torch.Tensor, tag: Partial) -> torch.Tensor:
+    """The sum over the ranks of a pending ``tensor``: one all-reduce, kept until ``tensor`` is written to."""
+    cached = getattr(tensor, _SUM, None)
+    if cached is not None and cached[0] == tensor._version:
+        return cached[1]  # type: ignore[no-any-return]
+    with _regions.outside_propagation():
+        total = reduce_from_ranks(tensor, tag.group)
+    setattr(tensor, _SUM, (tensor._version, total))
+    return total
+
+
+class _Once(torch.autograd.Function):
+    """``t`` on the rank that adds it, zeros elsewhere; the gradient passes whole on every rank."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, keep: bool) -> torch.Tensor:
+        return t.view_as(t) if keep else torch.zeros_like(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def add_once(value: Any, group: _comm.ProcessGroup) -> Any:
+    """``value`` (whole on every rank) as the addend of a pending sum: itself on rank 0, zero elsewhere."""
+    keep = _comm.rank_and_world(group)[0] == 0
+    if isinstance(value, torch.Tensor):
+        with _regions.outside_propagation():
+            return _Once.apply(value, keep)
+    if isinstance(value, bool) or not isinstance(value, (int, float, complex)):
+        raise _regions._Fallback
+    return value if keep else type(value)(0)
+
+
+def _tag_of(value: Any) -> Any:
+    return getattr(value, _regions._TAG, None) if isinstance(value, torch.Tensor) else None
+
+
+def _only_pending(values: list[Any]) -> Partial:
+    """The one group of the pending tensors among ``values``; fall back on any other tag or two groups."""
+    found = None
+    for v in values:
+        tag = _tag_of(v)
+        if tag is None:
+            continue
+        if not isinstance(tag, Partial) or (found is not None and tag != found):
+            raise _regions._Fallback
+        found = tag
+    assert found is not None
+    return found
+
+
+def _add(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """add / sub in their forms (``+``, ``-``, reflected, in place): pending + pending, pending + whole once."""
+    bound = bind(func, args, kwargs)
+    if bound is None or "other" not in bound:
+        raise _regions._Fallback
+    a, b = bound["self"], bound["other"]
+    tag = _only_pending([a, b])
+    if _tag_of(a) is None and _regions._in_place(func):
+        raise _regions._Fallback  # a whole tensor updated in place must receive whole values
+    alpha = bound.get("alpha", 1)
+    if isinstance(alpha, torch.Tensor):
+        raise _regions._Fallback
+    values = list(args)
+    if len(values) < 2 or values[0] is not a or values[1] is not b:
+        raise _regions._Fallback  # given by name: rare, summed first
+    if _tag_of(a) is None:
+        values[0] = add_once(a, tag.group)
+    if _tag_of(b) is None:
+        values[1] = add_once(b, tag.group)
+    out = func(*values, **kwargs)
+    return _regions.tag(out, tag)
+
+
+def _scale(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """mul / div by a whole tensor or number (the pending one the numerator): each addend scaled."""
+    bound = bind(func, args, kwargs)
+    if bound is None or "other" not in bound or bound.get("rounding_mode") is not None:
+        raise _regions._Fallback
+    a, b = bound["self"], bound["other"]
+    tag = _only_pending([a, b])
+    pending_a, pending_b = _tag_of(a) is not None, _tag_of(b) is not None
+    if pending_a == pending_b or (pending_b and aten_name(func).startswith("div")):
+        raise _regions._Fallback  # a product of two sums, or a division by one
+    if _regions._in_place(func) and not pending_a:
+        raise _regions._Fallback
+    scale = b if pending_a else a
+    if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
+        # Its gradient would be a per-rank part to all-reduce in backward: summing first costs no more.
+        raise _regions._Fallback
+    out = func(*args, **kwargs)
+    return _regions.tag(out, tag)
+
+
+def _linear_in_one(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Ops linear in their one pending input, with no other tensor (shapes, sums, negation, copies)."""
+    flat = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    if not args or _tag_of(args[0]) is None or any(_tag_of(x) is not None for x in flat[1:]):
+        raise _regions._Fallback
+    if any(isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) and _tag_of(y) is not None for y in x)
+           for x in args[1:]):
+        raise _regions._Fallback
+    tag = _tag_of(args[0])
+    x = args[0]
+    out = func(*args, **kwargs)
+    if isinstance(out, torch.Tensor):
+        if not out.is_floating_point() or out.dtype != x.dtype:
+            raise _regions._Fallback  # a cast: sum in the addends' own precision first
+        return _regions.tag(out, tag)
+    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+        return type(out)(_regions.tag(o, tag) for o in out)
+    raise _regions._Fallback
+
+
+def _dropout(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Dropout that drops nothing (``p=0``, or not training) is the identity; any other sums first."""
+    bound = bind(func, args, kwargs)
+    if bound is None or (bound.get("p", 0.5) != 0 and bound.get("train", bound.get("training", True))):
+        raise _regions._Fallback
+    return _linear_in_one(func, args, kwargs)
+
+
+_SHAPES = ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as", "transpose",
+           "swapaxes", "swapdims", "permute", "t", "contiguous", "clone", "narrow", "split", "chunk", "unbind",
+           "expand", "expand_as", "__getitem__", "neg", "__neg__", "negative", "to", "type_as", "float", "detach")
+_NAMED = {
+    **{name: _add for name in ("add", "sub", "subtract", "__add__", "__radd__", "__sub__", "__rsub__", "add_",
+                               "sub_", "__iadd__", "__isub__")},
+    **{name: _scale for name in ("mul", "multiply", "div", "divide", "true_divide", "__mul__", "__rmul__",
+                                 "__truediv__", "__div__", "mul_", "div_", "__imul__", "__itruediv__")},
+    **{name: _linear_in_one for name in _SHAPES},
+    "dropout": _dropout,
+}
+
+
+@functools.cache
+def _rules() -> dict[Any, Callable[..., Any]]:
+    return {obj: rule for name, rule in _NAMED.items() for obj in _regions._objects(name)}
+
+
+def _known_sum(value: Any) -> Any:
+    """The sum of a pending ``value`` if it was taken already (and ``value`` not written since), else ``value``."""
+    if isinstance(value, torch.Tensor) and isinstance(_tag_of(value), Partial):
+        cached = getattr(value, _SUM, None)
+        if cached is not None and cached[0] == value._version:
+            return cached[1]
+    return value
+
+
+def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # A sum already taken is used whole: keeping its addends pending would all-reduce them again.
+    flat, spec = tree_flatten((args, kwargs))
+    known = [_known_sum(x) for x in flat]
+    if any(k is not x for k, x in zip(known, flat)):
+        args, kwargs = tree_unflatten(known, spec)
+        if not any(isinstance(_tag_of(x), Partial) for x in known):
+            if any(_tag_of(x) is not None for x in known):
+                raise _regions._Fallback
+            return func(*args, **kwargs)
+    rule = _rules().get(func)
+    if rule is None:
+        raise _regions._Fallback
+    return rule(func, args, kwargs)
+
+
+_regions.TAG_KINDS[Partial] = (_rule, _summed)

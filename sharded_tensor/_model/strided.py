@@ -1,0 +1,216 @@
+"""A head split that survives ``reshape(batch * num_heads, ...)``: the strided split.
+
+BLOOM (and code written like it) merges the batch with the heads before its batched matmuls::
+
+    q = q.reshape(batch * num_heads, seq, head_dim)      # q split on its heads
+    scores = alibi.baddbmm(q, k.transpose(-1, -2), ...)  # [batch * num_heads, seq, seq]
+    probs = softmax(scores.view(batch, num_heads, seq, seq) + mask)
+    context = torch.bmm(probs.view(batch * num_heads, seq, seq), v)
+
+The merged dimension is split in blocks: for each batch row, this rank holds its heads. Such a
+tensor is tagged :class:`Strided` (``blocks`` = the product of the merged outer dimensions),
+and these ops keep it so, each on its local blocks:
+
+* reshapes: a split merged with the dimensions outside it gives a strided split; a strided
+  tensor reshaped to sizes that separate the blocks again (``view(batch, num_heads, ...)``)
+  gives an ordinary split;
+* transposes and permutations (the strided dimension moves);
+* ``bmm``, ``baddbmm``, ``matmul`` with the strided dimension a batch dimension: every
+  strided operand split alike; a whole operand of the full size along it (BLOOM's ``alibi``,
+  ``[batch * num_heads, 1, seq]``) is cut to this rank's rows of each block (its gradient
+  gathered back), one that broadcasts along it is used whole (its gradient summed).
+
+Any other op gathers the blocks first (one all-gather), exact forward and backward as
+every fallback.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from _shardkit import comm as _comm
+
+from . import regions as _regions
+from .functional import Intervals, gather, scatter
+from .signatures import aten_name
+
+__all__ = ["Strided"]
+
+Strided = _regions.Strided
+
+
+def _unmerged(x: torch.Tensor, tag: Strided) -> torch.Tensor:
+    """The local ``x`` with its strided dimension unflattened into ``(blocks, this rank's length)``."""
+    out: torch.Tensor = x.unflatten(tag.dim, (tag.blocks, x.shape[tag.dim] // tag.blocks))
+    return out
+
+
+def _whole(x: torch.Tensor, tag: Strided) -> torch.Tensor:
+    """The full tensor of a strided ``x``: every rank's rows of each block gathered (collective)."""
+    with _regions.outside_propagation():
+        return gather(_unmerged(x, tag), tag.dim + 1, tag.intervals, tag.group).flatten(tag.dim, tag.dim + 1)
+
+
+def _cut(t: torch.Tensor, dim: int, tag: Strided) -> torch.Tensor:
+    """This rank's rows of each block of a whole ``t`` along ``dim``; its gradient is gathered back."""
+    blocks = t.unflatten(dim, (tag.blocks, tag.size))
+    return scatter(blocks, dim + 1, tag.intervals, tag.group).flatten(dim, dim + 1)
+
+
+_MERGES: dict[tuple[Any, ...], tuple[int, Intervals, int, tuple[int, ...]] | None] = {}
+
+
+def _plan_merge(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                split: _regions.Split) -> tuple[int, Intervals, int, tuple[int, ...]] | None:
+    """Where a view / reshape merges ``split`` with dimensions outside it: (dim, intervals, blocks, local shape).
+
+    ``None`` when it does not (the split is the outermost dimension of its group, or the group
+    is cut into several output dimensions): the ordinary reshape rule decides then.
+    """
+    x = args[0]
+    whole = list(x.shape)
+    whole[split.dim] = split.size
+    try:
+        meta = torch.empty(whole, dtype=x.dtype, device="meta")
+        shape = list(func(meta, *args[1:], **kwargs).shape)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return None
+    groups = _regions._groups(whole, shape) if 0 not in whole else None
+    if groups is None:
+        return None
+    gi, gj = next((gi, gj) for gi, gj in groups if split.dim in gi)
+    if len(gj) != 1 or gi[0] == split.dim:
+        return None
+    blocks = math.prod(whole[d] for d in gi if d < split.dim)
+    inner = math.prod(whole[d] for d in gi if d > split.dim)
+    rank, _ = _comm.rank_and_world(split.group)
+    intervals = tuple((s * inner, n * inner) for s, n in split.intervals)
+    local = list(shape)
+    local[gj[0]] = blocks * intervals[rank][1]
+    return gj[0], intervals, blocks, tuple(local)
+
+
+def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """view / reshape of a split tensor: merged with the dimensions outside it, a strided split; else the
+    reshape rule of ``regions``.
+
+    A merge with outer dimensions of size 1 (a batch of one) is strided too, with one block: the
+    model then reads the merged size as the unsharded program does (``x.shape[0] // num_heads``).
+    """
+    x = args[0]
+    split = _regions.split_of(x)
+    if split is None:
+        raise _regions._Fallback
+    key = _regions._reshape_key(func, args, kwargs, x, split)
+    try:
+        plan = _MERGES[key]
+    except KeyError:
+        plan = _MERGES[key] = _plan_merge(func, args, kwargs, split)
+    except TypeError:  # an unhashable argument
+        plan = _plan_merge(func, args, kwargs, split)
+    if plan is None:
+        return _regions._reshaped(func, args, kwargs, x, split, key)
+    dim, intervals, blocks, local = plan
+    out = x.view(local) if _regions._aten_name(func) == "view" else x.reshape(local)
+    return _regions.tag(out, Strided(dim, intervals, blocks, split.group))
+
+
+def _strided_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """view / reshape of a strided tensor: its blocks unflattened (an ordinary split), then reshaped."""
+    x, tag = args[0], getattr(args[0], _regions._TAG)
+    if aten_name(func) not in ("view", "reshape") or any(isinstance(a, torch.Tensor) for a in args[1:]):
+        raise _regions._Fallback
+    unmerged = _regions.tag(_unmerged(x, tag), _regions.Split(tag.dim + 1, tag.intervals, tag.group))
+    return _reshape(func, (unmerged, *args[1:]), kwargs)
+
+
+def _permuted(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """transpose / permute / t: where the strided dimension goes, read from the op on distinct sizes."""
+    x, tag = args[0], getattr(args[0], _regions._TAG)
+    probe = torch.empty([d + 2 for d in range(x.dim())], device="meta")
+    try:
+        sizes = list(func(probe, *args[1:], **kwargs).shape)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        raise _regions._Fallback from None
+    return _regions.tag(func(*args, **kwargs), tag.moved(sizes.index(tag.dim + 2)))
+
+
+def _batched(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """bmm / baddbmm / matmul with the strided dimension a batch dimension of every operand."""
+    flat, spec = tree_flatten((args, kwargs))
+    tensors = [(i, t) for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+    tags = {getattr(t, _regions._TAG, None) for _, t in tensors} - {None}
+    if len(tags) != 1:
+        raise _regions._Fallback
+    tag = tags.pop()
+    ndim = max(t.dim() for _, t in tensors)
+    if not isinstance(tag, Strided) or tag.dim >= ndim - 2:
+        raise _regions._Fallback
+    for i, t in tensors:
+        if getattr(t, _regions._TAG, None) is not None:
+            if t.dim() != ndim:
+                raise _regions._Fallback
+            continue
+        local = tag.dim - (ndim - t.dim())
+        if local < 0 or t.shape[local] == 1:
+            flat[i] = _regions._whole(t, tag.group)
+        elif t.shape[local] == tag.blocks * tag.size:
+            flat[i] = _cut(t, local, tag)
+        else:
+            raise _regions._Fallback
+    args, kwargs = tree_unflatten(flat, spec)
+    out = func(*args, **kwargs)
+    if not isinstance(out, torch.Tensor) or out.dim() != ndim:
+        raise _regions._Fallback
+    return _regions.tag(out, tag)
+
+
+_NAMED: dict[str, Callable[..., Any]] = {
+    "view": _strided_reshape, "reshape": _strided_reshape,
+    **{name: _permuted for name in ("transpose", "swapaxes", "swapdims", "permute", "t")},
+    **{name: _batched for name in ("bmm", "baddbmm", "matmul", "__matmul__")},
+}
+
+
+def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    name = aten_name(func)
+    if name == "matmul" and getattr(func, "__name__", "") == "__rmatmul__":
+        raise _regions._Fallback
+    rule = _NAMED.get(getattr(func, "__name__", "")) or _NAMED.get(name)
+    if rule is None or not args or not isinstance(args[0], torch.Tensor):
+        raise _regions._Fallback
+    if rule is not _batched and not isinstance(getattr(args[0], _regions._TAG, None), Strided):
+        raise _regions._Fallback
+    return rule(func, args, kwargs)
+
+
+def _global_sizes(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x.shape``, ``x.size()``, ``x.numel()`` of a strided tensor as the unsharded program sees them."""
+    x = args[0]
+    tag = getattr(x, _regions._TAG)
+    shape = list(x.shape)
+    shape[tag.dim] = tag.blocks * tag.size
+    owner = getattr(getattr(func, "__self__", None), "__name__", "")
+    name = owner if owner in ("shape",) else getattr(func, "__name__", "")
+    if name in ("shape", "size"):
+        whole = torch.Size(shape)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return whole if dim is None else whole[dim]
+    if name in ("numel", "nelement"):
+        return math.prod(shape)
+    return func(*args, **kwargs)  # dim, dtype, device, strides, ...: as the local tensor has them
+
+
+_regions.TAG_KINDS[Strided] = (_rule, _whole)
+_regions.GLOBAL_SIZES[Strided] = _global_sizes
+# The split engine's own view and reshape, extended with the merge into a strided split.
+for _name in ("view", "reshape"):
+    _regions._NAMED_RULES[_name] = _reshape
+    if _regions._tables.cache_info().currsize:
+        for _obj in _regions._objects(_name):
+            _regions._tables()[0][_obj] = _reshape
