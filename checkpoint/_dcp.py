@@ -93,18 +93,18 @@ class DcpSource(Source):
     format = "dcp"
 
     def __init__(self, path: str | os.PathLike[str], *, key_map: KeyMap | None = None) -> None:
+        local = os.fspath(path)
+        if key_map is not None:
+            msg = (f"key_map is not supported for DCP checkpoint {local!r}; convert it first "
+                   f"(checkpoint.convert(..., from_format='dcp')) and load the shardkit checkpoint with key_map.")
+            raise ValueError(msg)
         from torch.distributed.checkpoint import FileSystemReader
 
-        local = os.fspath(path)
         super().__init__(local)
         if "://" in local and not local.startswith("file://"):
             msg = (f"DCP checkpoint {local!r}: only local DCP folders are read (torch's FileSystemReader); "
                    f"copy the folder to a local disk first.")
             raise CheckpointError(msg)
-        if key_map is not None:
-            msg = (f"key_map is not supported for DCP checkpoint {local!r}; convert it first "
-                   f"(checkpoint.convert(..., from_format='dcp')) and load the shardkit checkpoint with key_map.")
-            raise ValueError(msg)
         local = local.removeprefix("file://")
         # DCP's .metadata is a pickle: read with an unpickler that admits DCP's metadata classes only,
         # never with FileSystemReader.read_metadata (plain pickle.load).

@@ -434,10 +434,9 @@ def _check_direct_uses(graph: torch.fx.Graph, root: nn.Module, root_name: str,
         if full in split_params and not all(_reads_metadata(user) for user in node.users):
             users = ", ".join(str(u.format_node()) for u in node.users) or "nothing"
             where = f"module {root_name!r}" if root_name else "the root module"
-            msg = (f"{split_params[full]}: parameter {full!r} is split across ranks, but the forward of "
-                   f"{where} ({type(root).__name__}) uses it directly ({users}) instead "
-                   f"of calling its module; that op would see only this rank's shard. Keep {full!r} whole on "
-                   f"every rank, or use it only through its nn.Linear / nn.Embedding.")
+            msg = (f"{split_params[full]}: parameter {full!r} is split across ranks, but the forward of {where} "
+                   f"({type(root).__name__}) uses it directly ({users}) instead of calling its module; that op would "
+                   f"see only this rank's shard. Keep {full!r} whole on every rank, or use it only through its module.")
             raise ValueError(msg)
 
 

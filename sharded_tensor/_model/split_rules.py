@@ -8,7 +8,7 @@ registered here is found exactly as the built-in ones are.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,17 +53,25 @@ def _decomposed(decomposition: Callable[..., Any]) -> Callable[..., Any]:
     return rule
 
 
-def _register_dfunction(op: type[_dfunction.DFunction], rule: Any, replace: bool) -> None:
+def _resolve(rule: Any, objects: Sequence[Any] = ()) -> Callable[..., Any]:
+    """The rule function a rule name or a decomposition stands for; ``objects`` are the op's own objects."""
     if isinstance(rule, str):
         if rule not in _NAMED:
             msg = f"rule {rule!r} names no split rule; use one of {sorted(_NAMED)} or a decomposition (a callable)."
             raise ValueError(msg)
-        resolved = _NAMED[rule]
-    elif callable(rule):
-        resolved = _decomposed(rule)
-    else:
+        return _NAMED[rule]
+    if not callable(rule):
         msg = f"rule must be 'elementwise' or a callable decomposition, got {rule!r} ({type(rule).__name__})."
         raise TypeError(msg)
+    if any(rule is o for o in objects):
+        msg = (f"rule {rule!r} is the op itself, which would call its own rule forever; give a decomposition "
+               f"into other torch ops, or 'elementwise'.")
+        raise ValueError(msg)
+    return _decomposed(rule)
+
+
+def _register_dfunction(op: type[_dfunction.DFunction], rule: Any, replace: bool) -> None:
+    resolved = _resolve(rule)
     if op in _rule_table.RULES and not replace:
         msg = f"{op.__qualname__} already has a split rule; pass replace=True to replace it."
         raise ValueError(msg)
@@ -129,20 +137,7 @@ def register_split_rule(op: Any, rule: Any, *, replace: bool = False) -> None:
         _register_dfunction(op, rule, replace)
         return
     objects = _op_objects(op)
-    if isinstance(rule, str):
-        if rule not in _NAMED:
-            msg = f"rule {rule!r} names no split rule; use one of {sorted(_NAMED)} or a decomposition (a callable)."
-            raise ValueError(msg)
-        resolved = _NAMED[rule]
-    elif callable(rule):
-        if rule is op or any(rule is o for o in objects):
-            msg = (f"rule {rule!r} is the op itself, which would call its own rule forever; give a decomposition "
-                   f"into other torch ops, or 'elementwise'.")
-            raise ValueError(msg)
-        resolved = _decomposed(rule)
-    else:
-        msg = f"rule must be 'elementwise' or a callable decomposition, got {rule!r} ({type(rule).__name__})."
-        raise TypeError(msg)
+    resolved = _resolve(rule, (op, *objects))
     rules = _regions._tables()[0]
     taken = [o for o in objects if o in rules]
     if taken and not replace:
