@@ -107,10 +107,10 @@ MUTATIONS = [
              ("tests/unit/test_checkpoint_defects.py", "-k", "planted or read_only_when_named")),
     # -- tensor parallelism refusals ------------------------------------------------------------------
     Mutation("shard_model: head-cut refusal past the first projection (k_proj/v_proj, grouped-query)",
-             "sharded_tensor/_model/regions.py",
+             "sharded_tensor/_model/zones.py",
              "        for e in endpoints:\n            if full and not e.name.startswith(full + \".\"):\n",
              "        for e in endpoints[:1]:\n            if full and not e.name.startswith(full + \".\"):\n",
-             ("tests/unit/test_regions.py", "-k", "head")),
+             ("tests/unit/test_zones.py", "-k", "head")),
     Mutation("shard_model: head-cut refusal of nn.MultiheadAttention", "sharded_tensor/_model/attention.py",
              "            if mine[0] % head or mine[1] % head:\n", "            if False:\n",
              ("tests/unit/test_parallel_plan.py", "-k", "multihead")),

@@ -9,7 +9,6 @@ from ._model import attention as _attention  # noqa: F401 - registers nn.Multihe
 from ._model.dfunction import DFunction, LayoutDecision, register_layout_rule
 from ._model.optim import load_optim_state_dict, optim_state_dict
 from ._model.parallel import ParamLayout
-from ._model.regions import loss_parallel
 from ._model.registry import ShardedCall, ShardedModule, register_sharded_module
 from ._model.sharder import shard_model, shard_parameter
 from ._model.split_rules import register_split_rule
@@ -20,6 +19,7 @@ from ._model.training import (
     get_state_dict,
     set_state_dict,
 )
+from ._model.zones import loss_parallel
 from ._tensor import Shard, ShardedTensor
 from ._visualize import visualize_sharding
 

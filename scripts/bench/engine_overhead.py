@@ -1,6 +1,6 @@
 """The time shardkit's propagation engine adds per torch op, and its share of a tensor-parallel training step.
 
-A model sharded by ``shard_model`` runs its forward under the engine (``regions._Propagate``, a
+A model sharded by ``shard_model`` runs its forward under the engine (``zones._Propagate``, a
 ``TorchFunctionMode``): every torch call the model's code makes goes through it, which reads
 the split tags of the arguments, picks a rule for ops on split activations and tags their
 outputs. This bench measures what that costs, on 2 Gloo ranks, with a transformers Llama
@@ -118,19 +118,19 @@ def _copied_input(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 def _engine_calls(fn: Callable[[], Any]) -> int:
     """Calls the engine's ``__torch_function__`` handled during ``fn()``."""
-    from sharded_tensor._model import regions
-    original = regions._Propagate.__torch_function__
+    from sharded_tensor._model import zones
+    original = zones._Propagate.__torch_function__
     calls = [0]
 
     def counted(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         calls[0] += 1
         return original(self, func, types, args, kwargs)
 
-    regions._Propagate.__torch_function__ = counted  # type: ignore[method-assign]
+    zones._Propagate.__torch_function__ = counted  # type: ignore[method-assign]
     try:
         fn()
     finally:
-        regions._Propagate.__torch_function__ = original  # type: ignore[method-assign]
+        zones._Propagate.__torch_function__ = original  # type: ignore[method-assign]
     return calls[0]
 
 

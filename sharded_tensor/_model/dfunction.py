@@ -30,7 +30,7 @@ from sharding import DevicePlacement, PlacementSpec, ShardedTensorMetadata
 
 from .._reshard import redistribute
 from .._tensor import ShardedTensor, from_local, local_by_index, rank_of, world_of
-from . import regions as _regions
+from . import zones as _zones
 from .rule_table import RULES, LayoutRuleName
 
 __all__ = ["DFunction", "LayoutDecision", "register_layout_rule"]
@@ -153,7 +153,7 @@ class DFunction:
         """Run on plain tensors (autograd as usual) or on ShardedTensors (see the class)."""
         sharded = [a for a in args if isinstance(a, ShardedTensor)]
         if not sharded:
-            if _regions.in_region() and any(isinstance(a, torch.Tensor) and hasattr(a, _regions._TAG) for a in args):
+            if _zones.in_zone() and any(isinstance(a, torch.Tensor) and hasattr(a, _zones._TAG) for a in args):
                 return _on_slices(cls, args)
             return cls._function().apply(*args)
         rule = _RULES.get(cls.layout_rule) if cls.layout_rule is not None else None
@@ -193,7 +193,7 @@ class DFunction:
 
 # The split rule a DFunction follows on split activations when none is registered for it: the one
 # its layout rule describes ("elementwise" acts slice by slice); otherwise its inputs are gathered.
-_SPLIT_RULE_OF_LAYOUT: dict[str, Callable[..., Any]] = {"elementwise": _regions._elementwise}
+_SPLIT_RULE_OF_LAYOUT: dict[str, Callable[..., Any]] = {"elementwise": _zones._elementwise}
 
 
 def _on_slices(cls: type[DFunction], args: tuple[Any, ...]) -> Any:
@@ -207,13 +207,13 @@ def _on_slices(cls: type[DFunction], args: tuple[Any, ...]) -> Any:
     rule = RULES.get(cls)
     if rule is None and cls.layout_rule is not None:
         rule = _SPLIT_RULE_OF_LAYOUT.get(cls.layout_rule)
-    with _regions.outside_propagation():
+    with _zones.outside_propagation():
         if rule is not None:
             try:
                 return rule(function, args, {})
-            except _regions._Fallback:
+            except _zones._Fallback:
                 pass
-        return function(*[_regions.to_replicated(a) if isinstance(a, torch.Tensor) else a for a in args])
+        return function(*[_zones.to_replicated(a) if isinstance(a, torch.Tensor) else a for a in args])
 
 
 def _resharded(tensor: ShardedTensor, spec: PlacementSpec | None) -> ShardedTensor:

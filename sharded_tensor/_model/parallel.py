@@ -14,7 +14,7 @@ From data to execution:
    computed correctly never produces numbers. ``nn.Linear`` and ``nn.Embedding`` are the
    registrations defined here (``nn.MultiheadAttention`` is in ``_attention``).
 3. :func:`install` gives the module the registration's forward, and :func:`optimize` finds
-   the regions where activations stay split between modules (``_regions``): the smallest
+   the zones where activations stay split between modules (``_zones``): the smallest
    module holding a layer split on its outputs and one split on its inputs the same way.
    Where ``torch.fx`` can trace a module, it also checks that no code reads a split
    parameter directly (such an op would see only this rank's shard).
@@ -42,9 +42,9 @@ from torch import nn
 from _shardkit import comm as _comm
 from sharding.layout import Packed
 
-from . import regions as _regions
 from . import registry as _registry
 from . import strided as _strided  # noqa: F401 - the strided split (heads merged with the batch)
+from . import zones as _zones
 from .functional import Intervals, copy_to_ranks
 from .param_layout import ParamLayout, classify, split_placement
 
@@ -255,7 +255,7 @@ class ShardedLinear(_registry.ShardedModule):
         if plan.mode == "out":
             y = F.linear(call.enter(input), weight, bias if plan.bias == "local" else None)
             if plan.bias == "replicated":
-                if _regions.in_region():
+                if _zones.in_zone():
                     return call.split_output(y + _local_bias(call, bias, plan), plan.output_split)
                 return call.split_output(y, plan.output_split) + bias
             return call.split_output(y, plan.output_split)
@@ -381,7 +381,7 @@ class _ShardedForward:
         functools.update_wrapper(self, type(module).forward)  # keeps inspect.signature(module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _regions.outside_propagation():
+        with _zones.outside_propagation():
             return self._plan.handler.forward(self._call, self._module, *args, **kwargs)
 
 
@@ -396,7 +396,7 @@ def install(module: nn.Module, plan: Plan | None) -> None:
     module.__dict__["forward"] = _ShardedForward(module, plan)
 
 
-# -- regions: keep activations split between layers ----------------------------------------------
+# -- zones: keep activations split between layers ----------------------------------------------
 
 class _Tracer(torch.fx.Tracer):
     def __init__(self, sharded: set[nn.Module]) -> None:
@@ -464,13 +464,13 @@ def _trace(module: nn.Module, sharded: set[nn.Module]) -> list[torch.fx.Graph] |
 
 
 # Built-in modules whose Python forward calls their submodules, with fused fast paths that read
-# the weights directly. Run as regions: the fast paths step aside while a torch function mode is
+# the weights directly. Run as zones: the fast paths step aside while a torch function mode is
 # active, so split layers inside them are computed by their registrations.
 TRANSPARENT = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
                nn.TransformerDecoder, nn.Transformer)
 
 
-def endpoints(model: nn.Module) -> list[_regions.Endpoint]:
+def endpoints(model: nn.Module) -> list[_zones.Endpoint]:
     """The sharded layers of ``model`` that produce or consume split activations."""
     found = []
     for name, module in model.named_modules():
@@ -481,24 +481,24 @@ def endpoints(model: nn.Module) -> list[_regions.Endpoint]:
         if gives is not None:
             split = split_placement(gives, 0)
             if isinstance(split, Packed):
-                found.append(_regions.Endpoint(name, "produces", None, split.pieces))
+                found.append(_zones.Endpoint(name, "produces", None, split.pieces))
             else:
-                found.append(_regions.Endpoint(name, "produces", split.intervals))
+                found.append(_zones.Endpoint(name, "produces", split.intervals))
         if takes is not None:
             split = split_placement(takes, 0)
             if isinstance(split, Packed):
                 msg = (f"module {name!r}: its registration says it takes an input packed as {split.pieces!r}; a "
                        f"sharded layer takes its input split with one slice per rank.")
                 raise ValueError(msg)
-            found.append(_regions.Endpoint(name, "consumes", split.intervals))
+            found.append(_zones.Endpoint(name, "consumes", split.intervals))
     return found
 
 
 def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], list[str]]:
-    """Find the regions of ``model`` whose activations stay split, and check its code.
+    """Find the zones of ``model`` whose activations stay split, and check its code.
 
     Runs before any data moves (on a meta model too); nothing changes until the returned
-    function installs the regions' forwards (see ``_regions``).
+    function installs the zones' forwards (see ``_zones``).
 
     Args:
         model: a model whose sharded layers already have their plans installed.
@@ -506,7 +506,7 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
             that no code reads a split parameter directly (where ``torch.fx`` can trace it).
 
     Returns:
-        A function that installs the regions and returns their module names.
+        A function that installs the zones and returns their module names.
 
     Raises:
         ValueError: a traced forward reads a split parameter directly, or an attention
@@ -515,14 +515,14 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
     named = dict(model.named_modules())
     sharded = {m for m in named.values() if "_shardkit_plan" in m.__dict__}
     ends = endpoints(model)
-    roots = _regions.find_regions(ends)
+    roots = _zones.find_zones(ends)
     for name, module in named.items():
         if isinstance(module, TRANSPARENT) and name not in roots \
                 and any(m in sharded for m in module.modules()):
             roots.append(name)
     for root in roots:
         inside = [e for e in ends if not root or e.name.startswith(root + ".")]
-        _regions.check_head_boundaries(root, named[root], inside)
+        _zones.check_head_boundaries(root, named[root], inside)
 
     def visit(name: str, module: nn.Module) -> None:
         inside = [m for _, m in module.named_modules() if m in sharded]
@@ -539,7 +539,7 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
     if sharded:
         visit("", model)
 
-    # The whole model runs as a region too: besides keeping split outputs split until they are
+    # The whole model runs as a zone too: besides keeping split outputs split until they are
     # needed whole, that lets every op be checked for a direct read of a split parameter.
     if sharded and model not in sharded and "" not in roots:
         roots.append("")
@@ -547,6 +547,6 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
     def commit() -> list[str]:
         for root in roots:
             module = named[root]
-            module.__dict__["forward"] = _regions.RegionForward(type(module).forward.__get__(module))
+            module.__dict__["forward"] = _zones.ZoneForward(type(module).forward.__get__(module))
         return roots
     return commit

@@ -1,7 +1,7 @@
-"""Pending sums inside a region: a row-parallel result left unreduced until something needs it whole.
+"""Pending sums inside a zone: a row-parallel result left unreduced until something needs it whole.
 
 A Linear split on its input features (``o_proj``, ``down_proj``) computes on each rank one
-addend of its output. Inside a region it hands out that addend tagged :class:`Partial`
+addend of its output. Inside a zone it hands out that addend tagged :class:`Partial`
 instead of all-reducing it at once, and the ops below keep it pending because they are linear
 in it:
 
@@ -46,21 +46,21 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from _shardkit import comm as _comm
 
-from . import regions as _regions
+from . import zones as _zones
 from .functional import reduce_from_ranks
 from .signatures import aten_name, bind
 
 __all__ = ["Partial", "pending", "add_once"]
 
-Partial = _regions.Partial
+Partial = _zones.Partial
 _SUM = "_shardkit_sum"  # (version of the addend when summed, the sum)
 
 
 def pending(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
-    """Inside a region, ``tensor`` (this rank's addend) tagged as a pending sum; outside, the sum (all-reduce)."""
-    if not _regions.in_region() or _comm.rank_and_world(group)[1] == 1:
+    """Inside a zone, ``tensor`` (this rank's addend) tagged as a pending sum; outside, the sum (all-reduce)."""
+    if not _zones.in_zone() or _comm.rank_and_world(group)[1] == 1:
         return reduce_from_ranks(tensor, group)
-    return _regions.tag(tensor, Partial(group=group))
+    return _zones.tag(tensor, Partial(group=group))
 
 
 def _summed(tensor: torch.Tensor, tag: Partial) -> torch.Tensor:
@@ -68,7 +68,7 @@ def _summed(tensor: torch.Tensor, tag: Partial) -> torch.Tensor:
     cached = getattr(tensor, _SUM, None)
     if cached is not None and cached[0] == tensor._version:
         return cached[1]  # type: ignore[no-any-return]
-    with _regions.outside_propagation():
+    with _zones.outside_propagation():
         total = reduce_from_ranks(tensor, tag.group)
     setattr(tensor, _SUM, (tensor._version, total))
     return total
@@ -90,15 +90,15 @@ def add_once(value: Any, group: _comm.ProcessGroup) -> Any:
     """``value`` (whole on every rank) as the addend of a pending sum: itself on rank 0, zero elsewhere."""
     keep = _comm.rank_and_world(group)[0] == 0
     if isinstance(value, torch.Tensor):
-        with _regions.outside_propagation():
+        with _zones.outside_propagation():
             return _Once.apply(value, keep)
     if isinstance(value, bool) or not isinstance(value, (int, float, complex)):
-        raise _regions._Fallback
+        raise _zones._Fallback
     return value if keep else type(value)(0)
 
 
 def _tag_of(value: Any) -> Any:
-    return getattr(value, _regions._TAG, None) if isinstance(value, torch.Tensor) else None
+    return getattr(value, _zones._TAG, None) if isinstance(value, torch.Tensor) else None
 
 
 def _only_pending(values: list[Any]) -> Partial:
@@ -109,7 +109,7 @@ def _only_pending(values: list[Any]) -> Partial:
         if tag is None:
             continue
         if not isinstance(tag, Partial) or (found is not None and tag != found):
-            raise _regions._Fallback
+            raise _zones._Fallback
         found = tag
     assert found is not None
     return found
@@ -119,70 +119,70 @@ def _add(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     """add / sub in their forms (``+``, ``-``, reflected, in place): pending + pending, pending + whole once."""
     bound = bind(func, args, kwargs)
     if bound is None or "other" not in bound:
-        raise _regions._Fallback
+        raise _zones._Fallback
     a, b = bound["self"], bound["other"]
     tag = _only_pending([a, b])
-    if _tag_of(a) is None and _regions._in_place(func):
-        raise _regions._Fallback  # a whole tensor updated in place must receive whole values
+    if _tag_of(a) is None and _zones._in_place(func):
+        raise _zones._Fallback  # a whole tensor updated in place must receive whole values
     alpha = bound.get("alpha", 1)
     if isinstance(alpha, torch.Tensor):
-        raise _regions._Fallback
+        raise _zones._Fallback
     values = list(args)
     if len(values) < 2 or values[0] is not a or values[1] is not b:
-        raise _regions._Fallback  # given by name: rare, summed first
+        raise _zones._Fallback  # given by name: rare, summed first
     if _tag_of(a) is None:
         values[0] = add_once(a, tag.group)
     if _tag_of(b) is None:
         values[1] = add_once(b, tag.group)
     out = func(*values, **kwargs)
-    return _regions.tag(out, tag)
+    return _zones.tag(out, tag)
 
 
 def _scale(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """mul / div by a whole tensor or number (the pending one the numerator): each addend scaled."""
     bound = bind(func, args, kwargs)
     if bound is None or "other" not in bound or bound.get("rounding_mode") is not None:
-        raise _regions._Fallback
+        raise _zones._Fallback
     a, b = bound["self"], bound["other"]
     tag = _only_pending([a, b])
     pending_a, pending_b = _tag_of(a) is not None, _tag_of(b) is not None
     if pending_a == pending_b or (pending_b and aten_name(func).startswith("div")):
-        raise _regions._Fallback  # a product of two sums, or a division by one
-    if _regions._in_place(func) and not pending_a:
-        raise _regions._Fallback
+        raise _zones._Fallback  # a product of two sums, or a division by one
+    if _zones._in_place(func) and not pending_a:
+        raise _zones._Fallback
     scale = b if pending_a else a
     if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
         # Its gradient would be a per-rank part to all-reduce in backward: summing first costs no more.
-        raise _regions._Fallback
+        raise _zones._Fallback
     out = func(*args, **kwargs)
-    return _regions.tag(out, tag)
+    return _zones.tag(out, tag)
 
 
 def _linear_in_one(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Ops linear in their one pending input, with no other tensor (shapes, sums, negation, copies)."""
     flat = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
     if not args or _tag_of(args[0]) is None or any(_tag_of(x) is not None for x in flat[1:]):
-        raise _regions._Fallback
+        raise _zones._Fallback
     if any(isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) and _tag_of(y) is not None for y in x)
            for x in args[1:]):
-        raise _regions._Fallback
+        raise _zones._Fallback
     tag = _tag_of(args[0])
     x = args[0]
     out = func(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         if not out.is_floating_point() or out.dtype != x.dtype:
-            raise _regions._Fallback  # a cast: sum in the addends' own precision first
-        return _regions.tag(out, tag)
+            raise _zones._Fallback  # a cast: sum in the addends' own precision first
+        return _zones.tag(out, tag)
     if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
-        return type(out)(_regions.tag(o, tag) for o in out)
-    raise _regions._Fallback
+        return type(out)(_zones.tag(o, tag) for o in out)
+    raise _zones._Fallback
 
 
 def _dropout(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Dropout that drops nothing (``p=0``, or not training) is the identity; any other sums first."""
     bound = bind(func, args, kwargs)
     if bound is None or (bound.get("p", 0.5) != 0 and bound.get("train", bound.get("training", True))):
-        raise _regions._Fallback
+        raise _zones._Fallback
     return _linear_in_one(func, args, kwargs)
 
 
@@ -201,7 +201,7 @@ _NAMED = {
 
 @functools.cache
 def _rules() -> dict[Any, Callable[..., Any]]:
-    return {obj: rule for name, rule in _NAMED.items() for obj in _regions._objects(name)}
+    return {obj: rule for name, rule in _NAMED.items() for obj in _zones._objects(name)}
 
 
 def _known_sum(value: Any) -> Any:
@@ -221,12 +221,12 @@ def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
         args, kwargs = tree_unflatten(known, spec)
         if not any(isinstance(_tag_of(x), Partial) for x in known):
             if any(_tag_of(x) is not None for x in known):
-                raise _regions._Fallback
+                raise _zones._Fallback
             return func(*args, **kwargs)
     rule = _rules().get(func)
     if rule is None:
-        raise _regions._Fallback
+        raise _zones._Fallback
     return rule(func, args, kwargs)
 
 
-_regions.TAG_KINDS[Partial] = (_rule, _summed)
+_zones.TAG_KINDS[Partial] = (_rule, _summed)

@@ -11,7 +11,7 @@ simply the two registrations that ship with shardkit (``_parallel``). A registra
 * how split activations flow: :meth:`ShardedModule.activations` gives the split of its input
   and of its output along the last dimension (``None``: replicated). Where one module's
   output split equals another's input split, the activation between them stays split
-  through the model's own code (see ``_regions``);
+  through the model's own code (see ``_zones``);
 * how it computes: :meth:`ShardedModule.forward` runs on this rank's local parameters and
   uses the :class:`ShardedCall` it is given for every communication (gather, scatter,
   all-reduce, with their autograd). Code after ``call.reduce(...)`` is the place for pieces
@@ -36,8 +36,8 @@ from _shardkit import comm as _comm
 from sharding.layout import Packed, Split
 
 from . import pending as _pending
-from . import regions as _regions
 from . import rule_table as _rule_table
+from . import zones as _zones
 from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
 from .param_layout import ParamLayout, split_placement
 
@@ -111,7 +111,7 @@ class ShardedCall:
 
     Every primitive is differentiable with the matching backward, and counted by
     ``CommCounter``. An activation is *split* when each rank holds its slice along the last
-    dimension (inside a region of the model) and *replicated* when every rank holds all of it.
+    dimension (inside a zone of the model) and *replicated* when every rank holds all of it.
 
     Args:
         plan: the module's ``ParamLayout`` plan: how each of its parameters is split.
@@ -133,32 +133,32 @@ class ShardedCall:
 
     def replicated(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` whole on every rank (gathers it if it arrives split)."""
-        return _regions.to_replicated(x)
+        return _zones.to_replicated(x)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """A replicated ``x`` about to meet this rank's weight slice: its gradient is summed over ranks."""
-        return _regions.shared_copy(_regions.to_replicated(x), self.group)
+        return _zones.shared_copy(_zones.to_replicated(x), self.group)
 
     def split_input(self, x: torch.Tensor, intervals: Intervals) -> torch.Tensor:
         """This rank's slice of ``x`` along the last dimension (as it arrives when already split so)."""
-        split = _regions.split_of(x)
+        split = _zones.split_of(x)
         if (split is not None and split.dim == x.dim() - 1 and split.intervals == intervals
                 and split.group is self.group):
             return x
-        return scatter(_regions.to_replicated(x), -1, intervals, self.group)
+        return scatter(_zones.to_replicated(x), -1, intervals, self.group)
 
     def split_output(self, y: torch.Tensor, split: Intervals | Split | Packed | ParamLayout) -> torch.Tensor:
-        """Hand out this rank's slice ``y`` of the output: kept split inside a region, else gathered.
+        """Hand out this rank's slice ``y`` of the output: kept split inside a zone, else gathered.
 
         ``split`` is the output's split along its last dimension: per-rank ``(start, length)``,
         a ``sharding.layout`` ``Split`` or ``Packed``, or the ``ParamLayout`` of the weight whose
         split it follows (a packed layout gives a packed output: this rank's slices side by side).
         """
         tag = _as_tag(split, y.dim() - 1, self.group)
-        if _regions.in_region():
-            return _regions.tag(y, tag)
-        _regions.tag(y, tag)
-        return _regions.to_replicated(y)
+        if _zones.in_zone():
+            return _zones.tag(y, tag)
+        _zones.tag(y, tag)
+        return _zones.to_replicated(y)
 
     def local_slice(self, t: torch.Tensor, intervals: Intervals, dim: int = -1) -> torch.Tensor:
         """This rank's slice of a replicated ``t`` (e.g. a whole bias added to a split output)."""
@@ -172,11 +172,11 @@ class ShardedCall:
     def pending_sum(self, y: torch.Tensor, once: torch.Tensor | None = None) -> torch.Tensor:
         """The sum over ranks of the partial results ``y``, plus ``once`` (whole on every rank, e.g. a bias).
 
-        Inside a region the sum stays pending (each rank keeps its addend, ``once`` added on one
+        Inside a zone the sum stays pending (each rank keeps its addend, ``once`` added on one
         rank) until an op needs it whole, so sums that meet first (attention and MLP in parallel)
         share one all-reduce; outside, it is :meth:`reduce` then ``+ once``.
         """
-        if not _regions.in_region():
+        if not _zones.in_zone():
             y = self.reduce(y)
             return y if once is None else y + once
         if once is not None:
@@ -189,7 +189,7 @@ class ShardedCall:
 
 
 def _as_tag(split: Intervals | Split | Packed | ParamLayout, dim: int,
-            group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
+            group: _comm.ProcessGroup) -> _zones.Split | _zones.Packed:
     if isinstance(split, ParamLayout):
         return _tag(split_placement(split, 0), dim, group)
     if isinstance(split, list):  # intervals as lists: hashable for the cache
@@ -198,13 +198,13 @@ def _as_tag(split: Intervals | Split | Packed | ParamLayout, dim: int,
 
 
 @functools.lru_cache(maxsize=1024)
-def _tag(split: Intervals | Split | Packed, dim: int, group: _comm.ProcessGroup) -> _regions.Split | _regions.Packed:
+def _tag(split: Intervals | Split | Packed, dim: int, group: _comm.ProcessGroup) -> _zones.Split | _zones.Packed:
     """The engine's tag for an output split as ``split`` along ``dim``: one per layer, built once."""
     if isinstance(split, Packed):
-        return _regions.Packed(dim, split.pieces, group)
+        return _zones.Packed(dim, split.pieces, group)
     if isinstance(split, Split):
-        return _regions.Split(dim, split.intervals, group)
-    return _regions.Split(dim, split, group)  # per-rank intervals; checked there
+        return _zones.Split(dim, split.intervals, group)
+    return _zones.Split(dim, split, group)  # per-rank intervals; checked there
 
 
 def register_sharded_module(module_type: type[nn.Module], handler: ShardedModule, *, replace: bool = False) -> None:

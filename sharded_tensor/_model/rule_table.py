@@ -8,7 +8,7 @@ key                                       value
 ========================================  ===============================================================
 a torch op (``torch.tanh``,               its split rule ``rule(func, args, kwargs)``: the op on this
 ``Tensor.view``, a ``torch.library``      rank's slices, its output tagged, or ``_Fallback`` to gather
-operator)                                 (``regions``)
+operator)                                 (``zones``)
 an ``nn.Module`` type                     its ``ShardedModule``: how the module computes with split
                                           parameters (``registry``)
 a ``DFunction`` subclass                  its split rule, as for a torch op: how it runs on split

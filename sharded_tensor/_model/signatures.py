@@ -1,6 +1,6 @@
 """A torch call's arguments by name, resolved through torch's own signatures.
 
-The propagation rules of ``regions`` need to know what an argument means (``x.std(1, True)`` is
+The propagation rules of ``zones`` need to know what an argument means (``x.std(1, True)`` is
 ``dim=1, unbiased=True``; ``x.var(False)`` reduces every dimension), which position alone does
 not tell: many ops have overloads that give the same position a different meaning. So a
 call is bound the way torch binds it: against the op's ATen schemas, the first whose

@@ -1,7 +1,7 @@
-"""The public registry of split rules: how an op computes on split activations inside a region.
+"""The public registry of split rules: how an op computes on split activations inside a zone.
 
 Every rule lives in the one table of ``rule_table``, keyed by what the model calls: shardkit's
-own rules for torch ops (put there by ``regions``), module registrations (``registry``) and
+own rules for torch ops (put there by ``zones``), module registrations (``registry``) and
 ``DFunction`` rules alike. :func:`register_split_rule` writes into that table, so a rule
 registered here is found exactly as the built-in ones are.
 """
@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from . import dfunction as _dfunction
-from . import regions as _regions
 from . import registry as _registry
 from . import rule_table as _rule_table
+from . import zones as _zones
 
 __all__ = ["register_split_rule"]
 
-_NAMED = {"elementwise": _regions._elementwise}
+_NAMED = {"elementwise": _zones._elementwise}
 
 
 def _op_objects(op: Any) -> list[Any]:
@@ -47,7 +47,7 @@ def _overridable() -> set[Any]:
 def _decomposed(decomposition: Callable[..., Any]) -> Callable[..., Any]:
     """A rule that runs ``decomposition`` with every op it calls propagated by its own rule."""
     def rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with _regions._Propagate():
+        with _zones._Propagate():
             return decomposition(*args, **kwargs)
     rule.__name__ = getattr(decomposition, "__name__", "decomposition")
     return rule
@@ -81,7 +81,7 @@ def _register_dfunction(op: type[_dfunction.DFunction], rule: Any, replace: bool
 def register_split_rule(op: Any, rule: Any, *, replace: bool = False) -> None:
     """Say how ``op`` computes on split activations inside a sharded model.
 
-    Inside a module whose forward runs on split activations (a *region*: ``LlamaAttention``,
+    Inside a module whose forward runs on split activations (a *zone*: ``LlamaAttention``,
     an MLP), every op on a split tensor goes through its rule; an op without one gathers its
     split inputs and runs on whole tensors (exact, at the cost of an all-gather). A rule is
     either:
@@ -138,7 +138,7 @@ def register_split_rule(op: Any, rule: Any, *, replace: bool = False) -> None:
         return
     objects = _op_objects(op)
     resolved = _resolve(rule, (op, *objects))
-    rules = _regions._tables()[0]
+    rules = _zones._tables()[0]
     taken = [o for o in objects if o in rules]
     if taken and not replace:
         msg = (f"op {op!r} already has a split rule ({getattr(rules[taken[0]], '__name__', rules[taken[0]])}); "

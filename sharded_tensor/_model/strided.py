@@ -35,13 +35,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from _shardkit import comm as _comm
 
-from . import regions as _regions
+from . import zones as _zones
 from .functional import Intervals, gather, scatter
 from .signatures import aten_name
 
 __all__ = ["Strided"]
 
-Strided = _regions.Strided
+Strided = _zones.Strided
 
 
 def _unmerged(x: torch.Tensor, tag: Strided) -> torch.Tensor:
@@ -52,7 +52,7 @@ def _unmerged(x: torch.Tensor, tag: Strided) -> torch.Tensor:
 
 def _whole(x: torch.Tensor, tag: Strided) -> torch.Tensor:
     """The full tensor of a strided ``x``: every rank's rows of each block gathered (collective)."""
-    with _regions.outside_propagation():
+    with _zones.outside_propagation():
         return gather(_unmerged(x, tag), tag.dim + 1, tag.intervals, tag.group).flatten(tag.dim, tag.dim + 1)
 
 
@@ -66,7 +66,7 @@ _MERGES: dict[tuple[Any, ...], tuple[int, Intervals, int, tuple[int, ...]] | Non
 
 
 def _plan_merge(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                split: _regions.Split) -> tuple[int, Intervals, int, tuple[int, ...]] | None:
+                split: _zones.Split) -> tuple[int, Intervals, int, tuple[int, ...]] | None:
     """Where a view / reshape merges ``split`` with dimensions outside it: (dim, intervals, blocks, local shape).
 
     ``None`` when it does not (the split is the outermost dimension of its group, or the group
@@ -80,7 +80,7 @@ def _plan_merge(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         shape = list(func(meta, *args[1:], **kwargs).shape)
     except (RuntimeError, ValueError, TypeError, IndexError):
         return None
-    groups = _regions._groups(whole, shape) if 0 not in whole else None
+    groups = _zones._groups(whole, shape) if 0 not in whole else None
     if groups is None:
         return None
     gi, gj = next((gi, gj) for gi, gj in groups if split.dim in gi)
@@ -97,16 +97,16 @@ def _plan_merge(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
 
 def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """view / reshape of a split tensor: merged with the dimensions outside it, a strided split; else the
-    reshape rule of ``regions``.
+    reshape rule of ``zones``.
 
     A merge with outer dimensions of size 1 (a batch of one) is strided too, with one block: the
     model then reads the merged size as the unsharded program does (``x.shape[0] // num_heads``).
     """
     x = args[0]
-    split = _regions.split_of(x)
+    split = _zones.split_of(x)
     if split is None:
-        raise _regions._Fallback
-    key = _regions._reshape_key(func, args, kwargs, x, split)
+        raise _zones._Fallback
+    key = _zones._reshape_key(func, args, kwargs, x, split)
     try:
         plan = _MERGES[key]
     except KeyError:
@@ -114,60 +114,60 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     except TypeError:  # an unhashable argument
         plan = _plan_merge(func, args, kwargs, split)
     if plan is None:
-        return _regions._reshaped(func, args, kwargs, x, split, key)
+        return _zones._reshaped(func, args, kwargs, x, split, key)
     dim, intervals, blocks, local = plan
-    out = x.view(local) if _regions._aten_name(func) == "view" else x.reshape(local)
-    return _regions.tag(out, Strided(dim, intervals, blocks, split.group))
+    out = x.view(local) if _zones._aten_name(func) == "view" else x.reshape(local)
+    return _zones.tag(out, Strided(dim, intervals, blocks, split.group))
 
 
 def _strided_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """view / reshape of a strided tensor: its blocks unflattened (an ordinary split), then reshaped."""
-    x, tag = args[0], getattr(args[0], _regions._TAG)
+    x, tag = args[0], getattr(args[0], _zones._TAG)
     if aten_name(func) not in ("view", "reshape") or any(isinstance(a, torch.Tensor) for a in args[1:]):
-        raise _regions._Fallback
-    unmerged = _regions.tag(_unmerged(x, tag), _regions.Split(tag.dim + 1, tag.intervals, tag.group))
+        raise _zones._Fallback
+    unmerged = _zones.tag(_unmerged(x, tag), _zones.Split(tag.dim + 1, tag.intervals, tag.group))
     return _reshape(func, (unmerged, *args[1:]), kwargs)
 
 
 def _permuted(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """transpose / permute / t: where the strided dimension goes, read from the op on distinct sizes."""
-    x, tag = args[0], getattr(args[0], _regions._TAG)
+    x, tag = args[0], getattr(args[0], _zones._TAG)
     probe = torch.empty([d + 2 for d in range(x.dim())], device="meta")
     try:
         sizes = list(func(probe, *args[1:], **kwargs).shape)
     except (RuntimeError, ValueError, TypeError, IndexError):
-        raise _regions._Fallback from None
-    return _regions.tag(func(*args, **kwargs), tag.moved(sizes.index(tag.dim + 2)))
+        raise _zones._Fallback from None
+    return _zones.tag(func(*args, **kwargs), tag.moved(sizes.index(tag.dim + 2)))
 
 
 def _batched(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """bmm / baddbmm / matmul with the strided dimension a batch dimension of every operand."""
     flat, spec = tree_flatten((args, kwargs))
     tensors = [(i, t) for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
-    tags = {getattr(t, _regions._TAG, None) for _, t in tensors} - {None}
+    tags = {getattr(t, _zones._TAG, None) for _, t in tensors} - {None}
     if len(tags) != 1:
-        raise _regions._Fallback
+        raise _zones._Fallback
     tag = tags.pop()
     ndim = max(t.dim() for _, t in tensors)
     if not isinstance(tag, Strided) or tag.dim >= ndim - 2:
-        raise _regions._Fallback
+        raise _zones._Fallback
     for i, t in tensors:
-        if getattr(t, _regions._TAG, None) is not None:
+        if getattr(t, _zones._TAG, None) is not None:
             if t.dim() != ndim:
-                raise _regions._Fallback
+                raise _zones._Fallback
             continue
         local = tag.dim - (ndim - t.dim())
         if local < 0 or t.shape[local] == 1:
-            flat[i] = _regions._whole(t, tag.group)
+            flat[i] = _zones._whole(t, tag.group)
         elif t.shape[local] == tag.blocks * tag.size:
             flat[i] = _cut(t, local, tag)
         else:
-            raise _regions._Fallback
+            raise _zones._Fallback
     args, kwargs = tree_unflatten(flat, spec)
     out = func(*args, **kwargs)
     if not isinstance(out, torch.Tensor) or out.dim() != ndim:
-        raise _regions._Fallback
-    return _regions.tag(out, tag)
+        raise _zones._Fallback
+    return _zones.tag(out, tag)
 
 
 _NAMED: dict[str, Callable[..., Any]] = {
@@ -180,19 +180,19 @@ _NAMED: dict[str, Callable[..., Any]] = {
 def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     name = aten_name(func)
     if name == "matmul" and getattr(func, "__name__", "") == "__rmatmul__":
-        raise _regions._Fallback
+        raise _zones._Fallback
     rule = _NAMED.get(getattr(func, "__name__", "")) or _NAMED.get(name)
     if rule is None or not args or not isinstance(args[0], torch.Tensor):
-        raise _regions._Fallback
-    if rule is not _batched and not isinstance(getattr(args[0], _regions._TAG, None), Strided):
-        raise _regions._Fallback
+        raise _zones._Fallback
+    if rule is not _batched and not isinstance(getattr(args[0], _zones._TAG, None), Strided):
+        raise _zones._Fallback
     return rule(func, args, kwargs)
 
 
 def _global_sizes(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``x.shape``, ``x.size()``, ``x.numel()`` of a strided tensor as the unsharded program sees them."""
     x = args[0]
-    tag = getattr(x, _regions._TAG)
+    tag = getattr(x, _zones._TAG)
     shape = list(x.shape)
     shape[tag.dim] = tag.blocks * tag.size
     owner = getattr(getattr(func, "__self__", None), "__name__", "")
@@ -206,11 +206,11 @@ def _global_sizes(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     return func(*args, **kwargs)  # dim, dtype, device, strides, ...: as the local tensor has them
 
 
-_regions.TAG_KINDS[Strided] = (_rule, _whole)
-_regions.GLOBAL_SIZES[Strided] = _global_sizes
+_zones.TAG_KINDS[Strided] = (_rule, _whole)
+_zones.GLOBAL_SIZES[Strided] = _global_sizes
 # The split engine's own view and reshape, extended with the merge into a strided split.
 for _name in ("view", "reshape"):
-    _regions._NAMED_RULES[_name] = _reshape
-    if _regions._tables.cache_info().currsize:
-        for _obj in _regions._objects(_name):
-            _regions._tables()[0][_obj] = _reshape
+    _zones._NAMED_RULES[_name] = _reshape
+    if _zones._tables.cache_info().currsize:
+        for _obj in _zones._objects(_name):
+            _zones._tables()[0][_obj] = _reshape

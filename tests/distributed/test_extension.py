@@ -6,7 +6,7 @@
   their inputs. Logits, loss and every local gradient equal the unsharded model's, and a
   block's forward does exactly 2 all-reduces.
 * ``nn.TransformerEncoderLayer`` (built-in registration of ``nn.MultiheadAttention``, the
-  layer run as a region): outputs and gradients equal, 2 all-reduces, in training and in
+  layer run as a zone): outputs and gradients equal, 2 all-reduces, in training and in
   eval mode (where torch would otherwise take its fused fast path).
 * A ``DFunction`` on ShardedTensors: the output keeps the layout, an input in another layout
   is resharded (a copy; the caller's tensor is untouched) and the bytes show in

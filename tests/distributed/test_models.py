@@ -488,7 +488,7 @@ def test_src_rank_model_is_sharded_from_its_weights(runs):
 def test_mlp_forward_does_one_all_reduce(runs, world):
     for result in runs[world]:
         mlp = result["mlp"]
-        assert mlp["graph"] == "RegionForward"
+        assert mlp["graph"] == "ZoneForward"
         assert mlp["forward"] == {"all_reduce": 1}
         assert list(mlp["c10d"].values()) == [1] and "allreduce" in next(iter(mlp["c10d"]))
         # backward adds one all-reduce for the input's gradient

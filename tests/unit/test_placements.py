@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from sharded_tensor._model import regions as _regions
+from sharded_tensor._model import zones as _zones
 from sharded_tensor._model.param_layout import classify, split_placement
 from sharding import (
     DevicePlacement,
@@ -85,14 +85,14 @@ def test_packed_coalesces_into_a_split_when_each_rank_holds_adjacent_slices():
 
 def test_engine_tags_are_the_layout_placements_with_a_group():
     group = object()
-    tag = _regions.Split(0, ((0, 2), (2, 2)), group)
+    tag = _zones.Split(0, ((0, 2), (2, 2)), group)
     assert isinstance(tag, Split) and tag.group is group
-    assert tag.moved(1) == _regions.Split(1, ((0, 2), (2, 2)), group)
-    assert tag.scaled(2, 2, 1) == _regions.Split(2, ((0, 4), (4, 4)), group)
+    assert tag.moved(1) == _zones.Split(1, ((0, 2), (2, 2)), group)
+    assert tag.scaled(2, 2, 1) == _zones.Split(2, ((0, 4), (4, 4)), group)
     assert tag != Split(0, ((0, 2), (2, 2)))  # a tag also says which group the ranks belong to
-    assert isinstance(_regions.Packed(0, (((0, 1), (2, 1)), ((1, 1), (3, 1)))), Packed)
+    assert isinstance(_zones.Packed(0, (((0, 1), (2, 1)), ((1, 1), (3, 1)))), Packed)
     with pytest.raises(ValueError, match="overlap"):
-        _regions.Split(0, ((0, 2), (1, 2)))
+        _zones.Split(0, ((0, 2), (1, 2)))
 
 
 @pytest.mark.parametrize(("spec", "size", "world", "expected"), [
@@ -149,11 +149,11 @@ def test_parameter_layouts_read_the_placement_the_spec_attached():
 def test_a_layer_output_split_is_given_in_any_of_its_forms():
     from sharded_tensor._model.registry import _as_tag
 
-    tag = _regions.Split(1, ((0, 2), (2, 2)), None)
+    tag = _zones.Split(1, ((0, 2), (2, 2)), None)
     assert _as_tag(((0, 2), (2, 2)), 1, None) == tag
     assert _as_tag([[0, 2], [2, 2]], 1, None) == tag
     assert _as_tag(Split(0, ((0, 2), (2, 2))), 1, None) == tag
     layout = classify("w", single_split(0, R4[:2] * 2).build_metadata((8, 4), world_size=2), 2)
-    assert _as_tag(layout, 1, None) == _regions.Packed(1, (((0, 2), (4, 2)), ((2, 2), (6, 2))), None)
+    assert _as_tag(layout, 1, None) == _zones.Packed(1, (((0, 2), (4, 2)), ((2, 2), (6, 2))), None)
     with pytest.raises(TypeError, match=r"Split intervals=5 must be a sequence of \(start, length\) pairs"):
         _as_tag(5, 1, None)  # type: ignore[arg-type]

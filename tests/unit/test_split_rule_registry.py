@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sharded_tensor as st
-from sharded_tensor._model import regions as _regions
+from sharded_tensor._model import zones as _zones
 from tests.unit.test_split_rules import _simulated
 
 
@@ -57,11 +57,11 @@ def _run(op, w_shape, world=2, shape=(2, 5, 3), dim=1):  # type: ignore[no-untyp
         start, length = intervals[rank]
         local = x.narrow(dim, start, length).clone().requires_grad_()
         weight = w.clone().requires_grad_()
-        tagged = _regions.tag(local.view_as(local), _regions.Split(dim, intervals))
-        with _regions._region():
+        tagged = _zones.tag(local.view_as(local), _zones.Split(dim, intervals))
+        with _zones._zone():
             out = op(tagged, weight)
-        gathered = _regions.split_of(out) is None  # the fallback gathers x and returns a whole tensor
-        out = _regions.to_replicated(out)
+        gathered = _zones.split_of(out) is None  # the fallback gathers x and returns a whole tensor
+        out = _zones.to_replicated(out)
         (out * upstream).sum().backward()
         return out.detach(), local.grad, weight.grad, gathered
 
@@ -104,8 +104,8 @@ def test_bad_registrations_are_refused_with_the_offending_value() -> None:
         st.register_split_rule(torch.tanh, "elementwise")
     with pytest.raises(ValueError, match=r"is the op itself"):
         st.register_split_rule(torch.special.erfcx, torch.special.erfcx)
-    rules = _regions._tables()[0]
-    assert rules[torch.tanh] is _regions._elementwise  # refused registrations changed nothing
+    rules = _zones._tables()[0]
+    assert rules[torch.tanh] is _zones._elementwise  # refused registrations changed nothing
 
 
 class _TanhTimes(st.DFunction):
@@ -151,11 +151,11 @@ def test_one_table_holds_op_rules_module_registrations_and_dfunction_rules() -> 
 
     handler = _ScaleHandler()
     st.register_split_rule(_Scale, handler)  # a module type: its registration, as register_sharded_module
-    _regions._tables()
+    _zones._tables()
     table = rule_table.RULES
     assert table[_Scale] is handler and registry.handler_for(_Scale()) == (handler, None)
     assert isinstance(table[torch.nn.Linear], ShardedLinear)
-    assert table[torch.tanh] is _regions._elementwise
+    assert table[torch.tanh] is _zones._elementwise
     assert table[rule_table.LayoutRuleName("elementwise")] is not None  # DFunction's layout rules
     assert "_Scale" in registry.registered_types() and "tanh" not in registry.registered_types()
     with pytest.raises(ValueError, match=r"_Scale already has a sharded registration \(_ScaleHandler\)"):

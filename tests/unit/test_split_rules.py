@@ -26,7 +26,7 @@ from hypothesis import strategies as hs  # noqa: E402
 
 from _shardkit import comm as _comm  # noqa: E402
 from sharded_tensor._model import parallel as _parallel  # noqa: E402, F401 - every tag kind registered
-from sharded_tensor._model import regions as _regions  # noqa: E402
+from sharded_tensor._model import zones as _zones  # noqa: E402
 from tests._examples import examples  # noqa: E402
 
 
@@ -118,7 +118,7 @@ def _merged_heads(x: torch.Tensor, w: torch.Tensor, p: dict[str, Any]) -> torch.
     return context.view(batch, h, s, d).permute(0, 2, 1, 3).reshape(batch, s, h * d)
 
 
-# Ops that must run on the slices without an all-gather (before the output leaves the region).
+# Ops that must run on the slices without an all-gather (before the output leaves the zone).
 NO_GATHER = {"merged-heads"}
 
 OPS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[tuple[int, ...], Any], tuple[int, ...] | None]]] = {
@@ -202,11 +202,11 @@ def test_rule_on_slices_equals_op_on_the_whole(case):
         start, length = intervals[rank]
         local = x.narrow(dim, start, length).clone().requires_grad_()
         weight = w.clone().requires_grad_()
-        tagged = _regions.tag(local.view_as(local), _regions.Split(dim, intervals))
-        with _regions._region():
+        tagged = _zones.tag(local.view_as(local), _zones.Split(dim, intervals))
+        with _zones._zone():
             out = op(tagged, weight, p)
         gathers = getattr(ranks.local, "all_gathers", 0)
-        out = _regions.to_replicated(out)  # as a region's outputs leave it
+        out = _zones.to_replicated(out)  # as a zone's outputs leave it
         (out * upstream).sum().backward()
         return out.detach(), local.grad, weight.grad, gathers
 
@@ -214,7 +214,7 @@ def test_rule_on_slices_equals_op_on_the_whole(case):
         results = ranks.run(rank_fn)
     for rank, (out, local_grad, weight_grad, gathers) in enumerate(results):
         if case["name"] in NO_GATHER:
-            assert gathers == 0, f"rank {rank}: {gathers} all-gathers inside the region"
+            assert gathers == 0, f"rank {rank}: {gathers} all-gathers inside the zone"
         start, length = intervals[rank]
         torch.testing.assert_close(out, want.detach(), rtol=1e-9, atol=1e-9, msg=f"output on rank {rank}")
         want_local = xs.grad.narrow(dim, start, length)
@@ -292,8 +292,8 @@ def test_pending_sum_on_addends_equals_op_on_the_sum(case):
     def rank_fn(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
         local = addends[rank].clone().requires_grad_()
         weight = w.clone().requires_grad_()
-        with _regions._region():
-            out = _regions.to_replicated(op(pending.pending(local.view_as(local), None), weight))
+        with _zones._zone():
+            out = _zones.to_replicated(op(pending.pending(local.view_as(local), None), weight))
         count = ranks.local.all_reduces
         (out * upstream).sum().backward()
         return out.detach(), local.grad, weight.grad, count
@@ -331,17 +331,17 @@ def test_packed_slices_taken_apart_by_indexing_are_exact_without_gathers():
     def rank_fn(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
         local = torch.cat([x.narrow(-1, s, n) for s, n in pieces[rank]], -1).requires_grad_()
         weight = w.clone().requires_grad_()
-        with _regions._region():
-            out = op(_regions.tag(local.view_as(local), _regions.Packed(2, pieces)), weight)
+        with _zones._zone():
+            out = op(_zones.tag(local.view_as(local), _zones.Packed(2, pieces)), weight)
         gathers = getattr(ranks.local, "all_gathers", 0)
-        out = _regions.to_replicated(out)
+        out = _zones.to_replicated(out)
         (out * upstream).sum().backward()
         return out.detach(), local.grad, weight.grad, gathers
 
     with _simulated(2) as ranks:
         results = ranks.run(rank_fn)
     for rank, (out, local_grad, weight_grad, gathers) in enumerate(results):
-        assert gathers == 0, f"rank {rank}: {gathers} all-gathers inside the region"
+        assert gathers == 0, f"rank {rank}: {gathers} all-gathers inside the zone"
         torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
         want_local = torch.cat([xs.grad.narrow(-1, s, n) for s, n in pieces[rank]], -1)
         torch.testing.assert_close(local_grad, want_local, rtol=1e-12, atol=1e-12)

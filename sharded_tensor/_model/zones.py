@@ -10,10 +10,10 @@ a decoder layer needs just the consumers' two all-reduces.
 Whether code may run on slices depends on every op in it, so shardkit follows the split op by
 op, while the code runs:
 
-* A *region* is the smallest module holding a producer and a consumer split the same way
+* A *zone* is the smallest module holding a producer and a consumer split the same way
   (``LlamaAttention``, ``LlamaMLP``, ``BertAttention``, an ``nn.Sequential`` MLP). Its forward
   runs under :class:`_Propagate`, a ``TorchFunctionMode`` that sees every torch call.
-* A producer called inside a region returns its local slice, *tagged* with a :class:`Split`:
+* A producer called inside a zone returns its local slice, *tagged* with a :class:`Split`:
   which dimension is split and every rank's ``(start, length)`` along it.
 * Each op on a tagged tensor goes through a rule that either proves the op acts slice by slice
   and tags its output (element-wise ops with broadcasting, reshapes that keep the split on the
@@ -23,14 +23,14 @@ op, while the code runs:
   full tensor first and runs the op on it. The fallback costs communication, never
   correctness. A sum or mean across the split is a local sum and one all-reduce.
 * A consumer whose input is tagged the way it is split takes the slice as it is; the
-  region's outputs that are still tagged are gathered, so a region looks replicated-in,
+  zone's outputs that are still tagged are gathered, so a zone looks replicated-in,
   replicated-out from outside.
-* A consumer inside a region hands out its partial sum tagged :class:`Partial` (``pending``):
+* A consumer inside a zone hands out its partial sum tagged :class:`Partial` (``pending``):
   it stays pending through ops linear in it (another pending sum, a whole tensor added once)
   until an op needs it whole, so sums that meet first share one all-reduce.
 * A reshape that merges the split heads with the batch (``reshape(batch * num_heads, ...)``)
   gives a :class:`Strided` split (``strided``), kept through batched matmuls and reshaped back.
-* Producers of one region that read the same input share one ``copy_to_ranks``: q, k and v
+* Producers of one zone that read the same input share one ``copy_to_ranks``: q, k and v
   then cost one all-reduce of the input's gradient in backward instead of three.
 
 Gradients follow one rule: a replicated tensor (a parameter kept whole, or a gathered
@@ -54,7 +54,7 @@ shape) are read as local. Arguments are bound through torch's own signatures
 :func:`check_head_boundaries` for modules that declare a head size (``head_dim``,
 ``attention_head_size``, ``head_size``).
 
-:func:`loss_parallel` opens a region around the caller's own code: the split logits of an
+:func:`loss_parallel` opens a zone around the caller's own code: the split logits of an
 ``lm_head`` split on the vocabulary then reach ``cross_entropy`` as slices, which computes the
 loss with three all-reduces of per-row numbers instead of gathering the logits.
 """
@@ -83,9 +83,9 @@ from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, sca
 from .signatures import aten_name, bind
 
 __all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "GLOBAL_SIZES",
-           "split_of", "tag", "in_region", "shared_copy",
-           "RegionForward", "loss_parallel",
-           "to_replicated", "outside_propagation", "Endpoint", "find_regions", "check_head_boundaries"]
+           "split_of", "tag", "in_zone", "shared_copy",
+           "ZoneForward", "loss_parallel",
+           "to_replicated", "outside_propagation", "Endpoint", "find_zones", "check_head_boundaries"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +164,7 @@ GLOBAL_SIZES: dict[type, Callable[..., Any]] = {}
 # weak dictionary lookup, and it goes away with the tensor just the same.
 _TAG = "_shardkit_split"
 # A sharded parameter carries its record (``record.ShardedParameter``) under this attribute.
-# Inside a region, an op that reads a parameter whose record has a ``label`` directly (not
+# Inside a zone, an op that reads a parameter whose record has a ``label`` directly (not
 # through its module's registration) would see only this rank's block, so it is refused
 # instead of computing wrong numbers.
 RECORD = "_shardkit_record"
@@ -182,7 +182,7 @@ class _State(threading.local):
         self.depth = 0
         self.copies: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
         self.keep_split_outputs = False
-        self.ranks: dict[Any, int] = {}  # this process's rank per group, looked up once per region call
+        self.ranks: dict[Any, int] = {}  # this process's rank per group, looked up once per zone call
 
 
 _STATE = _State()
@@ -212,13 +212,13 @@ def tag(tensor: torch.Tensor, split: Split | Packed | Partial | Strided) -> torc
     return tensor
 
 
-def in_region() -> bool:
+def in_zone() -> bool:
     """Whether sharded layers should hand out and accept split activations."""
     return _STATE.depth > 0
 
 
 def shared_copy(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
-    """``copy_to_ranks(tensor)``, shared by every producer of the current region that reads it."""
+    """``copy_to_ranks(tensor)``, shared by every producer of the current zone that reads it."""
     if not _STATE.copies:
         return copy_to_ranks(tensor, group)
     frame = _STATE.copies[-1]
@@ -1069,7 +1069,7 @@ def _objects(name: str) -> list[Any]:
 def _tables() -> tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[Any]]:
     """Rules, metadata reads and side-effecting ops, keyed by the op objects torch hands the mode.
 
-    Built on the first op inside a region, not at import (reading ATen's op tags takes a while).
+    Built on the first op inside a zone, not at import (reading ATen's op tags takes a while).
     The rules go into the one table of every sharded compute rule (``rule_table``).
     """
     rules: dict[Any, Callable[..., Any]] = _rule_table.RULES
@@ -1135,7 +1135,7 @@ class _Propagate(TorchFunctionMode):
     """Run every torch op on split slices where a rule proves it exact, else on gathered tensors."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        # Every torch call of a region's code lands here, and most touch neither a tagged
+        # Every torch call of a zone's code lands here, and most touch neither a tagged
         # activation nor a split parameter: they go straight through. Both marks are
         # attributes, so a tensor with no attributes of its own (an empty ``__dict__``, the
         # usual case) carries neither, which one read tells.
@@ -1280,7 +1280,7 @@ def _gathered(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _region() -> Iterator[None]:
+def _zone() -> Iterator[None]:
     if not _STATE.depth:
         _STATE.ranks = {}  # groups may change between calls, never during one
     _STATE.depth += 1
@@ -1315,8 +1315,8 @@ def _gather_outputs(value: Any, pending_only: bool = False) -> Any:
     return value
 
 
-class RegionForward:
-    """``forward`` of a region's root module: the module's own forward, run on split activations."""
+class ZoneForward:
+    """``forward`` of a zone's root module: the module's own forward, run on split activations."""
 
     def __init__(self, original: Callable[..., Any]) -> None:
         self._original = original
@@ -1327,8 +1327,8 @@ class RegionForward:
         if _STATE.depth:
             return self._original(*args, **kwargs)
         if torch.compiler.is_compiling():
-            return _traced_region(self._original.__self__, self._ties, *args, **kwargs)  # type: ignore[attr-defined]
-        with _region():
+            return _traced_zone(self._original.__self__, self._ties, *args, **kwargs)  # type: ignore[attr-defined]
+        with _zone():
             out = self._original(*args, **kwargs)
         if _STATE.keep_split_outputs:
             return _gather_outputs(out, pending_only=True)
@@ -1350,8 +1350,8 @@ def _attribute(module: torch.nn.Module, name: str) -> Any:
 
 
 @torch._dynamo.nonstrict_trace
-def _traced_region(module: torch.nn.Module, ties: tuple[tuple[str, ...], ...], *args: Any, **kwargs: Any) -> Any:
-    """A region's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
+def _traced_zone(module: torch.nn.Module, ties: tuple[tuple[str, ...], ...], *args: Any, **kwargs: Any) -> Any:
+    """A zone's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
 
     Dynamo does not step into the propagation (its tags and rules are plain Python, decided
     from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
@@ -1362,7 +1362,7 @@ def _traced_region(module: torch.nn.Module, ties: tuple[tuple[str, ...], ...], *
     a constant without gradient, so they are pointed at the traced value too.
     """
     aliases = {alias: _attribute(module, group[0]) for group in ties for alias in group[1:]}
-    with torch.nn.utils.stateless._reparametrize_module(module, aliases), _region():
+    with torch.nn.utils.stateless._reparametrize_module(module, aliases), _zone():
         out = type(module).forward(module, *args, **kwargs)
     if _STATE.keep_split_outputs:
         return out
@@ -1387,17 +1387,17 @@ def loss_parallel() -> Iterator[None]:
     previous = _STATE.keep_split_outputs
     _STATE.keep_split_outputs = True
     try:
-        with _region():
+        with _zone():
             yield
     finally:
         _STATE.keep_split_outputs = previous
 
 
-# -- finding regions at shard time ------------------------------------------------------------------
+# -- finding zones at shard time ------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A sharded layer seen from the regions: its module name, split and role."""
+    """A sharded layer seen from the zones: its module name, split and role."""
 
     name: str
     role: str  # "produces" (split output) or "consumes" (split input)
@@ -1432,7 +1432,7 @@ def _ancestor(a: str, b: str) -> str:
     return ".".join(common)
 
 
-def find_regions(endpoints: Sequence[Endpoint]) -> list[str]:
+def find_zones(endpoints: Sequence[Endpoint]) -> list[str]:
     """Names of the modules whose forward runs on split activations: for every consumer and a
     producer split the same way, their closest common ancestor. Pure."""
     producers = [e for e in endpoints if e.role == "produces"]

@@ -1,10 +1,10 @@
-"""The names under which a region's module holds a tied parameter: each traced region re-ties them."""
+"""The names under which a zone's module holds a tied parameter: each traced zone re-ties them."""
 
 from __future__ import annotations
 
 import torch
 
-from sharded_tensor._model.regions import _ties
+from sharded_tensor._model.zones import _ties
 
 
 class _Tied(torch.nn.Module):
