@@ -265,20 +265,39 @@ PLANNED = [("mixtral", "expert"), ("qwen2_moe", "tensor")]
 WORLD_ARCHS = {2: 3, 4: 2}
 
 
-@pytest.fixture(scope="module", params=sorted(WORLD_ARCHS), ids=lambda w: f"{w}ranks")
-def moe_runs(request, tmp_path_factory) -> list[dict[str, object]]:
+def _spawn(world: int, tmp_path_factory) -> list[dict[str, object]]:
     root = str(tmp_path_factory.mktemp("moe"))
-    if request.param == 2:
+    if world == 2:
         write_folders(root)
-    return run_distributed(_moe, request.param, root, timeout=900)
+    return run_distributed(_moe, world, root, timeout=900)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.fixture(scope="module")
+def moe_runs_2(tmp_path_factory) -> list[dict[str, object]]:
+    return _spawn(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def moe_runs_4(tmp_path_factory) -> list[dict[str, object]]:
+    return _spawn(4, tmp_path_factory)
+
+
+@pytest.fixture
+def moe_runs(request, world: int) -> list[dict[str, object]]:
+    """The outputs of the module's one spawn on ``world`` ranks (made once, on first use)."""
+    runs: list[dict[str, object]] = request.getfixturevalue(f"moe_runs_{world}")
+    return runs
+
+
+# Only the cases each world's spawn holds: 2 ranks run every architecture, 4 ranks the first two.
+SHARDED_CASES = [pytest.param(world, arch, mode, id=f"{world}ranks-{arch}-{mode}") for world in sorted(WORLD_ARCHS)
+                 for arch in ARCHS[:WORLD_ARCHS[world]] for mode in MODES]
+WORLDS = [pytest.param(world, id=f"{world}ranks") for world in sorted(WORLD_ARCHS)]
+
+
+@pytest.mark.parametrize(("world", "arch", "mode"), SHARDED_CASES)
 def test_moe_sharded_equals_unsharded(moe_runs, arch, mode):
     for out in moe_runs:
-        if f"{arch}/{mode}" not in out:
-            pytest.skip(f"{arch} runs on 2 ranks only")
         case = out[f"{arch}/{mode}"]
         assert case["logits"] < 1e-5
         got, want = case["loss"]
@@ -293,12 +312,11 @@ def test_moe_sharded_equals_unsharded(moe_runs, arch, mode):
         assert case["param_errors"] == {}
 
 
+@pytest.mark.parametrize("world", [2])
 @pytest.mark.parametrize(("arch", "mode"), PLANNED)
 def test_moe_planned_by_tensor_parallel_spec_equals_unsharded(moe_runs, arch, mode):
     """``st.tensor_parallel_spec(model, ranks, experts=mode)``: transformers' plan, no spec written by hand."""
     for out in moe_runs:
-        if f"planned/{arch}/{mode}" not in out:
-            pytest.skip("the planned layouts run on 2 ranks")
         case = out[f"planned/{arch}/{mode}"]
         assert case["logits"] < 1e-5
         got, want = case["aux_loss"]
@@ -309,14 +327,11 @@ def test_moe_planned_by_tensor_parallel_spec_equals_unsharded(moe_runs, arch, mo
         assert case["param_errors"] == {}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("world", "arch", "mode"), SHARDED_CASES)
 def test_moe_experts_communicate_once_per_layer(moe_runs, arch, mode):
     """Tensor-parallel experts all-reduce; expert parallel takes the all-to-all where it moves fewer bytes."""
     others = LAYERS * ((0 if arch == "qwen3_moe" else 1) + (1 if arch == "qwen2_moe" else 0))
     for out in moe_runs:
-        if f"{arch}/{mode}" not in out:
-            pytest.skip(f"{arch} runs on 2 ranks only")
         case = out[f"{arch}/{mode}"]
         # backward: one all-reduce per layer for the experts' inputs (hidden states and routing
         # weights together), the combine's none
@@ -331,6 +346,7 @@ def test_moe_experts_communicate_once_per_layer(moe_runs, arch, mode):
         assert ("send/recv" in comm) == any(cheaper)
 
 
+@pytest.mark.parametrize("world", WORLDS)
 def test_expert_parallel_combine_bytes_are_counted(moe_runs):
     row, tokens, world = HIDDEN * 4, 2 * SEQ, len(moe_runs)
     for rank, out in enumerate(moe_runs):
@@ -343,6 +359,7 @@ def test_expert_parallel_combine_bytes_are_counted(moe_runs):
             assert 0 < gather <= (world - 1) * tokens * row
 
 
+@pytest.mark.parametrize("world", WORLDS)
 def test_bad_expert_layouts_are_refused(moe_runs):
     for out in moe_runs:
         refusals = out["refusals"]
@@ -350,11 +367,10 @@ def test_bad_expert_layouts_are_refused(moe_runs):
         assert refusals["uneven"] is not None and "divisible" in refusals["uneven"]
 
 
+@pytest.mark.parametrize("world", [2])
 @pytest.mark.parametrize(("arch", "layout", "mode"), IMPORT_CASES)
 def test_moe_import_equals_from_pretrained(moe_runs, arch, layout, mode):
     """A folder per expert (save_pretrained's) or fused loads by byte ranges into either expert layout."""
-    if len(moe_runs) != 2:
-        pytest.skip("the imports run on 2 ranks")
     config = _config(arch, 2)
     inter = config.intermediate_size if arch == "mixtral" else config.moe_intermediate_size
     experts_bytes = LAYERS * EXPERTS * (3 if mode == "expert" else 2) * inter * HIDDEN * 4
