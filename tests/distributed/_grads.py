@@ -1,16 +1,18 @@
-"""Compare a sharded model's gradients and parameters with an unsharded reference's."""
+"""Compare a sharded model's gradients, parameters and state dicts with an unsharded reference's."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from sharded_tensor import ShardedTensor
 from sharded_tensor._model.record import sharded_parameters
 
 __all__ = ["full_grads", "full_mismatches", "full_params", "gathered_grads", "local_grad_mismatches",
-           "relative_errors"]
+           "relative_errors", "whole_state"]
 
 
 def local_grad_mismatches(model: nn.Module, ref: nn.Module, rank: int) -> list[str]:
@@ -96,3 +98,23 @@ def relative_errors(got: dict[str, torch.Tensor], ref: nn.Module) -> dict[str, f
         want = want if want is not None else torch.zeros_like(grad)
         errors[name] = float((grad - want).abs().max()) / max(float(want.abs().max()), 1e-4)
     return errors
+
+
+def whole_state(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``get_state_dict`` result, gathered whole, by a dotted name.
+
+    A non-tensor optimizer entry (a step count) becomes a float32 scalar tensor, as torch's
+    optimizers keep their step counts.
+    """
+    out = {}
+    for name, value in state["model"].items():
+        out[f"model.{name}"] = value.full_tensor() if isinstance(value, ShardedTensor) else value.clone()
+    for name, entry in state["optim"]["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, ShardedTensor):
+                out[f"optim.{name}.{key}"] = value.full_tensor()
+            elif isinstance(value, torch.Tensor):
+                out[f"optim.{name}.{key}"] = value.clone()
+            else:
+                out[f"optim.{name}.{key}"] = torch.tensor(float(value))
+    return out

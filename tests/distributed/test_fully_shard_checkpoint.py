@@ -44,6 +44,7 @@ from torch import nn
 
 import checkpoint
 import sharded_tensor as st
+from tests.distributed._grads import whole_state
 from tests.distributed._launch import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -88,27 +89,11 @@ def _steps(model: nn.Module, optim: torch.optim.Optimizer, steps: range, rank: i
     return losses
 
 
-def _flat_state(state: dict) -> dict[str, torch.Tensor]:  # type: ignore[type-arg]
-    """Every tensor of a ``get_state_dict`` result, whole (gathered), by a dotted name."""
-    out = {}
-    for name, value in state["model"].items():
-        out[f"model.{name}"] = value.full_tensor() if isinstance(value, st.ShardedTensor) else value.clone()
-    for name, entry in state["optim"]["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, st.ShardedTensor):
-                out[f"optim.{name}.{key}"] = value.full_tensor()
-            elif isinstance(value, torch.Tensor):
-                out[f"optim.{name}.{key}"] = value.clone()
-            else:
-                out[f"optim.{name}.{key}"] = torch.tensor(float(value))
-    return out
-
-
 def _load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> dict[str, torch.Tensor]:
     state = st.get_state_dict(model, optim)
     checkpoint.load(state, path)
     st.set_state_dict(model, optim, state)
-    return _flat_state(st.get_state_dict(model, optim))
+    return whole_state(st.get_state_dict(model, optim))
 
 
 def _hybrid(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
@@ -125,7 +110,7 @@ def _hybrid(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
     st.all_reduce_grads(model, replicas[rank % 2])  # average over the replicas too: the whole batch
     optim.step()
     checkpoint.save(st.get_state_dict(model, optim), dst)
-    return {"loaded": loaded, "after": _flat_state(st.get_state_dict(model, optim)),
+    return {"loaded": loaded, "after": whole_state(st.get_state_dict(model, optim)),
             "local": [tuple(p.shape) for p in model.parameters()]}
 
 
@@ -152,7 +137,7 @@ def _two_by_two(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
     F.mse_loss(model(x[rows]), y[rows]).backward()
     optim.step()
     checkpoint.save(st.get_state_dict(model, optim), dst)
-    return {"loaded": loaded, "after": _flat_state(st.get_state_dict(model, optim)), "tp_local": tp_local,
+    return {"loaded": loaded, "after": whole_state(st.get_state_dict(model, optim)), "tp_local": tp_local,
             "local": [tuple(p.shape) for p in model.parameters()]}
 
 
@@ -219,7 +204,7 @@ def _llama_two_by_two(rank: int, world: int, dst: str) -> dict[str, object]:
             for k, v in model.state_dict().items()}
     return {"losses": losses, "params": full, "tp_local": tp_local,
             "q_local": tuple(model.model.layers[0].self_attn.q_proj.weight.shape), "q_blocks": blocks,
-            "after": _flat_state(state)}
+            "after": whole_state(state)}
 
 
 def _fsdp2(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
@@ -284,7 +269,7 @@ def _on_four(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
         mismatch = str(exc)
     local = [tuple(p.shape) for p in model.parameters()]
     fsdp2 = _fsdp2(rank, world, dst, dst + "-fsdp2")
-    return {"loaded": loaded, "losses": losses, "after": _flat_state(st.get_state_dict(model, optim)),
+    return {"loaded": loaded, "losses": losses, "after": whole_state(st.get_state_dict(model, optim)),
             "mismatch": mismatch, "local": local, "hybrid": hybrid, "2x2": two_by_two, "llama": llama,
             "fsdp2": fsdp2}
 
@@ -297,7 +282,7 @@ def _on_two(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
     losses = _steps(model, optim, range(4, 5), rank, world)
     checkpoint.save(st.get_state_dict(model, optim), dst)
     return {"loaded": loaded, "collected": collected, "losses": losses,
-            "after": _flat_state(st.get_state_dict(model, optim))}
+            "after": whole_state(st.get_state_dict(model, optim))}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -318,13 +303,13 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
     _steps(ref, ref_optim, range(0, 2))
     plain = str(tmp_path / "plain")
     checkpoint.save(st.get_state_dict(ref, ref_optim), plain)
-    saved = _flat_state(st.get_state_dict(ref, ref_optim))
+    saved = whole_state(st.get_state_dict(ref, ref_optim))
     ref_losses = _steps(ref, ref_optim, range(2, 3))
-    after_three = _flat_state(st.get_state_dict(ref, ref_optim))
+    after_three = whole_state(st.get_state_dict(ref, ref_optim))
     ref_losses += _steps(ref, ref_optim, range(3, 4))
-    after_four = _flat_state(st.get_state_dict(ref, ref_optim))
+    after_four = whole_state(st.get_state_dict(ref, ref_optim))
     ref_losses += _steps(ref, ref_optim, range(4, 5))
-    after_five = _flat_state(st.get_state_dict(ref, ref_optim))
+    after_five = whole_state(st.get_state_dict(ref, ref_optim))
 
     llama_losses, llama_params = _llama_reference()
 

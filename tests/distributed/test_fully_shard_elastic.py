@@ -30,6 +30,7 @@ from torch import nn
 import checkpoint
 import sharded_tensor as st
 from sharding import composite, single_split
+from tests.distributed._grads import whole_state
 from tests.distributed._launch import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -108,7 +109,7 @@ class _Layout:
         state = self.state()
         checkpoint.load(state, path, process_group=self.group)
         st.set_state_dict(self.model, self.optim, state)
-        return _whole(self.state())
+        return whole_state(self.state())
 
     def train(self, steps: range) -> list[float]:
         losses = []
@@ -128,22 +129,6 @@ class _Layout:
         return losses
 
 
-def _whole(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Every tensor of a ``get_state_dict`` result, gathered whole, by a dotted name."""
-    out = {}
-    for name, value in state["model"].items():
-        out[f"model.{name}"] = value.full_tensor() if isinstance(value, st.ShardedTensor) else value.clone()
-    for name, entry in state["optim"]["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, st.ShardedTensor):
-                out[f"optim.{name}.{key}"] = value.full_tensor()
-            elif isinstance(value, torch.Tensor):
-                out[f"optim.{name}.{key}"] = value.clone()
-            else:
-                out[f"optim.{name}.{key}"] = torch.tensor(float(value), dtype=torch.float64)
-    return out
-
-
 def _chain(rank: int, world: int, root: str) -> list[dict[str, object]]:
     import torch.distributed as dist
 
@@ -160,7 +145,7 @@ def _chain(rank: int, world: int, root: str) -> list[dict[str, object]]:
         step += STEPS
         if layout.member:
             checkpoint.save(layout.state(), f"{root}/{i}", process_group=layout.group)
-            entry["saved"] = _whole(layout.state())
+            entry["saved"] = whole_state(layout.state())
         out.append(entry)
         dist.barrier()
     # A dtype mismatch between the checkpoint and the model raises (nothing is cast silently).
