@@ -151,31 +151,47 @@ def _slowest(seconds: float) -> float:
 
 
 def _collectives(world: int, layers: list[int], root: int) -> dict[str, float]:
-    """The collectives of one fully sharded step on flat buffers of the units' sizes, back to back."""
+    """The collectives of one fully sharded step on flat buffers of the units' sizes, back to back.
+
+    Gloo's ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, and the direct exchanges
+    ``st.fully_shard`` uses (``_shardkit.flat``), each rank's piece a single tensor. Two rounds
+    (the first touches fresh memory); the second round's seconds, the slowest rank's.
+    """
     from _shardkit import flat
 
-    def padded(n: int) -> int:
-        return -(-n // world) * world
-
+    rank = dist.get_rank()
     gathers = [root, *layers, *layers[:-1]]  # forward: every unit; backward: the layers again (last one kept)
     reduces = [*reversed(layers), root]
+
+    def gloo_gather(n: int) -> None:
+        dist.all_gather_into_tensor(torch.empty(n * world), torch.empty(n))
+
+    def direct_gather(n: int) -> None:
+        full = torch.empty(n * world)
+        places = [[full[r * n:(r + 1) * n] for r in range(world)]]
+        flat.start_gather([torch.empty(n)], places, None, rank, counted=0, what="gather").wait()
+
+    def gloo_reduce(n: int) -> None:
+        dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * world))
+
+    def direct_reduce(n: int) -> None:
+        full, received = torch.ones(n * world), torch.empty(world - 1, n)
+        theirs = iter(received)
+        places = [[None if r == rank else next(theirs) for r in range(world)]]
+        flat.start_scatter([list(full.chunk(world))], places, None, rank, counted=0, what="reduce").wait()
+        torch.sum(received, 0).add_(full[rank * n:(rank + 1) * n])
+
     out: dict[str, float] = {}
-    dist.barrier()
-    t0 = time.perf_counter()
-    for n in gathers:
-        full = torch.empty(padded(n))
-        dist.all_gather_into_tensor(full, torch.empty(padded(n) // world))
-    out["all_gathers"] = _slowest(time.perf_counter() - t0)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for n in reduces:
-        dist.reduce_scatter_tensor(torch.empty(padded(n) // world), torch.ones(padded(n)))
-    out["reduce_scatters_gloo"] = _slowest(time.perf_counter() - t0)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for n in reduces:
-        flat.start_reduce_scatter(torch.empty(padded(n) // world), torch.ones(padded(n)), None).wait()
-    out["reduce_scatters_shardkit"] = _slowest(time.perf_counter() - t0)
+    for _ in range(2):
+        for label, fn, sizes in (("all_gathers_gloo", gloo_gather, gathers),
+                                 ("all_gathers_direct", direct_gather, gathers),
+                                 ("reduce_scatters_gloo", gloo_reduce, reduces),
+                                 ("reduce_scatters_direct", direct_reduce, reduces)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for n in sizes:
+                fn(-(-n // world))
+            out[label] = _slowest(time.perf_counter() - t0)
     return out
 
 
@@ -224,7 +240,7 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
             by_category[_category(event.key)] += event.self_cpu_time_total / 1e6
             top.append((event.self_cpu_time_total / 1e6, event.key, event.count))
         out["profile_self_cpu_seconds"] = {k: round(v, 3) for k, v in sorted(by_category.items())}
-        out["profile_top"] = [[round(s, 3), k, c] for s, k, c in sorted(top, reverse=True)[:args.top]]
+        out["profile_top"] = [f"{s:.3f} s {k} x{c}" for s, k, c in sorted(top, reverse=True)[:args.top]]
     if side == "plain":
         layers, root = _unit_sizes(model)
         out.update({k: round(v, 3) for k, v in _collectives(world, layers, root).items()})
