@@ -5,7 +5,7 @@ three sides, each in fresh processes, one after the other in the same run:
 
 * ``shardkit`` / ``fsdp2``: each decoder layer, then the model, fully sharded. Per step, the
   slowest rank's forward, backward and ``optim.step()``; on shardkit, the seconds spent
-  waiting for collectives (``PendingCollective.wait``), for FSDP2 the seconds in its
+  waiting for collectives (``PendingExchange.wait``), for FSDP2 the seconds in its
   ``work.wait()`` calls. One step under ``torch.profiler`` on rank 0: self CPU seconds by
   category (matmuls, other compute, copies into and out of flat buffers, optimizer, the
   collectives' own threads where the profiler sees them).
@@ -63,15 +63,15 @@ class _Waits:
     def __init__(self, side: str) -> None:
         self.seconds = 0.0
         if side == "shardkit":
-            from _shardkit import flat
+            from _shardkit import comm
 
-            original = flat.PendingCollective.wait
+            original = comm.PendingExchange.wait
 
             def wait(pending: Any) -> None:
                 t0 = time.perf_counter()
                 original(pending)
                 self.seconds += time.perf_counter() - t0
-            flat.PendingCollective.wait = wait  # type: ignore[method-assign]
+            comm.PendingExchange.wait = wait  # type: ignore[method-assign]
         elif side == "fsdp2":
             for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
                          "reduce_scatter_tensor"):

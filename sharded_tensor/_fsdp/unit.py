@@ -104,7 +104,7 @@ class Unit:
         self.order: list[Unit] = []  # for a root: every unit below it, itself first
         self.root: Unit | None = None  # while running: the root of the current forward / backward
         # (unit, reduce-scatter in flight, which gradients it carries, the whole gradients it sends, the others' parts)
-        self._reductions: list[tuple[Unit, Any, list[bool], list[torch.Tensor], torch.Tensor | None]] = []
+        self._reductions: list[tuple[Unit, Any, list[bool], list[torch.Tensor], list[torch.Tensor]]] = []
         self._callback_queued = False
         self.handles: list[Any] = []
         self.absent = False  # this rank is in no data-parallel group (ranks=[]): it holds no rows
@@ -294,8 +294,9 @@ class Unit:
             if held is not None:
                 whole = whole + held[plan.full_slice(flat)]
             wholes.append(whole)
-        # The other ranks' gradients of this rank's rows: one segment per other rank.
-        received = torch.empty(world - 1, plan.segment, dtype=self.reduce_dtype, device=device) if world > 1 else None
+        # The other ranks' gradients of this rank's rows: one segment per other rank, each its own
+        # tensor (the first becomes the reduced buffer the gradients are views of; the others are freed).
+        received = [torch.empty(plan.segment, dtype=self.reduce_dtype, device=device) for _ in range(world - 1)]
         pieces: list[list[torch.Tensor]] = []
         places: list[list[torch.Tensor | None]] = []
         for flat, whole in zip(plan.params, wholes):
@@ -315,10 +316,15 @@ class Unit:
             pending.wait()
             unit._assign(unit._reduce(wholes, received), had)
 
-    def _reduce(self, wholes: list[torch.Tensor], received: torch.Tensor | None) -> torch.Tensor:
-        """This rank's rows of every gradient: the sum over ranks, in rank order, over the ranks."""
+    def _reduce(self, wholes: list[torch.Tensor], received: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's rows of every gradient: the sum over ranks, in rank order, over the ranks.
+
+        Summed into the first received segment (an element-wise sum may write over one of its
+        inputs), so no buffer of its own is allocated.
+        """
         plan, me = self.plan, self.group_rank
-        out = torch.empty(plan.segment, dtype=self.reduce_dtype, device=self.unsharded.device)
+        out = received[0] if received else torch.empty(plan.segment, dtype=self.reduce_dtype,
+                                                        device=self.unsharded.device)
         with torch.no_grad():
             for flat, whole in zip(plan.params, wholes):
                 start, stop = _span(flat, me)
@@ -363,11 +369,11 @@ def _span(flat: FlatParam, group_rank: int) -> tuple[int, int]:
     return start * flat.row, (start + length) * flat.row
 
 
-def _in_rank_order(own: torch.Tensor | None, received: torch.Tensor | None, offset: int, length: int,
+def _in_rank_order(own: torch.Tensor | None, received: list[torch.Tensor], offset: int, length: int,
                    group_rank: int, world: int) -> list[Any]:
     """Every rank's part of one parameter's rows here, by rank: ``own`` for this rank, the others from
     ``received`` (one segment per other rank, in rank order)."""
-    theirs = iter(received[:, offset:offset + length]) if received is not None else iter(())
+    theirs = iter([segment[offset:offset + length] for segment in received])
     return [own if r == group_rank else next(theirs) for r in range(world)]
 
 
