@@ -58,7 +58,7 @@ def _category(name: str) -> str:
 
 
 class _Waits:
-    """Seconds this rank blocks in collective waits (shardkit's PendingCollective, FSDP2's works)."""
+    """Seconds this rank blocks in collective waits (shardkit's exchanges, FSDP2's works)."""
 
     def __init__(self, side: str) -> None:
         self.seconds = 0.0
