@@ -8,7 +8,8 @@ three sides, each in fresh processes, one after the other in the same run:
   waiting for collectives (``PendingExchange.wait``), for FSDP2 the seconds in its
   ``work.wait()`` calls. One step under ``torch.profiler`` on rank 0: self CPU seconds by
   category (matmuls, other compute, copies into and out of flat buffers, optimizer, the
-  collectives' own threads where the profiler sees them).
+  collectives' own threads where the profiler sees them). Also each phase's peak RSS over
+  the resident size at the start of the step (rank 0), to tell where the step's peak is.
 * ``plain``: the floor. The whole model on every rank (no gathering), forward and backward
   on the rank's part of the batch, then AdamW on one N-th of every parameter (the rows a
   fully sharded rank holds: the same optimizer work). Then, separately and back to back,
@@ -36,7 +37,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _harness import machine, run_fresh  # noqa: E402
+from _harness import MiB, machine, proc_status, reset_peak, run_fresh  # noqa: E402
 from fully_shard import _config  # noqa: E402
 
 # Profiler event names (by prefix or content) -> category.
@@ -203,20 +204,29 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
         optim.zero_grad(set_to_none=True)
         if shards is not None:
             model.zero_grad(set_to_none=True)
+        base = reset_peak()
         t0 = time.perf_counter()
         loss = model(batch, labels=batch).loss
         t1 = time.perf_counter()
+        forward_peak = proc_status("VmHWM") - base
+        reset_peak()
         loss.backward()
         if shards is not None:
             for p, r, shard in shards:
                 if shard is not None:
                     shard.grad = p.grad.chunk(world)[r]
         t2 = time.perf_counter()
+        backward_peak = proc_status("VmHWM") - base
+        reset_peak()
         optim.step()
         t3 = time.perf_counter()
+        optimizer_peak = proc_status("VmHWM") - base
         if phases is not None:
             for key, value in (("forward", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2), ("step", t3 - t0)):
                 phases[key].append(_slowest(value))
+            # Peak RSS in each phase over the resident size when the step began (this rank's), MiB.
+            for key, value in (("forward", forward_peak), ("backward", backward_peak), ("optimizer", optimizer_peak)):
+                phases[f"{key}_peak_mib"].append(value / MiB)
 
     step(batches[0], None)
     phases: dict[str, list[float]] = defaultdict(list)
@@ -226,7 +236,8 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
         before = waits.seconds
         step(batch, phases)
         wait_seconds.append(waits.seconds - before)
-    out: dict[str, Any] = {key: round(statistics.median(v), 3) for key, v in phases.items()}
+    out: dict[str, Any] = {key: round(statistics.median(v), 1 if key.endswith("mib") else 3)
+                           for key, v in phases.items()}
     out["collective_wait"] = round(statistics.median(wait_seconds), 3)
     dist.barrier()
     from torch.profiler import ProfilerActivity, profile
