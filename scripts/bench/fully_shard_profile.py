@@ -71,7 +71,7 @@ class _Waits:
                 t0 = time.perf_counter()
                 original(pending)
                 self.seconds += time.perf_counter() - t0
-            comm.PendingExchange.wait = wait  # type: ignore[method-assign]
+            comm.PendingExchange.wait = wait  # type: ignore[method-assign,assignment]
         else:
             # FSDP2 calls torch's collectives through references of its own: its waits are not
             # seen here (the profile's FSDP:: events hold them).
