@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +32,6 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 import torch  # noqa: E402
 from _harness import launch, llama_tp_names, machine  # noqa: E402
-
 
 SIDES = ("shardkit", "dtensor", "plain")
 
@@ -188,20 +188,25 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
     # Training steps, alternating sides.
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     losses: dict[str, list[float]] = {side: [] for side in SIDES}
+    # CPU seconds of this process (Gloo's threads included): what a step costs whatever else
+    # competes for the cores, a steadier figure than wall time on a loaded machine.
+    cpu: dict[str, list[float]] = {side: [] for side in SIDES}
     for step, batch in enumerate(batches[1:]):
         order = SIDES[step % len(SIDES):] + SIDES[:step % len(SIDES)]  # each side first in turn
         for side in order:
             model, opt = models[side], opts[side]
             torch.distributed.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             loss = model(batch, labels=batch).loss
             loss.backward()
             opt.step()
             elapsed = time.perf_counter() - t0
             times[side].append(elapsed)
+            cpu[side].append(time.process_time() - c0)
             losses[side].append(float(loss.detach()))
     out["times"] = times
+    out["cpu"] = cpu
     out["losses"] = losses
     return out
 
@@ -265,12 +270,19 @@ def main() -> None:
     # The slowest rank's time per step; medians and ranges over the steps.
     slowest = {side: [max(r["times"][side][i] for r in results) for i in range(args.steps)] for side in SIDES}
     per_side = {side: statistics.median(t) for side, t in slowest.items()}
+    # CPU seconds per step: the two ranks' sum, median over the steps.
+    cpu = {side: [sum(r["cpu"][side][i] for r in results) for i in range(args.steps)] for side in SIDES}
 
     def ratio(a: str, b: str) -> dict[str, Any]:
         per_step = [x / y for x, y in zip(slowest[a], slowest[b])]
         return {"median_of_medians": round(per_side[a] / per_side[b], 4),
                 "per_step_median": round(statistics.median(per_step), 4),
                 "per_step_range": [round(min(per_step), 4), round(max(per_step), 4)]}
+
+    def cpu_ratio(a: str, b: str) -> dict[str, Any]:
+        per_step = [x / y for x, y in zip(cpu[a], cpu[b])]
+        return {"median": round(statistics.median(per_step), 4),
+                "range": [round(min(per_step), 4), round(max(per_step), 4)]}
 
     r0 = results[0]
     report = {
@@ -288,8 +300,12 @@ def main() -> None:
                                   max(a / b for a, b in zip(slowest["shardkit"], slowest["dtensor"]))],
         "ratios": {"shardkit/dtensor": ratio("shardkit", "dtensor"), "plain/dtensor": ratio("plain", "dtensor"),
                    "shardkit/plain": ratio("shardkit", "plain")},
+        "cpu_seconds_median": {side: statistics.median(c) for side, c in cpu.items()},
+        "cpu_ratios": {"shardkit/dtensor": cpu_ratio("shardkit", "dtensor"),
+                       "plain/dtensor": cpu_ratio("plain", "dtensor"),
+                       "shardkit/plain": cpu_ratio("shardkit", "plain")},
         "first_loss": {side: r0["losses"][side][0] for side in SIDES},
-        "load_average_end": [round(x, 2) for x in __import__("os").getloadavg()],
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "steps": args.steps,
     }
     print(json.dumps(report, indent=2))
