@@ -306,18 +306,18 @@ class _Shard(Protocol):
     def rank(self) -> int | None: ...
 
 
-def placement_of(shards: Sequence[_Shard], size: Sequence[int], partial: str | None = None) -> Placement | None:
+def placement_of(shards: Sequence[_Shard], size: Sequence[int]) -> Placement | None:
     """The placement of a tensor laid out as ``shards`` (one ``ShardMetadata`` per block), if it has one.
 
     Rank ``r`` of the result is rank ``r`` of the shards; ranks below the highest one that hold
     nothing get length 0. ``None`` when no placement describes the layout: blocks split along
     several dimensions, elements held by some ranks and not others, a shard without a rank, or
     no dimension to split (the whole tensor on one rank). Pure; used for metadata no spec built
-    (from local shards, a checkpoint, a DTensor): specs state their placement themselves.
+    (from local shards, a checkpoint, a DTensor): specs state their placement themselves. Never
+    a ``Partial``: shards do not say that their values are pending a reduction, so partial
+    metadata is always given its placement.
     """
     size = tuple(size)
-    if partial is not None:
-        return Partial(partial)
     ranks = [s.rank for s in shards]
     known = [r for r in ranks if r is not None]
     if not shards or len(known) != len(ranks):
