@@ -19,7 +19,7 @@ from sharding import (
     partial,
     single_split,
 )
-from sharding.layout import Packed, Partial, Replicated, Split, placement_of
+from sharding.layout import Packed, Partial, Replicated, Split, Strided, placement_of
 
 R4 = [f"rank:{r}/cpu" for r in range(4)]
 
@@ -93,6 +93,23 @@ def test_engine_tags_are_the_layout_placements_with_a_group():
     assert isinstance(_zones.Packed(0, (((0, 1), (2, 1)), ((1, 1), (3, 1)))), Packed)
     with pytest.raises(ValueError, match="overlap"):
         _zones.Split(0, ((0, 2), (1, 2)))
+    strided = _zones.Strided(1, ((0, 2), (2, 2)), 3, group)
+    assert isinstance(strided, Strided) and strided.moved(0) == _zones.Strided(0, ((0, 2), (2, 2)), 3, group)
+    assert (strided.size, strided.packed().strided()) == (4, Strided(1, ((0, 2), (2, 2)), 3))
+
+
+def test_strided_is_the_regular_case_of_packed():
+    strided = Strided(0, ((0, 1), (1, 3)), 2)
+    assert strided.packed() == Packed(0, (((0, 1), (4, 1)), ((1, 3), (5, 3))))
+    assert strided.packed().strided() == strided
+    assert Packed(0, (((0, 2), (6, 2)), ((2, 4),))).strided() is None  # not in equal blocks
+    assert Packed(0, (((0, 2), (5, 1)), ((2, 3),))).strided() is None
+    # Metadata states a strided layout as its Packed placement: one placement per layout.
+    assert single_split(0, R4[:2] * 2).build_metadata((8, 4)).placement == Strided(0, ((0, 2), (2, 2)), 2).packed()
+    with pytest.raises(ValueError, match="blocks=0 must be a positive int"):
+        Strided(0, ((0, 2),), 0)
+    with pytest.raises(ValueError, match="overlap"):
+        Strided(0, ((0, 2), (1, 2)), 2)
 
 
 @pytest.mark.parametrize(("spec", "size", "world", "expected"), [
