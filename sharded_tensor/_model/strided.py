@@ -8,8 +8,10 @@ BLOOM (and code written like it) merges the batch with the heads before its batc
     context = torch.bmm(probs.view(batch * num_heads, seq, seq), v)
 
 The merged dimension is split in blocks: for each batch row, this rank holds its heads. Such a
-tensor is tagged :class:`Strided` (``blocks`` = the product of the merged outer dimensions),
-and these ops keep it so, each on its local blocks:
+tensor is tagged :class:`Strided`: the placement ``sharding.layout.Strided`` (``blocks`` = the
+product of the merged outer dimensions, each block split by the heads' intervals) over the
+zone's process group, as :class:`zones.Split` is ``sharding.layout.Split`` with one. These
+ops keep it so, each on its local blocks:
 
 * reshapes: a split merged with the dimensions outside it gives a strided split; a strided
   tensor reshaped to sizes that separate the blocks again (``view(batch, num_heads, ...)``)

@@ -67,7 +67,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +80,7 @@ from sharding import layout
 
 from . import replay as _replay
 from . import rule_table as _rule_table
-from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
+from .functional import copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
 
 __all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "GLOBAL_SIZES",
@@ -128,27 +128,15 @@ class Partial(layout.Partial):
     group: _comm.ProcessGroup = None
 
 
-@dataclass(frozen=True)
-class Strided:
-    """A split dimension merged with dimensions outside it: ``blocks`` blocks, each split by ``intervals``.
+@dataclass(frozen=True, slots=True)
+class Strided(layout.Strided):
+    """A split dimension merged with dimensions outside it: the placement ``sharding.layout.Strided``
+    (``blocks`` blocks, rank ``r`` holding ``intervals[r]`` of each) over the process group ``group``.
 
-    ``reshape(batch * num_heads, ...)`` of a tensor split on its heads gives one: along ``dim``,
-    block ``b`` covers global positions ``[b * size, (b + 1) * size)`` and rank ``r`` holds
-    ``intervals[r]`` of each block, its blocks laid one after the other locally (see ``strided``).
+    ``reshape(batch * num_heads, ...)`` of a tensor split on its heads gives one (see ``strided``).
     """
 
-    dim: int
-    intervals: Intervals
-    blocks: int
     group: _comm.ProcessGroup = None
-
-    @property
-    def size(self) -> int:
-        """The global size of one block."""
-        return max((s + n for s, n in self.intervals), default=0)
-
-    def moved(self, dim: int) -> Strided:
-        return Strided(dim, self.intervals, self.blocks, self.group)
 
 
 # Tags beyond Split and Packed, by type: (the rule for an op reading a tensor so tagged, its whole
@@ -1620,29 +1608,32 @@ def loss_parallel() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A sharded layer seen from the zones: its module name, split and role."""
+    """A sharded layer seen from the zones: its module name, role and the split of that activation.
+
+    ``split`` is along the activation's last dimension, given as dimension 0: a producer's
+    output may be packed (a fused projection's heads of q, k and v), a consumer's input is one
+    slice per rank.
+    """
 
     name: str
-    role: str  # "produces" (split output) or "consumes" (split input)
-    intervals: Intervals | None
-    pieces: tuple[Intervals, ...] | None = None
+    role: Literal["produces", "consumes"]
+    split: layout.Split | layout.Packed
 
     def slices(self) -> list[tuple[int, int]]:
-        if self.pieces is not None:
-            return [p for slices in self.pieces for p in slices]
-        return list(self.intervals or ())
+        if isinstance(self.split, layout.Packed):
+            return [p for slices in self.split.pieces for p in slices]
+        return list(self.split.intervals)
 
 
 def _matches(producer: Endpoint, consumer: Endpoint) -> bool:
-    """Whether the producer's split output is what the consumer takes, directly or once unpacked."""
-    if producer.pieces is None:
-        return producer.intervals == consumer.intervals
-    assert consumer.intervals is not None
-    size = max(s + n for s, n in consumer.intervals)
-    for (start, length), slices in zip(consumer.intervals, producer.pieces):
-        if not slices or any((s, n) != (start + j * size, length) for j, (s, n) in enumerate(slices)):
-            return False
-    return True
+    """Whether the producer's split output is what the consumer takes, directly or once unpacked
+    (each of the packed blocks split as the consumer's input: ``qkv.split(...)`` then gives it)."""
+    assert isinstance(consumer.split, layout.Split)
+    given = producer.split
+    if isinstance(given, layout.Packed):
+        strided = given.strided()
+        return strided is not None and strided.intervals == consumer.split.intervals
+    return given.intervals == consumer.split.intervals
 
 
 def _ancestor(a: str, b: str) -> str:
@@ -1661,7 +1652,7 @@ def find_zones(endpoints: Sequence[Endpoint]) -> list[str]:
     producers = [e for e in endpoints if e.role == "produces"]
     roots: dict[str, None] = {}
     for consumer in (e for e in endpoints if e.role == "consumes"):
-        if any(length == 0 for _, length in consumer.intervals or ()):
+        if any(length == 0 for _, length in consumer.slices()):
             continue  # a rank without a slice would take other code paths than its peers
         for producer in producers:
             if _matches(producer, consumer):
