@@ -3,10 +3,14 @@
 Both are safetensors data files described by metadata (``shardkit.json``, or the files' own
 headers for Hugging Face), so both fill a target block the same way: the saved regions that
 overlap it come from ``TensorEntry.overlapping`` (the same overlap search the reshard
-planner uses), and every read goes through ``_reader.DataReader``, widened to whole
-checksummed spans (``_reader.covering``): from format version 2 the chunks a read touches (at
-most one chunk of extra bytes at each end), so partial reads are verified too; in version 1
-whole regions only. A failed load never leaves corrupt bytes in the target:
+planner uses). Planning works on blocks (``sharding.layout`` boxes), not placements: the
+saved regions and the wanted block may come from any two layouts (a mesh, another world
+size, a file per tensor), and the overlap of two arbitrary tilings is the general case that
+a placement (``Split``, ``Packed``, ...) would only name for regular ones. Every read goes
+through ``_reader.DataReader``, widened to whole checksummed spans (``_reader.covering``):
+from format version 2 the chunks a read touches (at most one chunk of extra bytes at each
+end), so partial reads are verified too; in version 1 whole regions only. A failed load never
+leaves corrupt bytes in the target:
 
 - an overlap that is exactly whole spans, contiguous in file and target (e.g. whole regions):
   read straight into the target and verified there; a failed check clears the block to zeros
@@ -139,10 +143,13 @@ def _map_into(task: _Task, reader: DataReader) -> bool:
     storage = reader.file_storage(task.path, tensors=task.name)
     if storage.nbytes() < start + task.nbytes:
         return False  # a short file: the ordinary read reports it as truncated
-    # Verify the whole chunks (version 2 and later) or the whole region (version 1) the block covers.
-    lo, hi = covering(shard, start, start + task.nbytes)
-    with reader.mapped(task.path, lo, hi, tensors=task.name, populate=True) as data:
-        RegionCheck(shard, task.path, task.name, lo, reader.verified).update(data)
+    if shard.chunks or shard.checksum:
+        # Verify the whole chunks (version 2 and later) or the whole region (version 1) the block
+        # covers. Files without checksums (Hugging Face) are not read here at all: mapping them
+        # populated would fault in every page of the block, the cost the mapping avoids.
+        lo, hi = covering(shard, start, start + task.nbytes)
+        with reader.mapped(task.path, lo, hi, tensors=task.name, populate=True) as data:
+            RegionCheck(shard, task.path, task.name, lo, reader.verified).update(data)
     with torch.no_grad():
         target.set_(storage, start // dtype.itemsize, target.shape, target.stride())
     return True

@@ -192,9 +192,9 @@ def fill(state_dict: dict[Any, Any], source: Source, *, strict: bool = True, cas
             msg = (f"checkpoint {where!r} holds a tensor for {name!r}, but the state_dict has "
                    f"{type(value).__name__} {value!r} there; put a tensor (or None) under that name.")
             raise CheckpointError(msg)
-        if isinstance(value, ShardedTensor) and value.sharding_metadata().partial is not None:
+        if isinstance(value, ShardedTensor) and (pending := value.sharding_metadata().pending) is not None:
             msg = (f"cannot load {name!r} from {where!r} into a ShardedTensor holding partial values "
-                   f"(partial({value.sharding_metadata().partial})): every holder would get the whole tensor; "
+                   f"(partial({pending.reduce_op})): every holder would get the whole tensor; "
                    f"reshard it to a plain layout (a split or DevicePlacement) before loading.")
             raise ValueError(msg)
         if tuple(value.shape) != tuple(entry.size):

@@ -146,16 +146,16 @@ def _reduce_partials(state_dict: Mapping[str, Any], reduce_partial: bool) -> dic
     Refused unless ``reduce_partial``; then each is reduced into a split over its holders (a
     reduce-scatter), leaving the caller's tensor as it was.
     """
-    partials = [(name, value) for name, _, _, value in flatten_state_dict(state_dict)
-                if isinstance(value, ShardedTensor) and value.sharding_metadata().partial is not None]
+    partials = [(name, value, pending) for name, _, _, value in flatten_state_dict(state_dict)
+                if isinstance(value, ShardedTensor) and (pending := value.sharding_metadata().pending) is not None]
     if partials and not reduce_partial:
-        names = ", ".join(f"{name!r} (partial({value.sharding_metadata().partial}))" for name, value in partials)
+        names = ", ".join(f"{name!r} (partial({pending.reduce_op}))" for name, _, pending in partials)
         what = f"entry {names} holds" if len(partials) == 1 else f"entries {names} hold"
         msg = (f"checkpoint.save: {what} partial values pending a reduction, not a tensor; reshard to a "
                f"plain layout first (e.g. t.reshard(single_split(0, ranks)) or DevicePlacement('cpu')), or pass "
                f"reduce_partial=True to save the reduced values.")
         raise ValueError(msg)
-    return {id(value): value.reduced() for _, value in partials}
+    return {id(value): value.reduced() for _, value, _ in partials}
 
 
 def _plan(state_dict: Mapping[str, Any], rank: int, world: int,

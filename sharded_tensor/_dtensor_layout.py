@@ -188,7 +188,7 @@ def to_dtensor(metadata: ShardedTensorMetadata, local: torch.Tensor | None, grou
     where = f"to_dtensor(size={size}, mesh shape={tuple(device_mesh.shape)})"
     ranks = _mesh_ranks(device_mesh, group, where)
     held = _layout_of(metadata)
-    pending = metadata.partial
+    pending = metadata.pending
     wanted = None if placements is None else _partial_op(tuple(placements))
     if pending is not None or wanted is not None:
         return _to_partial(metadata, local, device_mesh, ranks, held, placements, where)
@@ -235,13 +235,13 @@ def _to_partial(metadata: ShardedTensorMetadata, local: torch.Tensor | None, dev
     """Partial values on exactly the mesh's ranks become ``Partial(op)`` on every mesh axis."""
     from torch.distributed.tensor import DTensor, Partial
 
-    pending = metadata.partial
-
-    if pending is None:
+    found = metadata.pending
+    if found is None:
         msg = (f"{where}: placements {_describe(tuple(placements or ()))} declare values pending a reduction, "
                f"but this ShardedTensor holds plain values; a DTensor built that way would reduce them "
                f"again. Pass placements=None (or Shard/Replicate placements).")
         raise ValueError(msg)
+    pending = found.reduce_op
     expected = tuple(Partial(pending) for _ in range(device_mesh.ndim))
     if placements is not None and tuple(placements) != expected:
         msg = (f"{where}: this ShardedTensor holds values pending reduce_op={pending!r}, which only the "

@@ -29,7 +29,7 @@ import torch
 from _shardkit import comm as _comm
 from _shardkit.memory import empty_for_fill, unshared
 from sharding import ShardedTensorMetadata, ShardMetadata
-from sharding.layout import Replicated, chunk_bounds
+from sharding.layout import Partial, Replicated, chunk_bounds
 
 from ._move import _direct_or_staged, _Staging, move
 from ._plan import (
@@ -50,10 +50,10 @@ def redistribute_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetad
                          *, rank: int, group: _comm.ProcessGroup = None, reuse: bool = False
                          ) -> dict[int, torch.Tensor]:
     """``redistribute`` where ``src`` or ``dst`` (or both) hold partial values. Collective."""
-    if src.partial is not None and dst.partial is not None:
-        if src.partial != dst.partial:
-            msg = (f"cannot reshard values pending reduce_op={src.partial!r} into partial values pending "
-                   f"reduce_op={dst.partial!r}; reshard to a plain layout first (e.g. DevicePlacement('cpu') "
+    if src.pending is not None and dst.pending is not None:
+        if src.pending != dst.pending:
+            msg = (f"cannot reshard values pending reduce_op={src.pending.reduce_op!r} into partial values pending "
+                   f"reduce_op={dst.pending.reduce_op!r}; reshard to a plain layout first (e.g. DevicePlacement('cpu') "
                    f"or a split), then to the new PartialSpec.")
             raise ValueError(msg)
         if src.shards == dst.shards:
@@ -62,7 +62,7 @@ def redistribute_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetad
         middle = _split_over(dst)
         values = reduce_partial(local, src, middle, rank=rank, group=group, reuse=reuse)
         return to_partial(values, middle, dst, rank=rank, group=group, reuse=True)
-    if src.partial is not None:
+    if src.pending is not None:
         return reduce_partial(local, src, dst, rank=rank, group=group, reuse=reuse)
     return to_partial(local, src, dst, rank=rank, group=group, reuse=reuse)
 
@@ -98,7 +98,8 @@ def reduce_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, d
     Returns this rank's shards of ``dst`` by index. With ``reuse`` the caller gives up
     ``local``: an all-reduce then runs in place on it when nothing else refers to it.
     """
-    op: str = src.partial  # type: ignore[assignment]
+    assert src.pending is not None
+    op = src.pending.reduce_op
     holders = partial_holders(src)
     _, world = _comm.rank_and_world(group)
     mine_index = next((i for i, _ in src.shards_on(rank)), None)
@@ -169,7 +170,7 @@ def to_partial(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst: 
     every holder keeps the full values.
     """
     replicas = ShardedTensorMetadata(dst.shards, dst.size, dst.dtype)
-    if dst.partial != "sum":
+    if dst.pending != Partial("sum"):
         return move(local, src, replicas, rank=rank, group=group, reuse=reuse)
     keep = keeper_layout(src, dst)
     kept = move(local, src, keep, rank=rank, group=group, reuse=reuse)

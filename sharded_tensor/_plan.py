@@ -2,6 +2,9 @@
 
 Nothing here communicates. Every rank computes its own part of the same global plan from the
 same two layouts, so the sides of every transfer agree on sizes and order without talking.
+Plans are made from blocks (boxes), not placements: any two tilings (meshes, uneven splits,
+layouts read from a checkpoint) meet here, and their overlaps are the general case; only
+the reductions of partial values read the placement (``Partial``).
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, rank: i
     if tuple(src.size) != tuple(dst.size):
         msg = f"cannot reshard a tensor of size {tuple(src.size)} into a layout of size {tuple(dst.size)}."
         raise ValueError(msg)
-    if src.partial is not None or dst.partial is not None:
+    if src.pending is not None or dst.pending is not None:
         msg = ("plan_reshard moves values between plain layouts; a layout with partial values is reduced "
                "with plan_reduce (see reduce_layout) or made with keeper_layout.")
         raise ValueError(msg)
@@ -255,7 +258,7 @@ def reduce_layout(src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> Sha
     regions = _Regions.of(dst)
     if all(len(h) == 1 for h in regions.holders) and \
             sum(1 for s in dst.shards if s.numel) == len(regions.boxes):
-        return ShardedTensorMetadata(dst.shards, dst.size, dst.dtype)
+        return dst
     have = set(partial_holders(src))
     device_of = {(regions.region_of[i], s.rank): s.device for i, s in enumerate(dst.shards) if i in regions.region_of}
     shards: list[ShardMetadata] = []

@@ -34,9 +34,9 @@ def redistribute(local: dict[int, torch.Tensor], src: ShardedTensorMetadata, dst
         This rank's destination shards, keyed by their index in ``dst.shards``. Without
         ``reuse`` they never share memory with ``local``.
 
-    Either layout may hold partial values (``metadata.partial``): they are then reduced, or
+    Either layout may hold partial values (a ``Partial`` placement): they are then reduced, or
     made, on the way.
     """
-    if src.partial is not None or dst.partial is not None:
+    if src.pending is not None or dst.pending is not None:
         return redistribute_partial(local, src, dst, rank=rank, group=group, reuse=reuse)
     return move(local, src, dst, rank=rank, group=group, reuse=reuse)

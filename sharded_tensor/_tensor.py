@@ -19,7 +19,7 @@ from sharding import (
     ShardedTensorMetadata,
     ShardMetadata,
 )
-from sharding.layout import Replicated, check_reduce_op, check_tiling
+from sharding.layout import Partial, Replicated, check_reduce_op, check_tiling
 
 from ._dtensor_layout import to_dtensor
 from ._reshard import redistribute
@@ -172,7 +172,11 @@ class ShardedTensor:
         dtype = getattr(torch, dtypes[0].removeprefix("torch.")) if dtypes else torch.get_default_dtype()
         if reduce_op is not None:
             _check_partial_shards([ShardMetadata.from_dict(s) for s in all_shards], size, reduce_op, dtype)
-        metadata = ShardedTensorMetadata([ShardMetadata.from_dict(s) for s in all_shards], size, dtype, reduce_op)
+        shards = [ShardMetadata.from_dict(s) for s in all_shards]
+        if reduce_op is None:
+            metadata = ShardedTensorMetadata(shards, size, dtype)
+        else:
+            metadata = ShardedTensorMetadata(shards, size, dtype, placement=Partial(reduce_op))
         # Local shards come first in rank order, so this rank's are a contiguous run.
         start = sum(len(r["shards"]) for r in everyone[:rank])
         tensors = {start + i: shard.tensor for i, shard in enumerate(local_shards)}
@@ -416,9 +420,10 @@ class ShardedTensor:
         """
         from ._partial import _split_over
 
-        target = _split_over(self._metadata) if self._metadata.partial is not None else self._metadata
+        partial = self._metadata.pending is not None
+        target = _split_over(self._metadata) if partial else self._metadata
         tensors = redistribute(self._local_by_index(), self._metadata, target, rank=self._rank, group=self._group)
-        spec = EnumerableShardingSpec(target.shards) if self._metadata.partial is not None else self._spec
+        spec = EnumerableShardingSpec(target.shards) if partial else self._spec
         return ShardedTensor._make(tensors, target, spec, rank=self._rank, group=self._group, names=self._names,
                                    requires_grad=self._requires_grad)
 

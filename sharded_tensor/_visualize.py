@@ -32,7 +32,8 @@ def _holders(metadata: ShardedTensorMetadata, lo: tuple[int, ...]) -> str:
         return "-"
     holders = "rank " + ",".join(str(r) for r in ranks)
     # Partial values are not replicas: say which reduction of them the tensor is.
-    return holders if metadata.partial is None else f"partial({metadata.partial}) {holders}"
+    pending = metadata.pending
+    return holders if pending is None else f"partial({pending.reduce_op}) {holders}"
 
 
 def _not_sharded(value: object) -> str:
@@ -86,7 +87,7 @@ def visualize_sharding(tensor: ShardedTensor | ShardedTensorMetadata, *, file: T
     size = tuple(metadata.size)
     title = (f"size={size} dtype={str(metadata.dtype).removeprefix('torch.')} "
              f"shards={len(metadata.shards)} ranks={list(metadata.ranks)}"
-             + ("" if metadata.partial is None else f" partial({metadata.partial})"))
+             + ("" if metadata.pending is None else f" partial({metadata.pending.reduce_op})"))
     too_many = any(len(_cuts(metadata, d)) - 1 > _MAX_BLOCKS for d in range(min(len(size), 2)))
     if len(size) == 1 and not too_many:
         cuts = _cuts(metadata, 0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._device import RemoteDevice
-from .layout import Partial, Placement, check_reduce_op, placement_of
+from .layout import Packed, Partial, Placement, Replicated, Split, placement_of
 
 __all__ = ["ShardMetadata", "ShardedTensorMetadata"]
 
@@ -74,47 +74,47 @@ class ShardMetadata:
         return (ShardMetadata, (self.offsets, self.dims, str(self.device)))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ShardedTensorMetadata:
     """The full layout of a sharded tensor: every shard (placement order), size and dtype.
 
-    ``partial`` is ``None`` for a tensor whose shards hold its values. For a partial tensor it
-    names the pending reduction (``"sum"``, ``"avg"``, ``"max"`` or ``"min"``): every shard is
-    then full-size, one per holding rank, and the tensor's value is that reduction of the
-    holders' local values (see ``PartialSpec``).
-
-    ``placement`` says the same layout in the words of ``sharding.layout`` (a ``Split``,
-    ``Packed``, ``Replicated`` or ``Partial``, or ``None`` when none of them fits). Specs give it;
-    otherwise it is read off the shards once, when first asked for. It takes no part in
-    equality: two metadata with the same shards are the same layout.
+    ``placement`` says how the ranks hold it, in the words of ``sharding.layout``: a ``Split``,
+    ``Packed``, ``Replicated`` or ``Partial``, or ``None`` when none of them fits. Specs give
+    it; otherwise it is read off the shards once, when first asked for. The one thing shards
+    cannot say is a pending reduction: a partial tensor (every shard full-size, one per
+    holding rank, its value that reduction of the holders' local values; see ``PartialSpec``)
+    is one whose metadata was given ``placement=Partial(reduce_op)``. Equality compares
+    shards, size, dtype and that reduction: two metadata with the same shards are the same
+    layout, unless one of them is partial.
 
     Args:
         shards: every ``ShardMetadata``, in placement order.
         size: the global size (stored as ``torch.Size``).
         dtype: the element type.
-        partial: ``None``, or the pending reduction of a partial tensor.
-        placement: the layout's placement when the caller knows it (a spec); by default it is
-            derived from ``shards`` (``sharding.layout.placement_of``).
+        placement: the layout's placement when the caller knows it (a spec), and always for
+            partial values (``Partial(reduce_op)``); by default it is derived from ``shards``
+            (``sharding.layout.placement_of``).
+
+    Raises:
+        TypeError: ``placement`` is not a ``sharding.layout`` placement, or a shard is not a
+            ``ShardMetadata``.
+        ValueError: a shard's number of dimensions differs from the tensor's.
     """
 
     shards: tuple[ShardMetadata, ...]
     size: torch.Size
     dtype: torch.dtype
-    partial: str | None
-    _placement: object = field(compare=False, repr=False)
+    _placement: object = field(repr=False)
 
     def __init__(self, shards: Iterable[ShardMetadata], size: Sequence[int],
-                 dtype: torch.dtype | None = None, partial: str | None = None,
-                 placement: Placement | None | object = _UNKNOWN) -> None:
+                 dtype: torch.dtype | None = None, *, placement: Placement | None | object = _UNKNOWN) -> None:
         object.__setattr__(self, "shards", tuple(shards))
         object.__setattr__(self, "size", torch.Size(size))
         object.__setattr__(self, "dtype", dtype if dtype is not None else torch.get_default_dtype())
-        object.__setattr__(self, "partial", None if partial is None else check_reduce_op(partial, where="partial"))
-        if placement is not _UNKNOWN and isinstance(placement, Partial) != (self.partial is not None) or (
-                isinstance(placement, Partial) and placement.reduce_op != self.partial):
-            msg = (f"placement={placement!r} does not match partial={self.partial!r}; a partial tensor's placement "
-                   f"is Partial(reduce_op) with the same reduction, and only a partial tensor's.")
-            raise ValueError(msg)
+        if placement is not _UNKNOWN and placement is not None and not isinstance(placement, _PLACEMENTS):
+            msg = (f"placement={placement!r} is not a sharding.layout placement; give a Split, Packed, Replicated "
+                   f"or Partial (or None, or leave it out to read it off the shards).")
+            raise TypeError(msg)
         object.__setattr__(self, "_placement", placement)
         for i, shard in enumerate(self.shards):
             if not isinstance(shard, ShardMetadata):
@@ -131,8 +131,35 @@ class ShardedTensorMetadata:
         ``Partial``, or ``None`` (blocks along several dimensions, copies on some ranks only, or the
         whole tensor on one rank)."""
         if self._placement is _UNKNOWN:
-            object.__setattr__(self, "_placement", placement_of(self.shards, self.size, self.partial))
+            object.__setattr__(self, "_placement", placement_of(self.shards, self.size))
         return self._placement  # type: ignore[return-value]
+
+    @property
+    def pending(self) -> Partial | None:
+        """The ``Partial`` placement of partial values, else ``None`` (never derives the placement)."""
+        found = self._placement
+        return found if isinstance(found, Partial) else None
+
+    def with_dtype(self, dtype: torch.dtype) -> ShardedTensorMetadata:
+        """The same layout, placement included, of a tensor of another dtype."""
+        if dtype == self.dtype:
+            return self
+        return ShardedTensorMetadata(self.shards, self.size, dtype, placement=self._placement)
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.shards, self.size, self.dtype, self.pending)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardedTensorMetadata):
+            return NotImplemented
+        return self is other or self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        pending = "" if self.pending is None else f", placement={self.pending!r}"
+        return f"ShardedTensorMetadata(shards={self.shards!r}, size={self.size!r}, dtype={self.dtype!r}{pending})"
 
     def shards_on(self, rank: int) -> list[tuple[int, ShardMetadata]]:
         """``(index, shard)`` for every shard held by ``rank``, in placement order."""
@@ -144,11 +171,11 @@ class ShardedTensorMetadata:
         return tuple(sorted({s.rank for s in self.shards if s.rank is not None}))
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-safe form (dtype as its short name, e.g. ``"float32"``)."""
+        """JSON-safe form (dtype as its short name, e.g. ``"float32"``; a pending reduction as ``"partial"``)."""
         data: dict[str, object] = {"size": list(self.size), "dtype": str(self.dtype).removeprefix("torch."),
                                    "shards": [s.to_dict() for s in self.shards]}
-        if self.partial is not None:  # absent otherwise, so non-partial metadata reads as before
-            data["partial"] = self.partial
+        if self.pending is not None:  # absent otherwise, so non-partial metadata reads as before
+            data["partial"] = self.pending.reduce_op
         return data
 
     @classmethod
@@ -159,7 +186,22 @@ class ShardedTensorMetadata:
             msg = f"unknown dtype {data['dtype']!r} in sharded tensor metadata."
             raise ValueError(msg)
         shards = [ShardMetadata.from_dict(s) for s in data["shards"]]  # type: ignore[attr-defined]
-        return cls(shards, data["size"], dtype, data.get("partial"))  # type: ignore[arg-type]
+        reduce_op = data.get("partial")
+        if reduce_op is None:
+            return cls(shards, data["size"], dtype)  # type: ignore[arg-type]
+        return cls(shards, data["size"], dtype, placement=Partial(reduce_op))  # type: ignore[arg-type]
 
-    def __reduce__(self) -> tuple[type[ShardedTensorMetadata], tuple[object, ...]]:
-        return (ShardedTensorMetadata, (self.shards, tuple(self.size), self.dtype, self.partial))
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        reduce_op = None if self.pending is None else self.pending.reduce_op
+        return (_restore, (self.shards, tuple(self.size), self.dtype, reduce_op))
+
+
+_PLACEMENTS = (Split, Packed, Replicated, Partial)
+
+
+def _restore(shards: tuple[ShardMetadata, ...], size: tuple[int, ...], dtype: torch.dtype,
+             reduce_op: str | None) -> ShardedTensorMetadata:
+    """Inverse of ``ShardedTensorMetadata.__reduce__``."""
+    if reduce_op is None:
+        return ShardedTensorMetadata(shards, size, dtype)
+    return ShardedTensorMetadata(shards, size, dtype, placement=Partial(reduce_op))

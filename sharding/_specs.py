@@ -442,8 +442,8 @@ class PartialSpec(PlacementSpec):
     Example:
         >>> spec = PartialSpec(["rank:0/cpu", "rank:1/cpu"], reduce_op="sum")
         >>> md = spec.build_metadata((4, 2))
-        >>> [s.dims for s in md.shards], md.partial
-        ([(4, 2), (4, 2)], 'sum')
+        >>> [s.dims for s in md.shards], md.placement
+        ([(4, 2), (4, 2)], Partial(reduce_op='sum'))
     """
 
     shard_placement: tuple[DevicePlacement, ...]
@@ -483,7 +483,7 @@ class PartialSpec(PlacementSpec):
         shards: list[ShardMetadata] = []
         for i, placement in enumerate(self.shard_placement):
             shards += _expand(placement, (0,) * len(size), size, world_size, f"PartialSpec shard_placement[{i}]")
-        return ShardedTensorMetadata(shards, size, dtype, self.reduce_op, placement=Partial(self.reduce_op))
+        return ShardedTensorMetadata(shards, size, dtype, placement=Partial(self.reduce_op))
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form; ``spec_from_dict`` rebuilds an equal spec."""

@@ -8,7 +8,9 @@ and :class:`Partial` (a full-size value on every rank, pending a reduction). Spe
 placement to the metadata they build (``ShardedTensorMetadata.placement``); metadata built
 from a shard list gets it from :func:`placement_of`, the one place that reads a placement
 off shards. Rank ``r`` of a placement is rank ``r`` of the metadata's shards (the group
-rank, for a model sharded over a group).
+rank, for a model sharded over a group). :class:`Strided` is the regular case of ``Packed``
+(equal blocks, each split alike) in the form compute reads; metadata states it as its
+``Packed``, so a layout has one placement.
 
 A *box* is ``(offsets, dims)``, a block of a global tensor (a shard's *region*). Nothing here
 communicates.
@@ -26,7 +28,7 @@ from typing import Protocol, Self, TypeVar
 
 import torch
 
-__all__ = ["Split", "Packed", "Replicated", "Partial", "Placement", "placement_of",
+__all__ = ["Split", "Packed", "Strided", "Replicated", "Partial", "Placement", "placement_of",
            "Box", "box_slices", "intersect", "RegionIndex", "check_tiling", "chunk_bounds", "REDUCE_OPS",
            "check_reduce_op"]
 
@@ -241,6 +243,91 @@ class Packed:
             intervals.append((live[0][0], sum(n for _, n in live)) if live else (0, 0))
         return Split(self.dim, tuple(intervals))
 
+    def strided(self) -> Strided | None:
+        """The same layout as a :class:`Strided` when it is one (equal blocks, each split alike), else ``None``.
+
+        Example:
+            >>> Packed(0, (((0, 2), (4, 2)), ((2, 2), (6, 2)))).strided()
+            Strided(dim=0, intervals=((0, 2), (2, 2)), blocks=2)
+        """
+        counts = {len(slices) for slices in self.pieces if slices}
+        if len(counts) != 1:
+            return None
+        blocks = counts.pop()
+        size, rest = divmod(self.size, blocks)
+        if rest:
+            return None
+        intervals = []
+        for slices in self.pieces:
+            if not slices:
+                intervals.append((0, 0))
+                continue
+            start, length = slices[0]
+            if start + length > size or any(slices[b] != (start + b * size, length) for b in range(blocks)):
+                return None
+            intervals.append((start, length))
+        return Strided(self.dim, tuple(intervals), blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class Strided:
+    """``blocks`` equal blocks one after the other along ``dim``, each split alike over the ranks.
+
+    Rank ``r`` holds ``intervals[r] = (start, length)`` of every block (block ``b`` covers
+    ``[b * size, (b + 1) * size)``), its pieces side by side in its local tensor. A tensor split
+    on its heads whose heads are then merged with the dimensions outside them
+    (``reshape(batch * num_heads, ...)``) is laid out this way, and so is a fused q/k/v weight
+    split by heads (three blocks).
+
+    It is the regular case of :class:`Packed`, and metadata states it as that ``Packed``
+    (:meth:`packed`; :meth:`Packed.strided` goes back), so ``ShardedTensorMetadata.placement``
+    is never a ``Strided`` and a layout has one placement. This form is what compute needs:
+    the local tensor unflattens into ``(blocks, this rank's length)`` without reading the pieces.
+
+    Args:
+        dim: the dimension holding the blocks (non-negative).
+        intervals: per rank, its ``(start, length)`` within each block.
+        blocks: the number of blocks (positive).
+
+    Raises:
+        ValueError: a negative ``dim``, start or length, intervals that overlap or leave a gap,
+            or ``blocks`` below 1.
+        TypeError: ``dim``, ``blocks`` or an interval is not made of ints.
+
+    Example:
+        >>> Strided(0, ((0, 2), (2, 2)), 2).packed()
+        Packed(dim=0, pieces=(((0, 2), (4, 2)), ((2, 2), (6, 2))))
+    """
+
+    dim: int
+    intervals: tuple[tuple[int, int], ...]
+    blocks: int
+
+    def __post_init__(self) -> None:
+        _check_dim("Strided", self.dim)
+        intervals = _as_slices("Strided", self.intervals, "intervals")
+        _check_cover("Strided", intervals, "intervals")
+        object.__setattr__(self, "intervals", intervals)
+        if not _int(self.blocks) or self.blocks < 1:
+            msg = (f"Strided blocks={self.blocks!r} must be a positive int (the number of blocks along dim "
+                   f"{self.dim}, e.g. the batch size of a reshape(batch * num_heads, ...)).")
+            raise ValueError(msg) if _int(self.blocks) else TypeError(msg)
+
+    @property
+    def size(self) -> int:
+        """The global size of one block."""
+        return max((s + n for s, n in self.intervals), default=0)
+
+    def moved(self, dim: int) -> Self:
+        """The same blocks on another dimension (after a transpose)."""
+        return self if dim == self.dim else dataclasses.replace(self, dim=dim)
+
+    def packed(self) -> Packed:
+        """The same layout as a :class:`Packed` placement: each rank's piece of every block, in order."""
+        size = self.size
+        return Packed(self.dim, tuple(tuple((b * size + s, n) for b in range(self.blocks)) if n else ()
+                                      for s, n in self.intervals))
+
 
 @dataclass(frozen=True, slots=True)
 class Replicated:
@@ -306,18 +393,18 @@ class _Shard(Protocol):
     def rank(self) -> int | None: ...
 
 
-def placement_of(shards: Sequence[_Shard], size: Sequence[int], partial: str | None = None) -> Placement | None:
+def placement_of(shards: Sequence[_Shard], size: Sequence[int]) -> Placement | None:
     """The placement of a tensor laid out as ``shards`` (one ``ShardMetadata`` per block), if it has one.
 
     Rank ``r`` of the result is rank ``r`` of the shards; ranks below the highest one that hold
     nothing get length 0. ``None`` when no placement describes the layout: blocks split along
     several dimensions, elements held by some ranks and not others, a shard without a rank, or
     no dimension to split (the whole tensor on one rank). Pure; used for metadata no spec built
-    (from local shards, a checkpoint, a DTensor): specs state their placement themselves.
+    (from local shards, a checkpoint, a DTensor): specs state their placement themselves. Never
+    a ``Partial``: shards do not say that their values are pending a reduction, so partial
+    metadata is always given its placement.
     """
     size = tuple(size)
-    if partial is not None:
-        return Partial(partial)
     ranks = [s.rank for s in shards]
     known = [r for r in ranks if r is not None]
     if not shards or len(known) != len(ranks):

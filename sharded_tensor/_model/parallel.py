@@ -101,7 +101,7 @@ class Plan:
 def _what(layout: ParamLayout) -> str:
     if layout.kind == "blocks":
         return f"split into blocks along several dimensions ({layout.describe()})"
-    if layout.kind == "partial":
+    if layout.kind == "overlapping":
         return (f"held by some ranks but not all, with overlapping copies ({layout.describe()}); every "
                 f"element must be on exactly one rank or on every rank")
     return f"split ({layout.describe()})"
@@ -173,7 +173,7 @@ def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayou
     _refuse_packed(label, layouts, "a Linear")
     bias = layouts.get("bias") if module.bias is not None else None
     for name, layout in (("weight", weight), ("bias", bias)):
-        if layout is not None and layout.kind in ("blocks", "partial"):
+        if layout is not None and layout.kind in ("blocks", "overlapping"):
             msg = (f"{label}: {name} is {_what(layout)}; a Linear computes with its weight split along one "
                    f"dimension only: 0 (output features) or 1 (input features), each rank holding a slice.")
             raise ValueError(msg)
@@ -208,7 +208,7 @@ def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayou
 def _plan_embedding(label: str, module: nn.Embedding, layouts: Mapping[str, ParamLayout]) -> EmbeddingPlan:
     _refuse_packed(label, layouts, "an Embedding")
     weight = layouts["weight"]
-    if weight.kind in ("blocks", "partial"):
+    if weight.kind in ("blocks", "overlapping"):
         msg = (f"{label}: weight is {_what(weight)}; an Embedding computes with its weight split along one "
                f"dimension only: 0 (the vocabulary) or 1 (the embedding dimension).")
         raise ValueError(msg)
@@ -381,8 +381,10 @@ class _ShardedForward:
         functools.update_wrapper(self, type(module).forward)  # keeps inspect.signature(module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _zones.entering_layer(self._module, args, kwargs)  # a zone replayed or recorded: its inputs' tags
         with _zones.outside_propagation():
-            return self._plan.handler.forward(self._call, self._module, *args, **kwargs)
+            out = self._plan.handler.forward(self._call, self._module, *args, **kwargs)
+        return _zones.leaving_layer(out)
 
 
 def install(module: nn.Module, plan: Plan | None) -> None:
@@ -479,18 +481,14 @@ def endpoints(model: nn.Module) -> list[_zones.Endpoint]:
             continue
         takes, gives = plan.activations
         if gives is not None:
-            split = split_placement(gives, 0)
-            if isinstance(split, Packed):
-                found.append(_zones.Endpoint(name, "produces", None, split.pieces))
-            else:
-                found.append(_zones.Endpoint(name, "produces", split.intervals))
+            found.append(_zones.Endpoint(name, "produces", split_placement(gives, 0)))
         if takes is not None:
             split = split_placement(takes, 0)
             if isinstance(split, Packed):
                 msg = (f"module {name!r}: its registration says it takes an input packed as {split.pieces!r}; a "
                        f"sharded layer takes its input split with one slice per rank.")
                 raise ValueError(msg)
-            found.append(_zones.Endpoint(name, "consumes", split.intervals))
+            found.append(_zones.Endpoint(name, "consumes", split))
     return found
 
 

@@ -2,14 +2,15 @@
 
 The placement (``sharding.layout``: ``Split``, ``Packed``, ``Replicated``) is the one the
 spec attached to the parameter's metadata; :func:`classify` adds what compute needs on top:
-each rank's block (``boxes``), a packed placement whose slices are adjacent read as a split,
-and a ``kind`` for the layouts no placement describes (blocks along several dimensions,
-copies held by some ranks only, the whole tensor on one rank). The propagation engine tags
-split activations with the same placements, plus their process group.
+each rank's block (``boxes``) and a packed placement whose slices are adjacent read as a
+split. The placement is the one statement of the layout: ``kind`` is read off it (and, for
+the layouts no placement describes, off the boxes), never stored beside it. The propagation
+engine tags split activations with the same placements, plus their process group.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -32,20 +33,32 @@ class ParamLayout:
         name: the parameter's full name in the model (the first one, for tied parameters).
         metadata: the full shard layout.
         boxes: per group rank, the block its shards form together (``None``: it holds none).
-        kind: ``"replicated"``, ``"split"``, ``"blocks"`` (split along several dimensions) or
-            ``"partial"`` (some elements on several ranks but not all).
         placement: the layout over the group's ranks: ``Replicated()``, a ``Split`` (one slice
             per rank) or a ``Packed`` placement (several non-adjacent slices per rank, e.g. its
             heads of q, k and v in one fused weight; its local tensor is their concatenation);
-            ``None`` for the kinds no placement describes, and for a split whose one rank holds
-            everything.
+            ``None`` for a split whose one rank holds everything, and for the layouts no
+            placement describes (see ``kind``).
     """
 
     name: str
     metadata: ShardedTensorMetadata
     boxes: tuple[Box | None, ...]
-    kind: Literal["replicated", "split", "blocks", "partial"]
-    placement: Split | Packed | Replicated | None = None
+    placement: Split | Packed | Replicated | None
+
+    @property
+    def kind(self) -> Literal["replicated", "split", "blocks", "overlapping"]:
+        """The layout in one word, read off ``placement``: ``"replicated"`` (``Replicated``),
+        ``"split"`` (a ``Split`` or ``Packed``, or one rank holding everything); for the layouts
+        no placement describes, ``"blocks"`` (split along several dimensions) or
+        ``"overlapping"`` (some elements on several ranks but not all)."""
+        if isinstance(self.placement, Replicated):
+            return "replicated"
+        if self.placement is not None:
+            return "split"
+        live = [b for b in self.boxes if b is not None]
+        if sum(_volume(b) for b in live) != math.prod(self.global_shape):
+            return "overlapping"
+        return "blocks" if any(_volume(b) > 0 and b[1] != self.global_shape for b in live) else "split"
 
     @property
     def dim(self) -> int | None:
@@ -177,20 +190,16 @@ def classify(name: str, metadata: ShardedTensorMetadata, world: int) -> ParamLay
     if isinstance(placement, Packed):
         placement = placement.coalesced() or placement  # adjacent slices on each rank: one block each
     if all(b == full for b in boxes) and not isinstance(placement, Packed):
-        return ParamLayout(name, metadata, tuple(boxes), "replicated", Replicated())
+        return ParamLayout(name, metadata, tuple(boxes), Replicated())
     if isinstance(placement, (Split, Packed)):
         placement = _over(placement, world)
         lengths = ([n for _, n in placement.intervals] if isinstance(placement, Split)
                    else [placement.local_length(r) for r in range(world)])
         if sorted(lengths)[-2:] == [0, size[placement.dim]] or lengths == [size[placement.dim]]:
             placement = None  # one rank holds everything: no split dimension to speak of
-        return ParamLayout(name, metadata, tuple(boxes), "split", placement)
-    # No placement describes it: read what compute needs off the blocks.
-    held = sum(_volume(b) for b in boxes if b is not None)
-    if held != _volume(full):
-        return ParamLayout(name, metadata, tuple(boxes), "partial")
-    split_dims = {d for b in boxes if b is not None and _volume(b) > 0 for d in range(len(size)) if b[1][d] != size[d]}
-    return ParamLayout(name, metadata, tuple(boxes), "blocks" if split_dims else "split")
+        return ParamLayout(name, metadata, tuple(boxes), placement)
+    # No placement describes it (``kind`` says how it is held): compute reads the blocks.
+    return ParamLayout(name, metadata, tuple(boxes), None)
 
 
 def split_placement(value: Intervals | Split | Packed | ParamLayout, dim: int) -> Split | Packed:

@@ -74,7 +74,7 @@ class ShardedParameter:
             tensors[i] = local if whole else local[box_slices(where, (0,) * local.dim())]
         metadata = self.metadata
         if local.dtype != metadata.dtype:  # e.g. model.double() after sharding
-            metadata = ShardedTensorMetadata(metadata.shards, metadata.size, local.dtype)
+            metadata = metadata.with_dtype(local.dtype)
         return from_local(tensors, metadata, self.spec, rank=rank, group=self.group)
 
     def local_from(self, value: object, key: str, rank: int) -> torch.Tensor:
@@ -90,7 +90,7 @@ class ShardedParameter:
             if source.shards == self.metadata.shards:
                 pieces = local_by_index(value)
             else:
-                target = ShardedTensorMetadata(self.metadata.shards, shape, source.dtype)
+                target = self.metadata.with_dtype(source.dtype)
                 pieces = redistribute(local_by_index(value), source, target, rank=rank, group=self.group)
             return assemble(pieces, self.layout, rank, sizes, source.dtype)
         if isinstance(value, torch.Tensor):

@@ -75,8 +75,9 @@ class ShardedModule:
         Args:
             module: the module (possibly still on the meta device).
             layouts: the module's own parameters (``"weight"``, ...) that are sharded, each a
-                ``ParamLayout`` with ``kind`` (``"replicated"``, ``"split"``, ``"blocks"``,
-                ``"partial"``), ``dim`` and ``intervals`` (per rank ``(start, length)``).
+                ``ParamLayout`` with its ``placement`` (``sharding.layout``), read through
+                ``kind`` (``"replicated"``, ``"split"``, ``"blocks"``, ``"overlapping"``), ``dim``
+                and ``intervals`` (per rank ``(start, length)``).
             name: a label for messages, e.g. ``"module 'h.0.attn.c_attn' (Conv1D)"``.
 
         Returns:

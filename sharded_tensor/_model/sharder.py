@@ -236,7 +236,7 @@ def _from_src(tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.
               group: _comm.ProcessGroup) -> dict[int, torch.Tensor]:
     source = _full_metadata(shape, dtype, [src])
     local = {0: tensor.detach()} if rank == src and tensor is not None else {}
-    return redistribute(local, source, ShardedTensorMetadata(target.shards, shape, dtype), rank=rank, group=group)
+    return redistribute(local, source, target.with_dtype(dtype), rank=rank, group=group)
 
 
 def _device_for(layout: ParamLayout | None, rank: int, default: torch.device) -> torch.device:

@@ -8,8 +8,10 @@ BLOOM (and code written like it) merges the batch with the heads before its batc
     context = torch.bmm(probs.view(batch * num_heads, seq, seq), v)
 
 The merged dimension is split in blocks: for each batch row, this rank holds its heads. Such a
-tensor is tagged :class:`Strided` (``blocks`` = the product of the merged outer dimensions),
-and these ops keep it so, each on its local blocks:
+tensor is tagged :class:`Strided`: the placement ``sharding.layout.Strided`` (``blocks`` = the
+product of the merged outer dimensions, each block split by the heads' intervals) over the
+zone's process group, as :class:`zones.Split` is ``sharding.layout.Split`` with one. These
+ops keep it so, each on its local blocks:
 
 * reshapes: a split merged with the dimensions outside it gives a strided split; a strided
   tensor reshaped to sizes that separate the blocks again (``view(batch, num_heads, ...)``)
@@ -116,6 +118,7 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     if plan is None:
         return _zones._reshaped(func, args, kwargs, x, split, key)
     dim, intervals, blocks, local = plan
+    _zones._intervene(f"{_zones._describe(func)} merged a split with other dimensions (a strided split)")
     out = x.view(local) if _zones._aten_name(func) == "view" else x.reshape(local)
     return _zones.tag(out, Strided(dim, intervals, blocks, split.group))
 
@@ -209,6 +212,7 @@ def _global_sizes(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
 _zones.TAG_KINDS[Strided] = (_rule, _whole)
 _zones.GLOBAL_SIZES[Strided] = _global_sizes
 # The split engine's own view and reshape, extended with the merge into a strided split.
+_zones._PLAIN_RULES.add(_reshape)  # reports its strided merges itself
 for _name in ("view", "reshape"):
     _zones._NAMED_RULES[_name] = _reshape
     if _zones._tables.cache_info().currsize:

@@ -35,6 +35,7 @@ def _check_conversions(rank: int, world: int, root: str) -> None:
     import sharded_tensor as st
     from sharding import mesh as mesh_spec
     from sharding import single_split
+    from sharding.layout import Partial as LayoutPartial
 
     ranks = [f"rank:{r}/cpu" for r in range(world)]
     mesh1 = init_device_mesh("cpu", (world,))
@@ -97,7 +98,8 @@ def _check_conversions(rank: int, world: int, root: str) -> None:
         value = _full(3, 2) * (rank + 1)
         partial = DTensor.from_local(value.clone(), device_mesh, [Partial(op)] * device_mesh.ndim)
         t = st.from_dtensor(partial)
-        assert t.sharding_metadata().partial == op and t.local_shard().data_ptr() == partial.to_local().data_ptr()
+        assert t.sharding_metadata().placement == LayoutPartial(op)
+        assert t.local_shard().data_ptr() == partial.to_local().data_ptr()
         assert [s.rank for s in t.sharding_metadata().shards] == [int(r) for r in device_mesh.mesh.flatten()]
         assert torch.equal(t.full_tensor(), partial.full_tensor()), (op, device_mesh.shape)
         back = t.to_dtensor(device_mesh)

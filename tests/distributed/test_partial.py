@@ -28,6 +28,7 @@ from sharding import (
     single_split,
     spec_from_dict,
 )
+from sharding.layout import Partial
 from tests.distributed._launch import run_distributed
 from tests.unit.test_plan import sizes, specs
 
@@ -89,7 +90,8 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
         problems: list[str] = []
         t = _partial_tensor(rank, parts, op, size)
         md = t.sharding_metadata()
-        if md.partial != op or t.sharding_spec() != PartialSpec([f"rank:{h}/cpu" for h in holders], reduce_op=op):
+        if md.placement != Partial(op) or t.sharding_spec() != PartialSpec([f"rank:{h}/cpu" for h in holders],
+                                                                           reduce_op=op):
             problems.append(f"layout {md} / spec {t.sharding_spec()} is not partial({op}) on {holders}")
         # full_tensor and gather reduce without changing the tensor.
         if not torch.equal(t.full_tensor(), ref):
@@ -124,7 +126,7 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
         if op != "avg":  # avg of copies is exact only for some counts of holders
             back = PartialSpec([f"rank:{h}/cpu" for h in holders], reduce_op=op)
             t.reshard(back)
-            if t.sharding_metadata().partial != op or not torch.equal(t.full_tensor(), ref):
+            if t.sharding_metadata().placement != Partial(op) or not torch.equal(t.full_tensor(), ref):
                 problems.append(f"{dst!r} -> partial({op}) does not reduce to the same tensor")
             if op == "sum" and world > 1 and math.prod(size) > 0:
                 # For a sum one holder keeps each value and the others hold zeros there: no
@@ -212,7 +214,8 @@ def _named(rank: int, world: int, tmp: str) -> dict[str, object]:
     except ValueError as exc:
         found["refused"] = str(exc)
     checkpoint.save({"w": t, "step": 1}, f"{tmp}/reduced", reduce_partial=True)
-    found["left_as_is"] = t.sharding_metadata().partial == "sum" and torch.equal(t.local_shard(), parts[rank])
+    found["left_as_is"] = (t.sharding_metadata().placement == Partial("sum")
+                           and torch.equal(t.local_shard(), parts[rank]))
     target = {"w": st.zeros(*size, sharding_spec=single_split(1, ranks)), "step": 0}
     checkpoint.load(target, f"{tmp}/reduced")
     found["loaded"] = all(torch.equal(s.tensor, _region(ref, s.metadata)) for s in target["w"].local_shards())

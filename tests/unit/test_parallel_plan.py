@@ -32,7 +32,7 @@ def layout(spec, size, world=4, name="w"):  # type: ignore[no-untyped-def]
     pytest.param(mesh([R4[:2], R4[2:]]), (4, 4), "blocks", None, None, id="mesh"),
     pytest.param(mesh([[R4[0]], [R4[1]], [R4[2]], [R4[3]]]), (8, 4), "split", 0,
                  ((0, 2), (2, 2), (4, 2), (6, 2)), id="mesh-one-axis"),
-    pytest.param(single_split(0, ["cpu", R4[1]]), (4, 4), "partial", None, None, id="partial"),
+    pytest.param(single_split(0, ["cpu", R4[1]]), (4, 4), "overlapping", None, None, id="overlapping"),
     pytest.param(single_split(0, [R4[0], R4[0], R4[1], R4[1]]), (8, 4), "split", 0,
                  ((0, 4), (4, 4), (0, 0), (0, 0)), id="adjacent-repeats"),
 ])

@@ -22,6 +22,7 @@ from sharding import (
     single_split,
     spec_from_dict,
 )
+from sharding.layout import Partial
 
 R2 = ["rank:0/cpu", "rank:1/cpu"]
 R4 = [f"rank:{r}/cpu" for r in range(4)]
@@ -44,17 +45,17 @@ def test_partial_spec_is_a_value(spec):
 def test_partial_metadata_lists_one_full_shard_per_holder():
     md = partial(R4, reduce_op="max").build_metadata((3, 5), torch.int64)
     assert [(s.offsets, s.dims, s.rank) for s in md.shards] == [((0, 0), (3, 5), r) for r in range(4)]
-    assert md.partial == "max" and md.dtype == torch.int64
+    assert md.placement == Partial("max") and md.dtype == torch.int64
     every = partial("cpu").build_metadata((2,), world_size=3)
-    assert [s.rank for s in every.shards] == [0, 1, 2] and every.partial == "sum"
+    assert [s.rank for s in every.shards] == [0, 1, 2] and every.placement == Partial("sum")
     assert ShardedTensorMetadata.from_dict(json.loads(json.dumps(md.to_dict()))) == md
     assert pickle.loads(pickle.dumps(md)) == md
 
 
 def test_plain_metadata_is_unchanged():
     md = single_split(0, R2).build_metadata((4, 2))
-    assert md.partial is None and "partial" not in md.to_dict()
-    assert md != ShardedTensorMetadata(md.shards, md.size, md.dtype, "sum")
+    assert md.pending is None and "partial" not in md.to_dict()
+    assert md != ShardedTensorMetadata(md.shards, md.size, md.dtype, placement=Partial("sum"))
 
 
 @pytest.mark.parametrize(("make", "error", "match"), [
@@ -75,7 +76,8 @@ def test_plain_metadata_is_unchanged():
                  r"rank 4 .* ranks 0..3", id="rank-outside-world"),
     pytest.param(lambda: partial("cpu").build_metadata((2,)), ValueError, "world_size", id="rankless-no-world"),
     pytest.param(lambda: CompositeShardingSpec({"w": partial(R2)}), TypeError, "partial values", id="in-composite"),
-    pytest.param(lambda: ShardedTensorMetadata([], (2,), None, "mean"), ValueError, "partial='mean'",
+    pytest.param(lambda: ShardedTensorMetadata([], (2,), None, placement=Partial("mean")), ValueError,
+                 "Partial reduce_op='mean'",
                  id="metadata-op"),
 ])
 def test_partial_spec_errors(make, error, match):
@@ -164,4 +166,4 @@ def test_one_process_partial_round_trip():
     with pytest.raises(ValueError, match="reduce_op='median'"):
         st.ShardedTensor.from_local_shards(t.local_shards(), (2, 3), reduce_op="median")
     t.reshard(single_split(1, ["rank:0/cpu", "rank:0/cpu"]))
-    assert t.sharding_metadata().partial is None and torch.equal(t.full_tensor(), torch.arange(6.0).reshape(2, 3))
+    assert t.sharding_metadata().pending is None and torch.equal(t.full_tensor(), torch.arange(6.0).reshape(2, 3))

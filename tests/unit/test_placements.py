@@ -19,7 +19,7 @@ from sharding import (
     partial,
     single_split,
 )
-from sharding.layout import Packed, Partial, Replicated, Split, placement_of
+from sharding.layout import Packed, Partial, Replicated, Split, Strided, placement_of
 
 R4 = [f"rank:{r}/cpu" for r in range(4)]
 
@@ -93,6 +93,23 @@ def test_engine_tags_are_the_layout_placements_with_a_group():
     assert isinstance(_zones.Packed(0, (((0, 1), (2, 1)), ((1, 1), (3, 1)))), Packed)
     with pytest.raises(ValueError, match="overlap"):
         _zones.Split(0, ((0, 2), (1, 2)))
+    strided = _zones.Strided(1, ((0, 2), (2, 2)), 3, group)
+    assert isinstance(strided, Strided) and strided.moved(0) == _zones.Strided(0, ((0, 2), (2, 2)), 3, group)
+    assert (strided.size, strided.packed().strided()) == (4, Strided(1, ((0, 2), (2, 2)), 3))
+
+
+def test_strided_is_the_regular_case_of_packed():
+    strided = Strided(0, ((0, 1), (1, 3)), 2)
+    assert strided.packed() == Packed(0, (((0, 1), (4, 1)), ((1, 3), (5, 3))))
+    assert strided.packed().strided() == strided
+    assert Packed(0, (((0, 2), (6, 2)), ((2, 4),))).strided() is None  # not in equal blocks
+    assert Packed(0, (((0, 2), (5, 1)), ((2, 3),))).strided() is None
+    # Metadata states a strided layout as its Packed placement: one placement per layout.
+    assert single_split(0, R4[:2] * 2).build_metadata((8, 4)).placement == Strided(0, ((0, 2), (2, 2)), 2).packed()
+    with pytest.raises(ValueError, match="blocks=0 must be a positive int"):
+        Strided(0, ((0, 2),), 0)
+    with pytest.raises(ValueError, match="overlap"):
+        Strided(0, ((0, 2), (1, 2)), 2)
 
 
 @pytest.mark.parametrize(("spec", "size", "world", "expected"), [
@@ -117,9 +134,13 @@ def test_specs_attach_their_placement_to_the_metadata(spec, size, world, expecte
     metadata = spec.build_metadata(size, world_size=world)
     assert metadata.placement == expected
     # The shards say the same: metadata rebuilt from them (a checkpoint, local shards) agrees.
-    rebuilt = ShardedTensorMetadata(metadata.shards, metadata.size, metadata.dtype, metadata.partial)
+    if isinstance(expected, Partial):  # shards cannot say that values are pending: partial metadata states it
+        rebuilt = ShardedTensorMetadata(metadata.shards, metadata.size, metadata.dtype, placement=expected)
+        assert placement_of(metadata.shards, size) == Replicated()
+    else:
+        rebuilt = ShardedTensorMetadata(metadata.shards, metadata.size, metadata.dtype)
+        assert placement_of(metadata.shards, size) == expected
     assert rebuilt.placement == expected and rebuilt == metadata
-    assert placement_of(metadata.shards, size, metadata.partial) == expected
 
 
 def test_metadata_placement_does_not_change_equality_or_serialization():
@@ -127,10 +148,16 @@ def test_metadata_placement_does_not_change_equality_or_serialization():
     assert ShardedTensorMetadata.from_dict(metadata.to_dict()) == metadata
     assert "placement" not in metadata.to_dict()  # the format is unchanged; placements are derived
     assert pickle.loads(pickle.dumps(metadata)).placement == metadata.placement
-    with pytest.raises(ValueError, match=r"placement=Split\(dim=0.* does not match partial='sum'"):
-        ShardedTensorMetadata(metadata.shards, (4, 2), torch.float32, "sum", placement=Split(0, ((0, 2), (2, 2))))
-    with pytest.raises(ValueError, match=r"placement=Partial\(reduce_op='sum'\) does not match partial=None"):
-        ShardedTensorMetadata(metadata.shards, (4, 2), placement=Partial())
+    with pytest.raises(TypeError, match=r"placement='sum' is not a sharding.layout placement"):
+        ShardedTensorMetadata(metadata.shards, (4, 2), torch.float32, placement="sum")  # type: ignore[arg-type]
+    # The placement is the one source of a pending reduction: it takes part in equality and survives copies.
+    pending = ShardedTensorMetadata(metadata.shards, (4, 2), placement=Partial("max"))
+    assert pending != metadata and pending.pending == Partial("max") and metadata.pending is None
+    assert ShardedTensorMetadata.from_dict(pending.to_dict()) == pending and pending.to_dict()["partial"] == "max"
+    assert pickle.loads(pickle.dumps(pending)).placement == Partial("max")
+    assert hash(pickle.loads(pickle.dumps(pending))) == hash(pending)
+    assert pending.with_dtype(torch.float64).placement == Partial("max")
+    assert "Partial(reduce_op='max')" in repr(pending) and "placement" not in repr(metadata)
 
 
 def test_parameter_layouts_read_the_placement_the_spec_attached():

@@ -116,8 +116,8 @@ def _layout(shards: list[tuple[tuple[int, int], tuple[int, int], int]], size: tu
 @pytest.mark.parametrize(("shards", "kind"), [
     pytest.param([((0, 0), (3, 4), 0), ((3, 0), (3, 4), 1), ((6, 0), (4, 4), 2)], "split", id="rows"),
     pytest.param([((0, 0), (10, 4), 0), ((0, 0), (10, 4), 1)], "replicated", id="replicas"),
-    pytest.param([((0, 0), (5, 4), 0), ((0, 0), (5, 4), 1), ((5, 0), (5, 4), 2)], "partial", id="half-replicated"),
-    pytest.param([((0, 0), (5, 4), 0), ((0, 0), (5, 4), 1), ((5, 0), (5, 4), 1), ((0, 0), (5, 4), 2)], "partial",
+    pytest.param([((0, 0), (5, 4), 0), ((0, 0), (5, 4), 1), ((5, 0), (5, 4), 2)], "overlapping", id="half-replicated"),
+    pytest.param([((0, 0), (5, 4), 0), ((0, 0), (5, 4), 1), ((5, 0), (5, 4), 1), ((0, 0), (5, 4), 2)], "overlapping",
                  id="overlapping-blocks"),  # rank 1's block covers rank 0's and more: it owns only the rest
 ])
 def test_every_element_is_owned_by_exactly_one_rank(shards, kind):

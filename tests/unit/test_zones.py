@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from sharded_tensor._model import zones as _zones
 from sharded_tensor._model.zones import Endpoint, Split, find_zones
+from sharding import layout
 
 TWO = ((0, 4), (4, 4))  # 8 elements over 2 ranks, 4 each
 
@@ -118,16 +119,26 @@ def test_untagged_code_is_untouched():
     assert _zones.split_of(out) is None
 
 
+def _end(name: str, role: str, intervals: tuple[tuple[int, int], ...]) -> Endpoint:
+    """A sharded layer's endpoint split along its activation's last dimension (given as dimension 0)."""
+    return Endpoint(name, role, layout.Split(0, intervals))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("endpoints", "expected"), [
-    pytest.param([Endpoint("attn.q", "produces", TWO), Endpoint("attn.k", "produces", ((0, 2), (2, 2))),
-                  Endpoint("attn.o", "consumes", TWO)], ["attn"], id="attention"),
-    pytest.param([Endpoint("layer.attn.self.q", "produces", TWO), Endpoint("layer.attn.out.dense", "consumes", TWO)],
+    pytest.param([_end("attn.q", "produces", TWO), _end("attn.k", "produces", ((0, 2), (2, 2))),
+                  _end("attn.o", "consumes", TWO)], ["attn"], id="attention"),
+    pytest.param([_end("layer.attn.self.q", "produces", TWO), _end("layer.attn.out.dense", "consumes", TWO)],
                  ["layer.attn"], id="bert-siblings"),
-    pytest.param([Endpoint("0", "produces", TWO), Endpoint("2", "consumes", TWO)], [""], id="sequential-root"),
-    pytest.param([Endpoint("a", "produces", TWO), Endpoint("b", "consumes", ((0, 6), (6, 2)))], [],
+    pytest.param([_end("0", "produces", TWO), _end("2", "consumes", TWO)], [""], id="sequential-root"),
+    pytest.param([_end("a", "produces", TWO), _end("b", "consumes", ((0, 6), (6, 2)))], [],
                  id="different-splits"),
-    pytest.param([Endpoint("m.a", "produces", ((0, 8), (8, 0))), Endpoint("m.b", "consumes", ((0, 8), (8, 0)))],
+    pytest.param([_end("m.a", "produces", ((0, 8), (8, 0))), _end("m.b", "consumes", ((0, 8), (8, 0)))],
                  [], id="a-rank-without-a-slice"),
+    pytest.param([Endpoint("attn.qkv", "produces",
+                           layout.Packed(0, (((0, 2), (4, 2), (8, 2)), ((2, 2), (6, 2), (10, 2))))),
+                  _end("attn.o", "consumes", ((0, 2), (2, 2)))], ["attn"], id="fused-qkv-unpacked-by-heads"),
+    pytest.param([Endpoint("m.a", "produces", layout.Packed(0, (((0, 2), (6, 2)), ((2, 4),)))),
+                  _end("m.b", "consumes", ((0, 4), (4, 4)))], [], id="packed-not-in-equal-blocks"),
 ])
 def test_zones_are_the_closest_common_ancestors(endpoints, expected):
     assert find_zones(endpoints) == expected
@@ -137,9 +148,9 @@ def test_head_boundaries_are_checked_where_a_head_size_is_declared():
     attn = torch.nn.Module()
     attn.head_dim = 4  # type: ignore[assignment]
     attn.q = torch.nn.Linear(8, 12)
-    ok = [Endpoint("attn.q", "produces", ((0, 8), (8, 4)))]
+    ok = [_end("attn.q", "produces", ((0, 8), (8, 4)))]
     _zones.check_head_boundaries("attn", attn, ok)
-    bad = [Endpoint("attn.q", "produces", ((0, 6), (6, 6)))]
+    bad = [_end("attn.q", "produces", ((0, 6), (6, 6)))]
     with pytest.raises(ValueError, match=r"'attn.q' is split as \[\(0, 6\), \(6, 6\)\].*head size is 4"):
         _zones.check_head_boundaries("attn", attn, bad)
 
@@ -152,13 +163,13 @@ def test_grouped_query_key_and_value_projections_must_split_on_heads():
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     attn = LlamaAttention(config, layer_idx=0)
     assert (attn.k_proj.out_features, attn.head_dim) == (32, 16)
-    q = Endpoint("attn.q_proj", "produces", ((0, 32), (32, 32)))
-    o = Endpoint("attn.o_proj", "consumes", ((0, 32), (32, 32)))
+    q = _end("attn.q_proj", "produces", ((0, 32), (32, 32)))
+    o = _end("attn.o_proj", "consumes", ((0, 32), (32, 32)))
     whole_kv = ((0, 16), (16, 16))
-    _zones.check_head_boundaries("attn", attn, [q, Endpoint("attn.k_proj", "produces", whole_kv),
-                                                  Endpoint("attn.v_proj", "produces", whole_kv), o])
+    _zones.check_head_boundaries("attn", attn, [q, _end("attn.k_proj", "produces", whole_kv),
+                                                  _end("attn.v_proj", "produces", whole_kv), o])
     cut = ((0, 8), (8, 24))
     for name in ("k_proj", "v_proj"):
-        ends = [q] + [Endpoint(f"attn.{n}", "produces", cut if n == name else whole_kv) for n in ("k_proj", "v_proj")]
+        ends = [q] + [_end(f"attn.{n}", "produces", cut if n == name else whole_kv) for n in ("k_proj", "v_proj")]
         with pytest.raises(ValueError, match=rf"'attn.{name}' is split as \[\(0, 8\), \(8, 24\)\].*head size is 16"):
             _zones.check_head_boundaries("attn", attn, [*ends, o])
