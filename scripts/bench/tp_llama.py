@@ -402,6 +402,8 @@ def main() -> None:
                        "plain/dtensor": cpu_ratio("plain", "dtensor"),
                        "shardkit/plain": cpu_ratio("shardkit", "plain")},
         "first_loss": {side: r0["losses"][side][0] for side in SIDES},
+        # After the optimizer's steps: equal too when every side's gradients are right.
+        "last_loss": {side: r0["losses"][side][-1] for side in SIDES},
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "steps": args.steps,
     }
