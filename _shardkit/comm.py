@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -311,25 +311,32 @@ class PendingExchange:
             self._raise()
 
 
-def start_exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
+def start_exchange(sends: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],
+                   recvs: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],
                    group: ProcessGroup = None, *, timeout: float | None = None,
-                   what: str = "exchange") -> PendingExchange:
+                   what: str = "exchange", counted: bool = True) -> PendingExchange:
     """Post the transfers of ``exchange`` and return at once; call ``wait()`` before using them.
 
-    Collective like ``exchange``. On NCCL every send and receive goes in one
-    ``batch_isend_irecv`` group, so no pair of ranks can block on the order of posting; Gloo
-    posts each one as it comes (what ``batch_isend_irecv`` does there too), which lets a
-    failure be traced to its peer. The tensors must stay alive and untouched until ``wait()``
-    returns. More sends can follow with ``send_ready``. The deadline of every wait is the
-    start plus ``timeout`` (see ``resolve_timeout``).
+    Collective like ``exchange``. A peer's entry may also be a sequence of tensors, sent (or
+    received) in that order, each straight from (into) its own memory; the other side then
+    names tensors of the same byte sizes in the same order. On NCCL every send and receive
+    goes in one ``batch_isend_irecv`` group, so no pair of ranks can block on the order of
+    posting; Gloo posts each one as it comes (what ``batch_isend_irecv`` does there too),
+    which lets a failure be traced to its peer. The tensors must stay alive and untouched
+    until ``wait()`` returns. More sends can follow with ``send_ready``. The deadline of every
+    wait is the start plus ``timeout`` (see ``resolve_timeout``). ``counted=False``: the
+    caller records the bytes in ``CommCounter`` under its own operation's name.
     """
     pending = PendingExchange(group, resolve_timeout(timeout), what)
     ops: list[tuple[int, Callable[..., Any], torch.Tensor, int]] = []
-    for peer, tensor in recvs.items():
-        ops.extend((peer, dist.irecv, piece, k) for k, piece in enumerate(_pieces(_wire(tensor))))
-    for peer, tensor in sends.items():
-        ops.extend((peer, dist.isend, piece, k) for k, piece in enumerate(_pieces(_wire(tensor))))
-        _record("send/recv", tensor.numel() * tensor.element_size())
+    for peer, tensors in recvs.items():
+        pieces = [piece for tensor in _messages(tensors) for piece in _pieces(_wire(tensor))]
+        ops.extend((peer, dist.irecv, piece, k) for k, piece in enumerate(pieces))
+    for peer, tensors in sends.items():
+        pieces = [piece for tensor in _messages(tensors) for piece in _pieces(_wire(tensor))]
+        ops.extend((peer, dist.isend, piece, k) for k, piece in enumerate(pieces))
+        if counted:
+            _record("send/recv", sum(piece.numel() for piece in pieces))
     if not ops:
         return pending
     _check_alive(what, group, pending._timeout)
@@ -352,6 +359,10 @@ def start_exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.
         if fn is dist.irecv:
             pending._recv_works.setdefault(peer, []).append(work)  # type: ignore[union-attr]
     return pending
+
+
+def _messages(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:

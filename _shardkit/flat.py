@@ -1,17 +1,32 @@
-"""Collectives of fully sharded data parallel: flat buffers, posted asynchronously, and its groups.
+"""Collectives of fully sharded data parallel, as direct exchanges between the ranks, and its groups.
 
-A fully sharded unit moves all its parameters in one collective each way: an all-gather
-of every rank's (padded) shards into one buffer before compute, and a reduce-scatter of one
-buffer of gradients after backward. Both are posted without waiting, so that the next
-unit's parameters travel while this one computes (on Gloo the work runs on the process
-group's own threads); ``PendingCollective.wait()`` completes them within the timeout rules of
-``comm`` and raises ``CollectiveError`` like every other collective here.
+A fully sharded unit gathers its parameters before compute and reduce-scatters their
+gradients after backward. Both move pieces straight between the tensors that hold them,
+with point-to-point transfers posted at once (``comm.start_exchange``; on Gloo the
+transport's own thread carries them, so the next unit's parameters travel while this one
+computes):
+
+* all-gather: this rank's rows of each parameter go, from the local parameter itself, to
+  every other rank, and each rank's rows land directly in their place in the receiver's
+  unsharded buffer. No packed send buffer, no gathered buffer to copy out of (Gloo's
+  ``all_gather_into_tensor`` also stages the whole result in a buffer of its own and copies
+  it out).
+* reduce-scatter: the rows of each whole gradient that rank ``r`` holds go, from the
+  gradient itself, to rank ``r``; each rank receives the other ranks' gradients of its
+  own rows and sums them in rank order (the same order on every rank). Each rank sends
+  ``(N - 1) / N`` of the gradients, what a ring reduce-scatter sends; Gloo's
+  ``reduce_scatter_tensor`` is a copy of the whole input and an all-reduce of it, twice
+  those bytes.
+
+Each rank sends ``N - 1`` pieces of its shard, as a ring would; ``CommCounter`` records
+them as one ``all_gather`` or ``reduce_scatter`` per call, with the byte count the caller
+gives (the flat, padded segments). ``wait()`` on the returned exchange completes it within
+the timeout rules of ``comm`` and raises ``CollectiveError`` like every other collective.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,98 +35,49 @@ import torch.distributed as dist
 
 from . import comm, teardown
 
-# Newer torch names these ``*_single`` and deprecates the ``*_tensor`` names; older torch has only those.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-__all__ = ["PendingCollective", "start_all_gather", "start_reduce_scatter", "partition_group", "group_ranks"]
+__all__ = ["start_gather", "start_scatter", "partition_group", "group_ranks"]
 
 
-class PendingCollective:
-    """A collective posted by ``start_all_gather`` / ``start_reduce_scatter``; ``wait()`` completes it.
+def start_gather(mine: Sequence[torch.Tensor], places: Sequence[Sequence[torch.Tensor]],
+                 group: comm.ProcessGroup, group_rank: int, *, counted: int,
+                 what: str) -> comm.PendingExchange:
+    """Post the all-gather of pieces; return at once. Collective over ``group``.
 
-    ``wait()`` may be called several times (later calls return at once). The buffers passed
-    to the collective must stay alive and untouched until it returns.
+    ``mine[i]`` is this rank's piece ``i`` (contiguous); ``places[i][r]`` is where rank ``r``'s
+    piece ``i`` lands here (1-d views, the same sizes on every rank; the own place is left
+    to the caller, who copies ``mine[i]`` while the transfers run). Empty pieces are skipped.
+    ``counted`` bytes are recorded as one ``all_gather``.
     """
-
-    __slots__ = ("_work", "_what", "_group", "_limit", "_started", "_count")
-
-    def __init__(self, work: Any, what: str, group: comm.ProcessGroup, limit: float, count: int | None) -> None:
-        self._work = work
-        self._what = what
-        self._group = group
-        self._limit = limit
-        self._started = time.monotonic()
-        self._count = count
-
-    def done(self) -> bool:
-        """Whether ``wait()`` would return at once."""
-        return self._work is None
-
-    def wait(self) -> None:
-        """Wait until the data has arrived; ``CollectiveError`` if a peer died or did not answer in time."""
-        work, self._work = self._work, None
-        if work is None:
-            return
-        try:
-            comm._wait_work(work, self._started + self._limit, comm.default_device(self._group).type == "cpu")
-        except Exception as exc:  # Gloo/NCCL raise RuntimeError or DistBackendError subclasses
-            settle = min(max(self._started + self._limit - time.monotonic(), 0.0), comm._SETTLE_SECONDS)
-            ranks = comm._arrivals.missing(self._group, self._count, settle) if self._count is not None else None
-            raise comm._fail(self._what, exc, self._started, self._limit, ranks) from exc
-
-
-_DONE = PendingCollective(None, "", None, 0.0, None)
-
-
-def _post(what: str, group: comm.ProcessGroup, timeout: float | None, post: Any) -> PendingCollective:
-    limit = comm.resolve_timeout(timeout)
-    comm._begin(what)
-    # Called in forward and backward passes: announce the arrival only inside an entry point,
-    # as ``comm.all_reduce`` does (elsewhere a failure cannot name the missing ranks anyway).
-    count = comm._arrivals.arrive(group) if comm._scopes() else None
-    started = time.monotonic()
-    try:
-        work = post()
-    except Exception as exc:
-        raise comm._fail(what, exc, started, limit, None) from exc
-    return PendingCollective(work, what, group, limit, count)
-
-
-def _world(group: comm.ProcessGroup) -> int:
-    return comm.rank_and_world(group)[1]
-
-
-def start_all_gather(output: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup = None, *,
-                     timeout: float | None = None, what: str = "all_gather") -> PendingCollective:
-    """Post an all-gather of every rank's ``shard`` into ``output`` (group-rank order); return at once. Collective.
-
-    ``shard`` is 1-d and the same size on every rank; ``output`` is 1-d and ``world`` times
-    as long. ``CommCounter`` records the bytes a ring all-gather puts on the wire from each
-    rank, ``(world - 1)`` times the shard.
-    """
-    return _start("all_gather", _all_gather, output, shard, shard, group, timeout, what)
-
-
-def start_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: comm.ProcessGroup = None, *,
-                         timeout: float | None = None, what: str = "reduce_scatter") -> PendingCollective:
-    """Post a sum over ranks of ``full``, rank ``r`` receiving piece ``r`` into ``output``; return at once. Collective.
-
-    ``full`` is 1-d and ``world`` times as long as ``output``. ``CommCounter`` records the
-    bytes a ring reduce-scatter puts on the wire from each rank, ``(world - 1)`` pieces.
-    """
-    return _start("reduce_scatter", _reduce_scatter, output, full, output, group, timeout, what)
-
-
-def _start(kind: str, collective: Any, output: torch.Tensor, source: torch.Tensor, piece: torch.Tensor,
-           group: comm.ProcessGroup, timeout: float | None, what: str) -> PendingCollective:
-    """Post ``collective(output, source)``; a ring moves ``piece`` ``world - 1`` times from each rank."""
-    world = _world(group)
+    world = len(places[0]) if places else 1
     if world == 1:
-        output.copy_(source)
-        return _DONE
-    comm._record(kind, (world - 1) * piece.numel() * piece.element_size())
-    return _post(what, group, timeout, lambda: collective(output, source, group=group, async_op=True))
+        return comm.start_exchange({}, {}, group, what=what)
+    comm._record("all_gather", counted)
+    sends = {r: [m.reshape(-1) for m, p in zip(mine, places) if p[group_rank].numel()]
+             for r in range(world) if r != group_rank}
+    recvs = {r: [p[r] for p in places if p[r].numel()] for r in range(world) if r != group_rank}
+    return comm.start_exchange(sends, recvs, group, what=what, counted=False)
+
+
+def start_scatter(pieces: Sequence[Sequence[torch.Tensor]], places: Sequence[Sequence[torch.Tensor | None]],
+                  group: comm.ProcessGroup, group_rank: int, *, counted: int,
+                  what: str) -> comm.PendingExchange:
+    """Post the exchange of a reduce-scatter; return at once. Collective over ``group``.
+
+    ``pieces[i][r]`` is this rank's part of piece ``i`` that rank ``r`` reduces (contiguous,
+    1-d); ``places[i][r]`` is where rank ``r``'s part of piece ``i`` for this rank lands (the
+    own entry unused). After ``wait()`` the caller sums them. Empty parts are skipped.
+    ``counted`` bytes are recorded as one ``reduce_scatter``.
+    """
+    world = len(pieces[0]) if pieces else 1
+    if world == 1:
+        return comm.start_exchange({}, {}, group, what=what)
+    comm._record("reduce_scatter", counted)
+    sends = {r: [piece[r] for piece in pieces if piece[r].numel()] for r in range(world) if r != group_rank}
+    recvs: dict[int, list[torch.Tensor]] = {}
+    for r in range(world):
+        if r != group_rank:
+            recvs[r] = [place for part in places if (place := part[r]) is not None and place.numel()]
+    return comm.start_exchange(sends, recvs, group, what=what, counted=False)
 
 
 _groups: dict[tuple[tuple[int, ...], ...], list[Any]] = {}

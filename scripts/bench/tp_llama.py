@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,6 +32,8 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 import torch  # noqa: E402
 from _harness import launch, llama_tp_names, machine  # noqa: E402
+
+SIDES = ("shardkit", "dtensor", "plain")
 
 
 def _config(args: Any) -> Any:
@@ -64,6 +67,93 @@ def _dtensor(model: Any, world: int, layers: int) -> Any:
     return model
 
 
+# -- the floor: tensor parallel by hand, no framework ----------------------------------------------
+# Each rank builds an ordinary Llama with its share of the heads and of the MLP's width, loads
+# its slices of the weights, and marks the two places where ranks meet: the input of each
+# column-parallel group (identity forward, gradient summed in backward) and the output of each
+# row-parallel projection (summed in forward, identity backward). One all-reduce per group and
+# direction: the fewest ops and collectives this plan allows.
+
+_PLAIN_CALLS: dict[str, int] = {}
+
+
+def _sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        from torch.distributed import _functional_collectives as funcol
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", torch.distributed.group.WORLD))
+    torch.distributed.all_reduce(x)
+    _PLAIN_CALLS["all_reduce"] = _PLAIN_CALLS.get("all_reduce", 0) + 1
+    return x
+
+
+class _EnterParallel(torch.autograd.Function):
+    """Identity forward; the gradient (a partial sum on each rank) summed over the ranks in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _sum_over_ranks(grad.contiguous())
+
+
+class _LeaveParallel(torch.autograd.Function):
+    """Partial sums added over the ranks in forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            ctx.mark_dirty(x)  # summed in place: the projection's fresh output, saved by no backward
+        return _sum_over_ranks(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _enter_kwarg(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    kwargs["hidden_states"] = _EnterParallel.apply(kwargs["hidden_states"])
+    return args, kwargs
+
+
+def _enter_arg(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_EnterParallel.apply(args[0]), *args[1:])
+
+
+def _leave(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    return _LeaveParallel.apply(output)
+
+
+def _plain(base: Any, config: Any, rank: int, world: int, layers: int) -> Any:
+    """An ordinary Llama holding this rank's heads and MLP columns, with the two marks hooked in."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+    local = copy.deepcopy(config)
+    local.head_dim = config.hidden_size // config.num_attention_heads
+    local.num_attention_heads //= world
+    local.num_key_value_heads //= world
+    local.intermediate_size //= world
+    model = LlamaForCausalLM(local)
+    cols, rows = llama_tp_names(layers)
+    state = {}
+    for name, value in base.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if module in cols:
+            value = value.chunk(world, 0)[rank]
+        elif module in rows:
+            value = value.chunk(world, 1)[rank]
+        state[name] = value.clone()
+    model.load_state_dict(state)
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(_enter_kwarg, with_kwargs=True)
+        layer.mlp.register_forward_pre_hook(_enter_arg)
+        layer.self_attn.o_proj.register_forward_hook(_leave)
+        layer.mlp.down_proj.register_forward_hook(_leave)
+    return model
+
+
 def _comm_dtensor(fn: Any) -> dict[str, Any]:
     from torch.distributed.tensor.debug import CommDebugMode
     with CommDebugMode() as debug:
@@ -82,6 +172,7 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
         m = LlamaForCausalLM(config)
         m.load_state_dict(base.state_dict())
         models[side] = shard(m, world, args.layers)
+    models["plain"] = _plain(base, config, rank, world, args.layers)
     del base
     if args.compile:
         models = {side: torch.compile(m) for side, m in models.items()}
@@ -95,22 +186,27 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
     else:
         out.update(_count_collectives(models, batches[0]))
     # Training steps, alternating sides.
-    times: dict[str, list[float]] = {"shardkit": [], "dtensor": []}
-    losses: dict[str, list[float]] = {"shardkit": [], "dtensor": []}
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    losses: dict[str, list[float]] = {side: [] for side in SIDES}
+    # CPU seconds of this process (Gloo's threads included): what a step costs whatever else
+    # competes for the cores, a steadier figure than wall time on a loaded machine.
+    cpu: dict[str, list[float]] = {side: [] for side in SIDES}
     for step, batch in enumerate(batches[1:]):
-        order = ("shardkit", "dtensor") if step % 2 == 0 else ("dtensor", "shardkit")
+        order = SIDES[step % len(SIDES):] + SIDES[:step % len(SIDES)]  # each side first in turn
         for side in order:
             model, opt = models[side], opts[side]
             torch.distributed.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             loss = model(batch, labels=batch).loss
             loss.backward()
             opt.step()
             elapsed = time.perf_counter() - t0
             times[side].append(elapsed)
+            cpu[side].append(time.process_time() - c0)
             losses[side].append(float(loss.detach()))
     out["times"] = times
+    out["cpu"] = cpu
     out["losses"] = losses
     return out
 
@@ -148,6 +244,14 @@ def _count_collectives(models: dict[str, Any], x: torch.Tensor) -> dict[str, Any
     out["dtensor_forward"] = {"counts": _comm_dtensor(lambda: holder.setdefault("loss", m(x, labels=x).loss))}
     out["dtensor_backward"] = {"counts": _comm_dtensor(lambda: holder["loss"].backward())}
     m.zero_grad()
+    m = models["plain"]
+    _PLAIN_CALLS.clear()
+    loss = m(x, labels=x).loss
+    out["plain_forward"] = {"counts": dict(_PLAIN_CALLS)}
+    _PLAIN_CALLS.clear()
+    loss.backward()
+    out["plain_backward"] = {"counts": dict(_PLAIN_CALLS)}
+    m.zero_grad()
     return out
 
 
@@ -163,12 +267,23 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile (inductor) both sides")
     args = parser.parse_args()
     results = launch(_rank, 2, args)
-    # The slowest rank's time per step, then the median over steps.
-    per_side = {side: statistics.median(max(r["times"][side][i] for r in results) for i in range(args.steps))
-                for side in ("shardkit", "dtensor")}
-    slowest = {side: [max(r["times"][side][i] for r in results) for i in range(args.steps)]
-               for side in ("shardkit", "dtensor")}
-    ratios = [a / b for a, b in zip(slowest["shardkit"], slowest["dtensor"])]
+    # The slowest rank's time per step; medians and ranges over the steps.
+    slowest = {side: [max(r["times"][side][i] for r in results) for i in range(args.steps)] for side in SIDES}
+    per_side = {side: statistics.median(t) for side, t in slowest.items()}
+    # CPU seconds per step: the two ranks' sum, median over the steps.
+    cpu = {side: [sum(r["cpu"][side][i] for r in results) for i in range(args.steps)] for side in SIDES}
+
+    def ratio(a: str, b: str) -> dict[str, Any]:
+        per_step = [x / y for x, y in zip(slowest[a], slowest[b])]
+        return {"median_of_medians": round(per_side[a] / per_side[b], 4),
+                "per_step_median": round(statistics.median(per_step), 4),
+                "per_step_range": [round(min(per_step), 4), round(max(per_step), 4)]}
+
+    def cpu_ratio(a: str, b: str) -> dict[str, Any]:
+        per_step = [x / y for x, y in zip(cpu[a], cpu[b])]
+        return {"median": round(statistics.median(per_step), 4),
+                "range": [round(min(per_step), 4), round(max(per_step), 4)]}
+
     r0 = results[0]
     report = {
         "benchmark": "tp_llama", "machine": machine(), "world": 2, "compile": args.compile,
@@ -176,13 +291,21 @@ def main() -> None:
                   "batch": args.batch, "vocab": args.vocab},
         **({"compile_seconds": r0["compile_seconds"], "graph_breaks": [r["graph_breaks"] for r in results],
             "graphs": r0["graphs"]} if args.compile else
-           {"forward_collectives": {"shardkit": r0["shardkit_forward"], "dtensor": r0["dtensor_forward"]},
-            "backward_collectives": {"shardkit": r0["shardkit_backward"], "dtensor": r0["dtensor_backward"]}}),
+           {"forward_collectives": {side: r0[f"{side}_forward"] for side in SIDES},
+            "backward_collectives": {side: r0[f"{side}_backward"] for side in SIDES}}),
         "step_seconds_median": per_side,
         "step_seconds_range": {side: [min(t), max(t)] for side, t in slowest.items()},
         "step_time_ratio_shardkit_over_dtensor": per_side["shardkit"] / per_side["dtensor"],
-        "step_time_ratio_range": [min(ratios), max(ratios)],
-        "first_loss": {"shardkit": r0["losses"]["shardkit"][0], "dtensor": r0["losses"]["dtensor"][0]},
+        "step_time_ratio_range": [min(a / b for a, b in zip(slowest["shardkit"], slowest["dtensor"])),
+                                  max(a / b for a, b in zip(slowest["shardkit"], slowest["dtensor"]))],
+        "ratios": {"shardkit/dtensor": ratio("shardkit", "dtensor"), "plain/dtensor": ratio("plain", "dtensor"),
+                   "shardkit/plain": ratio("shardkit", "plain")},
+        "cpu_seconds_median": {side: statistics.median(c) for side, c in cpu.items()},
+        "cpu_ratios": {"shardkit/dtensor": cpu_ratio("shardkit", "dtensor"),
+                       "plain/dtensor": cpu_ratio("plain", "dtensor"),
+                       "shardkit/plain": cpu_ratio("shardkit", "plain")},
+        "first_loss": {side: r0["losses"][side][0] for side in SIDES},
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "steps": args.steps,
     }
     print(json.dumps(report, indent=2))

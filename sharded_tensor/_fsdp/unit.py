@@ -4,17 +4,19 @@ One ``Unit`` per ``fully_shard`` call. Its module's parameters are, between step
 rank's rows of each parameter (ordinary ``nn.Parameter`` s the optimizer steps). Around
 the module's forward:
 
-* pre-forward: the unit's parameters are gathered (one all-gather of the flat segments,
-  or the one already posted by a prefetch), the next unit's gather is posted, and the
-  module's parameter slots are pointed at the whole parameters, outputs of ``_Unshard``;
+* pre-forward: the unit's parameters are gathered (one all-gather of the unit, each rank's
+  rows received straight into the unsharded buffer, or the one already posted by a
+  prefetch), the next unit's gather is posted, and the module's parameter slots are
+  pointed at the whole parameters, views of that buffer output by ``_Unshard``;
 * post-forward: the slots get the local shards back, and the unsharded buffer's storage
   is released (``reshard_after_forward``). Autograd keeps views of that buffer, so before
   the unit's backward the same storage is filled again (pre-backward hook on the unit's
   outputs), with the version counter preserved: the data is what forward saw;
 * post-backward: ``_Unshard.backward`` receives the gradients of all the unit's whole
-  parameters at once; they are packed into one buffer and reduce-scattered (posted, waited
-  for when the next one is posted or at the end of backward), averaged over the ranks and
-  added to the local shards' ``.grad``.
+  parameters at once; each rank's rows of them are sent to it from the gradients themselves
+  (one reduce-scatter of the unit, posted, waited for when the next one is posted or at the
+  end of backward), summed in rank order, averaged over the ranks and added to the local
+  shards' ``.grad`` (which become views of the reduced buffer when they were ``None``).
 
 The root unit (the outermost one running forward) keeps its parameters after forward, since
 backward needs them first, and at the end of backward (a callback queued on the autograd
@@ -94,15 +96,15 @@ class Unit:
         self.unsharded = torch.empty(plan.flat_numel, dtype=self.compute_dtype, device=device)
         self._release()
         self.state = "sharded"  # "sharded" -> "gathering" -> "unsharded"
-        self._pending: _flat.PendingCollective | None = None
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending: Any = None  # the gather in flight (comm.PendingExchange)
+        self._buffers: list[torch.Tensor] | None = None  # what it sends, kept alive until it completes
         self._versions: list[int] = []
         self.sync = True
         self.accumulated: torch.Tensor | None = None  # whole gradients held while not syncing
         self.order: list[Unit] = []  # for a root: every unit below it, itself first
         self.root: Unit | None = None  # while running: the root of the current forward / backward
-        # (unit, reduce-scatter in flight, its output, which gradients it carries, its input kept alive)
-        self._reductions: list[tuple[Unit, _flat.PendingCollective, torch.Tensor, list[bool], torch.Tensor]] = []
+        # (unit, reduce-scatter in flight, which gradients it carries, the whole gradients it sends, the others' parts)
+        self._reductions: list[tuple[Unit, Any, list[bool], list[torch.Tensor], list[torch.Tensor]]] = []
         self._callback_queued = False
         self.handles: list[Any] = []
         self.absent = False  # this rank is in no data-parallel group (ranks=[]): it holds no rows
@@ -148,19 +150,26 @@ class Unit:
             return
         self.adopt()
         plan = self.plan
-        send = torch.empty(plan.segment, dtype=self.compute_dtype, device=self.unsharded.device)
-        with torch.no_grad():
-            for param, flat in zip(self.local, plan.params):
-                _, length = flat.rows_of(self.group_rank)
-                piece = send[flat.offset:flat.offset + flat.padded]
-                piece[:length * flat.row].copy_(param.reshape(-1))
-                piece[length * flat.row:].zero_()
-        gathered = torch.empty(plan.flat_numel, dtype=self.compute_dtype, device=send.device)
-        self._pending = _flat.start_all_gather(gathered, send, self.group,
-                                               what=f"fully_shard all-gather of {self.label}")
-        self._buffers = (send, gathered)
+        self.unsharded.untyped_storage().resize_(plan.flat_numel * self.unsharded.element_size())
+        mine = [param.detach().reshape(-1).to(self.compute_dtype).contiguous() for param in self.local]
+        places = [[self.unsharded[self._rows(flat, r)] for r in range(plan.world)] for flat in plan.params]
+        self._pending = _flat.start_gather(mine, places, self.group, self.group_rank,
+                                           counted=(plan.world - 1) * plan.segment * self.unsharded.element_size(),
+                                           what=f"fully_shard all-gather of {self.label}")
+        # This rank's own rows, copied while the others' travel. Autograd may hold views of this
+        # buffer from forward; the data put back is the data they saw.
+        with torch.no_grad(), _preserve_version(self.unsharded):
+            for piece, place in zip(mine, places):
+                place[self.group_rank].copy_(piece)
+        self._buffers = mine
         self._versions = [p._version for p in self.local]
         self.state = "gathering"
+
+    def _rows(self, flat: FlatParam, group_rank: int) -> slice:
+        """Where ``group_rank``'s rows of ``flat`` sit in the unsharded buffer."""
+        start, length = flat.rows_of(group_rank)
+        base = self.plan.world * flat.offset
+        return slice(base + start * flat.row, base + (start + length) * flat.row)
 
     def wait_gather(self) -> None:
         """Make the whole parameters available in the unsharded buffer (gathering now if needed)."""
@@ -169,31 +178,22 @@ class Unit:
         self.start_gather()
         if self.state != "gathering":
             return
-        assert self._pending is not None and self._buffers is not None
-        self._pending.wait()
-        _, gathered = self._buffers
-        plan = self.plan
-        self.unsharded.untyped_storage().resize_(plan.flat_numel * self.unsharded.element_size())
-        segments = gathered.view(plan.world, plan.segment)
-        # Autograd holds views of this buffer from forward; the data put back is the data they saw.
-        with torch.no_grad(), _preserve_version(self.unsharded):
-            for flat in plan.params:
-                start = plan.world * flat.offset
-                self.unsharded[start:start + plan.world * flat.padded].view(plan.world, flat.padded).copy_(
-                    segments[:, flat.offset:flat.offset + flat.padded])
-        self._pending = None
-        self._buffers = None
+        self._complete_gather()
         self.state = "unsharded"
+
+    def _complete_gather(self) -> None:
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None:
+                pending.wait()
+        finally:
+            self._buffers = None
 
     def reshard(self) -> None:
         """Free the gathered parameters (a gather still in flight is completed first)."""
         if self.state == "gathering":
-            assert self._pending is not None
-            self._pending.wait()
-            self._pending = None
-            self._buffers = None
-        elif self.state == "unsharded":
-            self._release()
+            self._complete_gather()
+        self._release()
         self.state = "sharded"
 
     @property
@@ -284,26 +284,62 @@ class Unit:
         held, self.accumulated = self.accumulated, None
         if held is not None:  # what earlier micro-batches left counts for every parameter
             had = [True] * len(had)
+        world, me = plan.world, self.group_rank
+        device = self.unsharded.device
         # Even with no gradient here the reduce-scatter runs: the other ranks may have some.
-        send = torch.zeros(plan.flat_numel, dtype=self.reduce_dtype, device=self.unsharded.device)
-        segments = send.view(plan.world, plan.segment)
+        wholes = []
         for flat, grad in zip(plan.params, grads):
-            if grad is not None:
-                _pack(segments, flat, grad.reshape(-1), add=False)
-        if held is not None:
-            for flat in plan.params:
-                _pack(segments, flat, held[plan.full_slice(flat)], add=True)
-        out = torch.empty(plan.segment, dtype=self.reduce_dtype, device=send.device)
-        pending = _flat.start_reduce_scatter(out, send, self.group,
-                                             what=f"fully_shard reduce-scatter of {self.label}")
-        root._reductions.append((self, pending, out, had, send))
+            whole = (grad.reshape(-1).to(self.reduce_dtype).contiguous() if grad is not None
+                     else torch.zeros(flat.numel, dtype=self.reduce_dtype, device=device))
+            if held is not None:
+                whole = whole + held[plan.full_slice(flat)]
+            wholes.append(whole)
+        # The other ranks' gradients of this rank's rows: one segment per other rank, each its own
+        # tensor (the first becomes the reduced buffer the gradients are views of; the others are freed).
+        received = [torch.empty(plan.segment, dtype=self.reduce_dtype, device=device) for _ in range(world - 1)]
+        pieces: list[list[torch.Tensor]] = []
+        places: list[list[torch.Tensor | None]] = []
+        for flat, whole in zip(plan.params, wholes):
+            pieces.append([whole[slice(*_span(flat, r))] for r in range(world)])
+            start, stop = _span(flat, me)
+            places.append([None if r == me else part for r, part in
+                           enumerate(_in_rank_order(None, received, flat.offset, stop - start, me, world))])
+        pending = _flat.start_scatter(pieces, places, self.group, me,
+                                      counted=(world - 1) * plan.segment * wholes[0].element_size() if wholes else 0,
+                                      what=f"fully_shard reduce-scatter of {self.label}")
+        root._reductions.append((self, pending, had, wholes, received))
 
     def complete_reductions(self) -> None:
         """Wait for posted reduce-scatters and add the averaged gradients to the local shards."""
         reductions, self._reductions = self._reductions, []
-        for unit, pending, out, had, _send in reductions:
+        for unit, pending, had, wholes, received in reductions:
             pending.wait()
-            unit._assign(out, had)
+            unit._assign(unit._reduce(wholes, received), had)
+
+    def _reduce(self, wholes: list[torch.Tensor], received: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's rows of every gradient: the sum over ranks, in rank order, over the ranks.
+
+        Summed into the first received segment (an element-wise sum may write over one of its
+        inputs), so no buffer of its own is allocated.
+        """
+        plan, me = self.plan, self.group_rank
+        out = received[0] if received else torch.empty(plan.segment, dtype=self.reduce_dtype,
+                                                        device=self.unsharded.device)
+        with torch.no_grad():
+            for flat, whole in zip(plan.params, wholes):
+                start, stop = _span(flat, me)
+                if start == stop:
+                    continue
+                parts = _in_rank_order(whole[start:stop], received, flat.offset, stop - start, me, plan.world)
+                total = out[flat.offset:flat.offset + stop - start]
+                if len(parts) == 1:
+                    total.copy_(parts[0])
+                else:
+                    torch.add(parts[0], parts[1], out=total)
+                    for part in parts[2:]:
+                        total.add_(part)
+                total.div_(plan.world)
+        return out
 
     def _assign(self, out: torch.Tensor, had: list[bool]) -> None:
         plan = self.plan
@@ -312,7 +348,7 @@ class Unit:
                 if not present or not param.requires_grad:
                     continue
                 _, length = flat.rows_of(self.group_rank)
-                grad = torch.div(out[flat.offset:flat.offset + length * flat.row], plan.world)
+                grad = out[flat.offset:flat.offset + length * flat.row]
                 grad = grad.view(flat.local_shape(self.group_rank)).to(param.dtype)
                 if param.grad is None:
                     param.grad = grad
@@ -327,14 +363,18 @@ class Unit:
             unit.reshard()
 
 
-def _pack(segments: torch.Tensor, flat: FlatParam, values: torch.Tensor, *, add: bool) -> None:
-    """Write (or add) a whole parameter's ``values`` into its place in every rank's segment."""
-    for group_rank in range(segments.shape[0]):
-        start, length = flat.rows_of(group_rank)
-        if length:
-            piece = segments[group_rank, flat.offset:flat.offset + length * flat.row]
-            part = values[start * flat.row:(start + length) * flat.row]
-            piece.add_(part) if add else piece.copy_(part)
+def _span(flat: FlatParam, group_rank: int) -> tuple[int, int]:
+    """The elements of ``group_rank``'s rows in a whole (flattened) parameter."""
+    start, length = flat.rows_of(group_rank)
+    return start * flat.row, (start + length) * flat.row
+
+
+def _in_rank_order(own: torch.Tensor | None, received: list[torch.Tensor], offset: int, length: int,
+                   group_rank: int, world: int) -> list[Any]:
+    """Every rank's part of one parameter's rows here, by rank: ``own`` for this rank, the others from
+    ``received`` (one segment per other rank, in rank order)."""
+    theirs = iter([segment[offset:offset + length] for segment in received])
+    return [own if r == group_rank else next(theirs) for r in range(world)]
 
 
 def _cast(tree: Any, dtype: torch.dtype) -> Any:

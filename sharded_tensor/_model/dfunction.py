@@ -204,6 +204,7 @@ def _on_slices(cls: type[DFunction], args: tuple[Any, ...]) -> Any:
     inputs are gathered and the function runs on whole tensors (exact, at an all-gather's cost).
     """
     function = cls._function().apply
+    _zones._intervene(f"{cls.__name__} (a DFunction) ran on split activations")
     rule = RULES.get(cls)
     if rule is None and cls.layout_rule is not None:
         rule = _SPLIT_RULE_OF_LAYOUT.get(cls.layout_rule)

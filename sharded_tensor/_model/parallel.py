@@ -381,6 +381,7 @@ class _ShardedForward:
         functools.update_wrapper(self, type(module).forward)  # keeps inspect.signature(module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _zones.entering_layer(self._module, args, kwargs)  # a zone replayed or recorded: its inputs' tags
         with _zones.outside_propagation():
             return self._plan.handler.forward(self._call, self._module, *args, **kwargs)
 

@@ -118,6 +118,7 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     if plan is None:
         return _zones._reshaped(func, args, kwargs, x, split, key)
     dim, intervals, blocks, local = plan
+    _zones._intervene(f"{_zones._describe(func)} merged a split with other dimensions (a strided split)")
     out = x.view(local) if _zones._aten_name(func) == "view" else x.reshape(local)
     return _zones.tag(out, Strided(dim, intervals, blocks, split.group))
 
@@ -211,6 +212,7 @@ def _global_sizes(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
 _zones.TAG_KINDS[Strided] = (_rule, _whole)
 _zones.GLOBAL_SIZES[Strided] = _global_sizes
 # The split engine's own view and reshape, extended with the merge into a strided split.
+_zones._PLAIN_RULES.add(_reshape)  # reports its strided merges itself
 for _name in ("view", "reshape"):
     _zones._NAMED_RULES[_name] = _reshape
     if _zones._tables.cache_info().currsize:

@@ -78,6 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from _shardkit import comm as _comm
 from sharding import layout
 
+from . import replay as _replay
 from . import rule_table as _rule_table
 from .functional import copy_to_ranks, gather, reduce_from_ranks, scatter
 from .signatures import aten_name, bind
@@ -85,7 +86,8 @@ from .signatures import aten_name, bind
 __all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "GLOBAL_SIZES",
            "split_of", "tag", "in_zone", "shared_copy",
            "ZoneForward", "loss_parallel",
-           "to_replicated", "outside_propagation", "Endpoint", "find_zones", "check_head_boundaries"]
+           "to_replicated", "outside_propagation", "Endpoint", "find_zones", "check_head_boundaries",
+           "entering_layer", "zone_calls"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +173,9 @@ class _State(threading.local):
         self.copies: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
         self.keep_split_outputs = False
         self.ranks: dict[Any, int] = {}  # this process's rank per group, looked up once per zone call
+        self.recorders: list[_replay.Recording] = []  # checked zone calls recording, innermost last
+        self.replay: _replay.Cursor | None = None  # the zone call being replayed
+        self.tracing = False  # inside torch.compile's trace of a zone: nested zones run as they are
 
 
 _STATE = _State()
@@ -271,6 +276,7 @@ def to_replicated(tensor: torch.Tensor) -> torch.Tensor:
 
 def _to_local(tensor: torch.Tensor, dim: int, split: Split) -> torch.Tensor:
     """This rank's slice of a replicated ``tensor`` along ``dim``, tagged."""
+    _intervene("a whole operand was cut to this rank's slice")
     return tag(scatter(tensor, dim, split.intervals, split.group), split.moved(dim))
 
 
@@ -285,7 +291,15 @@ def _whole(tensor: Any, group: _comm.ProcessGroup) -> Any:
     if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or not torch.is_grad_enabled() \
             or hasattr(tensor, _TAG):
         return tensor
+    _intervene("a whole operand that needs a gradient went through copy_to_ranks")
     return shared_copy(tensor, group)
+
+
+def _intervene(reason: str) -> None:
+    """The engine ran an op otherwise than the caller wrote it: the zone calls being checked cannot replay."""
+    for recording in _STATE.recorders:
+        if recording.reason is None:
+            recording.reason = reason
 
 
 # -- rules ----------------------------------------------------------------------------------------
@@ -535,7 +549,19 @@ def _reshaped(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     shape, moved, view = plan
     local = list(shape)
     local[moved.dim] = moved.intervals[_rank(split.group)][1]
+    if _STATE.recorders and not _runs_as_written(func, args, kwargs, local):
+        _intervene(f"{_describe(func)} was given this rank's sizes {local} instead of the model's")
     return tag(x.view(local) if view else x.reshape(local), moved)
+
+
+def _runs_as_written(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                     local: list[int]) -> bool:
+    """Whether the reshape as the model wrote it gives the local shape the rule chose."""
+    try:
+        out = func(*args, **kwargs)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return False
+    return isinstance(out, torch.Tensor) and list(out.shape) == local
 
 
 def _named(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -638,6 +664,8 @@ def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     at = new + split.dim
     if new < 0 or sizes[at] not in (-1, x.shape[split.dim], split.size):
         raise _Fallback
+    if sizes[at] not in (-1, x.shape[split.dim]):
+        _intervene(f"{_describe(func)} was given this rank's size along the split instead of the whole")
     sizes[at] = x.shape[split.dim]
     return tag(x.expand(sizes), split.moved(at))
 
@@ -759,6 +787,7 @@ def _sum_across(name: str, x: torch.Tensor, split: Split, dims: list[int], bound
     """
     if name not in ("sum", "mean") or bound.get("dtype") is not None or not x.is_floating_point():
         raise _Fallback  # amax, var, std, logsumexp: not a plain sum of the slices
+    _intervene(f"{name} across the split dimension summed over the ranks")
     keepdim = bool(bound.get("keepdim", False))
     total = reduce_from_ranks(x.sum(dims, keepdim=keepdim), split.group)
     if name == "mean":
@@ -859,6 +888,7 @@ def _sdpa(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
         if local >= 0 and mask.shape[local] != 1:
             if mask.shape[local] != sq.size:
                 raise _Fallback
+            _intervene("an attention mask was cut to this rank's heads")
             mask = scatter(mask, local, sq.intervals, sq.group)
         else:
             mask = _whole(mask, sq.group)
@@ -1016,6 +1046,11 @@ _NAMED_RULES: dict[str, Callable[..., Any]] = {
     "cross_entropy": _cross_entropy,
     "index_copy_": _write_split, "copy_": _write_split, "__setitem__": _setitem, "roll": _roll,
 }
+# Rules that run the op as the caller wrote it and tag its output, reporting any other way they
+# run it (``_intervene``); any other rule (a pending sum's, a strided split's, a packed tensor's,
+# a registered one) may change the op's arguments, so a zone call that uses one is not replayed.
+_PLAIN_RULES: set[Callable[..., Any]] = {_elementwise, _reshape, _transpose, _getitem, _expand, _along_dim, _reduce,
+                                         _matmul, _linear, _norm_last, _sdpa, _setitem, _roll, _getter}
 _METADATA = {"size", "dim", "stride", "is_contiguous", "is_floating_point", "is_complex", "element_size",
              "data_ptr", "__len__", "storage_offset", "get_device", "untyped_storage", "__hash__", "__format__",
              "__repr__", "__str__", "has_names", "_is_view", "is_inference", "register_hook",
@@ -1176,6 +1211,7 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if kind is _METADATA_KIND:
         found = getattr(args[0], _TAG, None) if args and isinstance(args[0], Tensor) else None
         if found is not None and type(found) in GLOBAL_SIZES:
+            _intervene(f"{_describe(func)} read the global sizes of a {type(found).__name__} tensor")
             return GLOBAL_SIZES[type(found)](func, args, kwargs)
         return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
     flat = _shallow_tensors(args, kwargs)
@@ -1202,6 +1238,9 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if out is not None:
             return out
     if rule is not None:
+        if _STATE.recorders and rule not in _PLAIN_RULES:
+            _intervene(f"{_describe(func)} went through a rule that may change its arguments "
+                       f"({getattr(rule, '__qualname__', rule)})")
         try:
             return rule(func, args, kwargs)
         except _Fallback:
@@ -1261,6 +1300,7 @@ def _gathered(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
                f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
         raise RuntimeError(msg)
+    _intervene(f"{_describe(func)} ran on gathered inputs")
     flat_all, spec = tree_flatten((args, kwargs))
     flat_all = [to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in flat_all]
     args, kwargs = tree_unflatten(flat_all, spec)
@@ -1304,23 +1344,117 @@ def _gather_outputs(value: Any, pending_only: bool = False) -> Any:
 
 
 class ZoneForward:
-    """``forward`` of a zone's root module: the module's own forward, run on split activations."""
+    """``forward`` of a zone's root module: the module's own forward, run on split activations.
+
+    The first call of each input signature runs checked (under :class:`_Propagate`, nested in
+    the enclosing zone's when there is one); later calls of a signature whose checked call
+    the engine ran as written replay it plainly (``replay``).
+    """
+
+    _MAX_SIGNATURES = 64  # more distinct signatures than this (varying lengths): start over
 
     def __init__(self, original: Callable[..., Any]) -> None:
         self._original = original
         functools.update_wrapper(self, original)  # inspect.signature(model.forward) keeps working
-        self._ties = _ties(original.__self__)  # type: ignore[attr-defined]
+        self._module: torch.nn.Module = original.__self__  # type: ignore[attr-defined]
+        self._ties = _ties(self._module)
+        self._plans: dict[Any, _replay.Plan | str] = {}  # signature -> its plan, or why it stays checked
+        self.checked = 0  # calls run under the engine
+        self.replayed = 0  # calls replayed plainly
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _STATE.depth:
+        state = _STATE
+        if state.replay is not None or state.tracing:  # inside a replayed or traced zone: as the enclosing one runs
             return self._original(*args, **kwargs)
         if torch.compiler.is_compiling():
-            return _traced_zone(self._original.__self__, self._ties, *args, **kwargs)  # type: ignore[attr-defined]
-        with _zone():
+            if state.depth:
+                return self._original(*args, **kwargs)
+            return _traced_zone(self._module, self._ties, *args, **kwargs)
+        key = None
+        if _replay.enabled():
+            key = _replay.signature(self._module.training, state.keep_split_outputs, args, kwargs)
+        plan = self._plans.get(key) if key is not None else None
+        if isinstance(plan, _replay.Plan) and (not state.depth or _innermost_is_propagation()):
+            self.replayed += 1
+            return self._replayed(plan, args, kwargs)
+        self.checked += 1
+        recording = _replay.Recording() if key is not None and plan is None else None
+        if recording is not None:
+            state.recorders.append(recording)
+        try:
+            if state.depth:
+                out = self._original(*args, **kwargs)
+            else:
+                with _zone():
+                    out = self._original(*args, **kwargs)
+        finally:
+            if recording is not None:
+                state.recorders.pop()
+        if recording is not None:
+            if len(self._plans) >= self._MAX_SIGNATURES:
+                self._plans.clear()
+            self._plans[key] = recording.plan(out)
+        return out if state.depth else _exit(out)
+
+    def _replayed(self, plan: _replay.Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module's forward run plainly, its sharded layers' inputs and its outputs tagged as recorded."""
+        state = _STATE
+        outer = state.depth > 0
+        cursor = _replay.Cursor(plan, f"{type(self._module).__name__} ({self._module.__class__.__module__})")
+        popped = torch._C._pop_torch_function_stack() if outer else None
+        if not outer:
+            state.ranks = {}
+            state.copies.append({})
+        state.depth += 1
+        state.replay = cursor
+        try:
             out = self._original(*args, **kwargs)
-        if _STATE.keep_split_outputs:
-            return _gather_outputs(out, pending_only=True)
-        return _gather_outputs(out)
+            cursor.finish(out)
+        finally:
+            state.replay = None
+            state.depth -= 1
+            if outer:
+                torch._C._push_on_torch_function_stack(popped)
+            else:
+                state.copies.pop()
+        return out if outer else _exit(out)
+
+    def calls(self) -> dict[str, Any]:
+        """How many calls ran checked and replayed, and why signatures stay checked."""
+        reasons = sorted({p for p in self._plans.values() if isinstance(p, str)})
+        return {"checked": self.checked, "replayed": self.replayed, "not_replayed_because": reasons}
+
+
+def _innermost_is_propagation() -> bool:
+    """Whether the innermost torch function mode is the engine's (a nested zone can step out of it)."""
+    n = torch._C._len_torch_function_stack()
+    return bool(n) and isinstance(torch._C._get_function_stack_at(n - 1), _Propagate)
+
+
+def _exit(out: Any) -> Any:
+    """An outermost zone's outputs as it hands them out: gathered (pending sums only under ``loss_parallel``)."""
+    if _STATE.keep_split_outputs:
+        return _gather_outputs(out, pending_only=True)
+    return _gather_outputs(out)
+
+
+def entering_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A sharded layer is called: in a replayed zone call its inputs get their recorded tags; in a checked
+    zone call that records, they are recorded."""
+    state = _STATE
+    if state.replay is None and not state.recorders:
+        return
+    inputs = _replay.layer_inputs(args, kwargs)
+    if state.replay is not None:
+        state.replay.layer(module, inputs)
+    for recording in state.recorders:
+        recording.layer(module, inputs)
+
+
+def zone_calls(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Per zone of ``model`` (by module name): calls checked, calls replayed, why signatures stay checked."""
+    return {name: forward.calls() for name, module in model.named_modules()
+            if isinstance(forward := module.__dict__.get("forward"), ZoneForward)}
 
 
 def _ties(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -1350,8 +1484,13 @@ def _traced_zone(module: torch.nn.Module, ties: tuple[tuple[str, ...], ...], *ar
     a constant without gradient, so they are pointed at the traced value too.
     """
     aliases = {alias: _attribute(module, group[0]) for group in ties for alias in group[1:]}
-    with torch.nn.utils.stateless._reparametrize_module(module, aliases), _zone():
-        out = type(module).forward(module, *args, **kwargs)
+    previous = _STATE.tracing
+    _STATE.tracing = True
+    try:
+        with torch.nn.utils.stateless._reparametrize_module(module, aliases), _zone():
+            out = type(module).forward(module, *args, **kwargs)
+    finally:
+        _STATE.tracing = previous
     if _STATE.keep_split_outputs:
         return out
     return _gather_outputs(out)
