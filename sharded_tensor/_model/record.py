@@ -160,13 +160,19 @@ class _KeepRecords:
     module holds at copy time).
     """
 
-    __slots__ = ("_module", "__weakref__")
+    __slots__ = ("_module",)
 
-    def __init__(self, module: nn.Module) -> None:
-        self._module = weakref.ref(module)
+    def __init__(self, module: nn.Module | None) -> None:
+        # A weak reference: a strong one would make every sharded module a reference cycle,
+        # freed only by the cyclic garbage collector.
+        self._module = weakref.ref(module) if module is not None else None
+
+    def __reduce__(self) -> tuple[type[_KeepRecords], tuple[nn.Module | None]]:
+        # Pickled with its module (torch.save(model)), it is rebuilt around the unpickled module.
+        return (_KeepRecords, (self._module() if self._module is not None else None,))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _KeepRecords | None:
-        module = self._module()
+        module = self._module() if self._module is not None else None
         copied = memo.get(id(module)) if module is not None else None
         if module is None or not isinstance(copied, nn.Module):
             return None  # copied without its module: nothing to keep
