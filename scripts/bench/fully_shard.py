@@ -14,7 +14,9 @@ run, for each world size. Reported per side and world size:
   both sides (ring algorithms: an all-gather sends (N - 1) shards, a reduce-scatter
   (N - 1) pieces, an all-reduce 2 (N - 1) / N of the tensor); shardkit's from
   ``CommCounter``, FSDP2's from its calls to ``all_gather_single`` / ``reduce_scatter_single`` /
-  ``all_reduce``;
+  ``all_reduce``; and the bytes the process actually wrote to its sockets in that step
+  (``wchar`` of /proc/self/io: Gloo's ``reduce_scatter_tensor``, which FSDP2 calls, is an
+  all-reduce of the whole input, twice a ring reduce-scatter's bytes);
 * the mean over ranks of the first step's loss (the two sides must agree).
 
     python scripts/bench/fully_shard.py            # hidden 1024, intermediate 2816, 4 layers, vocab 32000
@@ -45,7 +47,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _harness import PeakGrowth, machine, proc_status, run_fresh  # noqa: E402
+from _harness import PeakGrowth, machine, proc_status, run_fresh, wire_bytes  # noqa: E402
 
 MiB = 1 << 20
 
@@ -190,6 +192,7 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
         rss_before = proc_status("VmRSS")
         for i, batch in enumerate(batches[1:]):
             dist.barrier()
+            written = wire_bytes()
             t0 = time.perf_counter()
             if i == 0 and side.startswith("shardkit"):
                 with st.CommCounter() as comm:
@@ -203,12 +206,15 @@ def _rank(rank: int, world: int, args: Any, side: str) -> dict[str, Any]:
             else:
                 step(batch)
             elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            if i == 0:
+                written = wire_bytes() - written
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(float(elapsed))
     loss = torch.tensor([first], dtype=torch.float64)
     dist.all_reduce(loss)
     return {"times": times, "peak_growth": peak.growth, "rss_before": rss_before, "held": held,
             "unsharded": unsharded, "unit_bytes": unit_bytes, "wire_bytes": comm_bytes, "collectives": comm_counts,
+            "written_bytes": written,
             "first_loss": float(loss) / world}
 
 
@@ -247,6 +253,8 @@ def _summary(results: list[dict[str, Any]], world: int) -> dict[str, Any]:
         # what a rank holds at most during a step: its share plus one unit's gathered parameters
         "one_nth_plus_one_unit_mib": round((over_world + results[0]["unit_bytes"]) / MiB, 1),
         "wire_mib_per_step_per_rank": [round(r["wire_bytes"] / MiB, 1) for r in results],
+        # what the process handed to write syscalls in that step (Gloo's sockets; /proc/self/io wchar)
+        "written_mib_per_step_per_rank": [round(r["written_bytes"] / MiB, 1) for r in results],
         "collectives_per_step": results[0]["collectives"],
         "first_loss": results[0]["first_loss"],
     }
