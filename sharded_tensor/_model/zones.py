@@ -44,6 +44,11 @@ sums the ranks' partial gradients.
 Decisions depend only on shapes and on the split (the same on every rank), so every rank
 takes the same path and the collectives of a fallback always match.
 
+All this runs on a zone's first call of each input signature only: where the engine ran
+every op as the model wrote it, later calls of the signature replay the forward plainly,
+with its sharded layers' inputs and its outputs tagged as recorded (``replay``). Ops on
+pending sums still go through the engine in a replay (``_PendingTensor``).
+
 Sizes in the model's code mean what they mean in the unsharded model: a ``view(b, s,
 num_heads, 3, head_dim)`` with a fixed ``num_heads`` (BLOOM), a ``reshape(b, s, embed_dim)``
 (OPT) or an ``expand`` to a whole size is read against the whole tensor and mapped to this
