@@ -41,8 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-# After the repository root: bench/checkpoint.py is not the package.
-sys.path.append(str(Path(__file__).resolve().parent))
+# After the repository root: bench/checkpoint.py is not the package (the ranks import it).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _harness import GiB, PeakGrowth, machine, proc_status, run_fresh, wire_bytes  # noqa: E402
@@ -344,8 +345,16 @@ def _large(args: Any, report: dict[str, Any]) -> None:
         while 4 * _llama_params(args.hidden, args.intermediate, wanted, args.vocab) <= share:
             wanted += 1
     layers = wanted
-    while layers > 1 and _large_need(args, layers, world) > available:
+    # A run that does not fit would bring the kernel's OOM killer onto every process of the machine.
+    margin = 0.9 * available
+    while layers > 0 and _large_need(args, layers, world) > margin:
         layers -= 1  # the largest that fits what the machine has free now
+    if layers == 0:
+        report["large"] = {"ranks": world, "machine_memory_mib": round(total / MiB),
+                           "available_before_mib": round(available / MiB), "layers_wanted": wanted, "layers_run": 0,
+                           "not_run": f"even one layer needs about {_large_need(args, 1, world) / GiB:.1f} GiB; "
+                                      f"{available / GiB:.1f} GiB are free"}
+        return
     args.layers = layers
     report["model"].update(layers=layers, seq=args.seq, batch=args.batch * world, optimizer="SGD",
                            heads=args.heads)
