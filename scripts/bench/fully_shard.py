@@ -12,22 +12,36 @@ run, for each world size. Reported per side and world size:
   gathered parameters still held), and one N-th of the unsharded total for comparison;
 * bytes each rank puts on the wire per step, counted at the collectives with one rule for
   both sides (ring algorithms: an all-gather sends (N - 1) shards, a reduce-scatter
-  (N - 1) pieces, an all-reduce 2 (N - 1) / N of the tensor); shardkit's from
-  ``CommCounter``, FSDP2's from its calls to ``all_gather_single`` / ``reduce_scatter_single`` /
-  ``all_reduce``;
+  (N - 1) pieces, an all-reduce 2 (N - 1) / N of the tensor, N the collective's group);
+  shardkit's from ``CommCounter``, FSDP2's from its calls to ``all_gather_single`` /
+  ``reduce_scatter_single`` / ``all_reduce`` and, for DTensor's tensor parallel, to the
+  functional collectives of the same names;
+* bytes each process actually wrote to its sockets during the step (``wchar`` of
+  /proc/self/io: Gloo's own algorithms, whatever the rule says; Gloo's reduce-scatter is an
+  all-reduce of the whole input);
+* CPU seconds of each process per step (all its threads): on a shared machine a steadier
+  figure than the wall time;
 * the mean over ranks of the first step's loss (the two sides must agree).
 
     python scripts/bench/fully_shard.py            # hidden 1024, intermediate 2816, 4 layers, vocab 32000
     python scripts/bench/fully_shard.py --small    # a quick look (hidden 256, vocab 4096, seq 64)
     python scripts/bench/fully_shard.py --worlds 1 2 4 --hybrid   # the scaling curve, and 2 x 2
     python scripts/bench/fully_shard.py --meta --layers 28 --hidden 2048 --intermediate 5632 --worlds 4
+    python scripts/bench/fully_shard.py --large    # from meta, larger than one rank's share of memory
 
 With ``--hybrid``, 2 x 2 on 4 ranks as well: shardkit's tensor parallel (transformers' plan)
 within {0, 1} and {2, 3} and ``fully_shard`` over {0, 2} and {1, 3}, against FSDP2 on the
 ``dp`` axis of a (2, 2) mesh after ``parallelize_module`` on its ``tp`` axis. With ``--meta``,
 no training: the model is built on the meta device, fully sharded, and each rank's rows are
 allocated and initialized (``shard_model(model, composite(), seed=0)``); reported against
-the unsharded fp32 size and one rank's share of the machine's memory.
+the unsharded fp32 size and one rank's share of the machine's memory. With ``--large``, on 4
+ranks: a Llama (hidden 4096, intermediate 11008, 32 heads, vocabulary 32000) with the fewest
+layers whose fp32 weights exceed one rank's share of the machine's memory, built on meta,
+fully sharded (each layer's attention and MLP, each layer, the embedding, the head, the
+root), initialized (``seed=0``), one SGD step (sequence 16, batch 1 per rank) and a
+``checkpoint.save`` to a temporary folder (deleted after); per rank the bytes held, peak RSS
+growth and seconds of each phase. It first compares an estimate of the memory it needs with
+what the machine has free, and runs fewer layers (or none) when that is short.
 """
 
 from __future__ import annotations
