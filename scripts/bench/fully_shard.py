@@ -17,8 +17,9 @@ run, for each world size. Reported per side and world size:
   ``reduce_scatter_single`` / ``all_reduce`` and, for DTensor's tensor parallel, to the
   functional collectives of the same names;
 * bytes each process actually wrote to its sockets during the step (``wchar`` of
-  /proc/self/io: Gloo's own algorithms, whatever the rule says; Gloo's reduce-scatter is an
-  all-reduce of the whole input);
+  /proc/self/io: Gloo's own algorithms, whatever the rule says; Gloo's
+  ``reduce_scatter_tensor``, which FSDP2 calls, is an all-reduce of the whole input, twice a
+  ring reduce-scatter's bytes);
 * CPU seconds of each process per step (all its threads): on a shared machine a steadier
   figure than the wall time;
 * the mean over ranks of the first step's loss (the two sides must agree).
