@@ -365,8 +365,11 @@ def _large(args: Any, report: dict[str, Any]) -> None:
     while layers > 0 and _large_need(args, layers, world) > margin:
         layers -= 1  # the largest that fits what the machine has free now
     if layers == 0:
+        weights = 4 * _llama_params(args.hidden, args.intermediate, wanted, args.vocab)
         report["large"] = {"ranks": world, "machine_memory_mib": round(total / MiB),
-                           "available_before_mib": round(available / MiB), "layers_wanted": wanted, "layers_run": 0,
+                           "available_before_mib": round(available / MiB), "one_rank_share_mib": round(share / MiB),
+                           "layers_wanted": wanted, "unsharded_fp32_weights_mib": round(weights / MiB),
+                           "estimated_need_mib": round(_large_need(args, wanted, world) / MiB), "layers_run": 0,
                            "not_run": f"even one layer needs about {_large_need(args, 1, world) / GiB:.1f} GiB; "
                                       f"{available / GiB:.1f} GiB are free"}
         return
