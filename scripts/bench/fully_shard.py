@@ -283,12 +283,14 @@ def _llama_params(hidden: int, intermediate: int, layers: int, vocab: int) -> in
 
 
 def _large_need(args: Any, layers: int, world: int) -> int:
-    """Bytes the large run needs on the machine, all ranks together (an estimate, erring high).
+    """Bytes the large run needs on the machine, all ranks together (an estimate).
 
-    Each rank holds its quarter of the fp32 parameters and of their gradients (SGD keeps no
-    state), and during backward at most three of the largest unit's whole size more (the
-    unit's gradients, the next unit's prefetched parameters, the reduce-scatter's received
-    pieces), plus the interpreter with torch and transformers (about 0.5 GiB).
+    Each rank holds its share of the fp32 parameters and of their gradients (SGD keeps no
+    state), and during backward up to three times the largest unit's whole size more (the
+    unit's gradients, the next unit's prefetched parameters, the pieces the other ranks
+    send), plus the interpreter with torch and transformers (about 0.5 GiB). For one layer
+    it gives 2.9 GiB per rank; a rank of such a run was at 3.0 GiB resident when the
+    kernel's OOM killer stopped it on a machine short of memory.
     """
     weights = 4 * _llama_params(args.hidden, args.intermediate, layers, args.vocab)
     unit = 4 * max(3 * args.hidden * args.intermediate, args.vocab * args.hidden)
