@@ -44,6 +44,11 @@ sums the ranks' partial gradients.
 Decisions depend only on shapes and on the split (the same on every rank), so every rank
 takes the same path and the collectives of a fallback always match.
 
+All this runs on a zone's first call of each input signature only: where the engine ran
+every op as the model wrote it, later calls of the signature replay the forward plainly,
+with its sharded layers' inputs and its outputs tagged as recorded (``replay``). Ops on
+pending sums still go through the engine in a replay (``_PendingTensor``).
+
 Sizes in the model's code mean what they mean in the unsharded model: a ``view(b, s,
 num_heads, 3, head_dim)`` with a fixed ``num_heads`` (BLOOM), a ``reshape(b, s, embed_dim)``
 (OPT) or an ``expand`` to a whole size is read against the whole tensor and mapped to this
@@ -1371,6 +1376,12 @@ def _gathered(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
         raise RuntimeError(msg)
     _intervene(f"{_describe(func)} ran on gathered inputs")
+    if not any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values())):
+        # The usual call (a norm's ``x.pow(2)`` summing a pending sum): no pytree needed.
+        args = tuple(to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in args)
+        kwargs = {k: to_replicated(v) if isinstance(v, Tensor) and hasattr(v, _TAG) else v
+                  for k, v in kwargs.items()}
+        return func(*args, **kwargs)
     flat_all, spec = tree_flatten((args, kwargs))
     flat_all = [to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in flat_all]
     args, kwargs = tree_unflatten(flat_all, spec)
