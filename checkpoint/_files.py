@@ -143,10 +143,13 @@ def _map_into(task: _Task, reader: DataReader) -> bool:
     storage = reader.file_storage(task.path, tensors=task.name)
     if storage.nbytes() < start + task.nbytes:
         return False  # a short file: the ordinary read reports it as truncated
-    # Verify the whole chunks (version 2 and later) or the whole region (version 1) the block covers.
-    lo, hi = covering(shard, start, start + task.nbytes)
-    with reader.mapped(task.path, lo, hi, tensors=task.name, populate=True) as data:
-        RegionCheck(shard, task.path, task.name, lo, reader.verified).update(data)
+    if shard.chunks or shard.checksum:
+        # Verify the whole chunks (version 2 and later) or the whole region (version 1) the block
+        # covers. Files without checksums (Hugging Face) are not read here at all: mapping them
+        # populated would fault in every page of the block, the cost the mapping avoids.
+        lo, hi = covering(shard, start, start + task.nbytes)
+        with reader.mapped(task.path, lo, hi, tensors=task.name, populate=True) as data:
+            RegionCheck(shard, task.path, task.name, lo, reader.verified).update(data)
     with torch.no_grad():
         target.set_(storage, start // dtype.itemsize, target.shape, target.stride())
     return True

@@ -13,7 +13,11 @@ rotated from one repetition to the next:
   ``tp_plan="auto"`` (its plan also splits the embedding and ``lm_head``);
 - **from_pretrained**: plain ``from_pretrained(folder)`` on every rank (the whole model each);
 - **shardkit_mmap** (with ``--mmap``): shardkit with ``checkpoint.load(model.state_dict(keep_vars=True),
-  folder, mmap=True)``: blocks contiguous in a file map its pages, as transformers' do.
+  folder, mmap=True)``: blocks contiguous in a file map its pages, as transformers' do;
+- **floor**: no model at all, the least a copying load can cost: each rank reads exactly the
+  byte ranges of the files that hold its blocks (the same plan's, planned before the clock
+  starts) with ``os.preadv`` into one new buffer, both ranks at once. Its time is that of
+  copying the rank's bytes from the page cache into fresh memory on this machine.
 
 Time runs from the model's construction until every rank holds its weights (slowest rank);
 memory is each rank's peak RSS growth over the same span against the bytes of the parameters
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -58,7 +63,7 @@ from _harness import (  # noqa: E402
     wire_bytes,
 )
 
-WAYS = ("shardkit", "transformers_tp", "from_pretrained")
+WAYS = ("shardkit", "transformers_tp", "from_pretrained", "floor")
 GOALS = {"load_time_vs_transformers_tp": 0.4, "peak_growth_vs_shard": 1.1, "step_time_vs_transformers_tp": 0.9}
 
 
@@ -115,6 +120,101 @@ def _load(way: str, folder: Path, world: int) -> Any:
     if way in ("shardkit", "shardkit_mmap"):
         return _shardkit_model(folder, world, mmap=way == "shardkit_mmap")
     return _transformers_model(folder, world, parallel=way == "transformers_tp")
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _rank_ranges(folder: Path, world: int, rank: int) -> list[tuple[Path, list[tuple[int, int]]]]:
+    """Per data file, the byte ranges holding this rank's blocks under ``tensor_parallel_spec``, merged.
+
+    From the files' own headers and the spec's layouts alone (no model is materialized): a
+    block of whole rows is one range, a block of columns one range per row.
+    """
+    import struct
+
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    import sharded_tensor as st
+    with torch.device("meta"):
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))
+    names = [name for name, _ in model.named_parameters()]
+    specs = st.tensor_parallel_spec(model, list(range(world))).resolve(names)
+    out = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            length = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(length))
+        ranges: list[tuple[int, int]] = []
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            shape, item = info["shape"], _DTYPE_BYTES[info["dtype"]]
+            start = 8 + length + info["data_offsets"][0]
+            spec = specs.get(name)
+            if spec is None:
+                offsets, dims = [0] * len(shape), list(shape)
+            else:
+                (_, shard), = spec.build_metadata(shape, world_size=world).shards_on(rank)
+                offsets, dims = list(shard.offsets), list(shard.dims)
+            row = math.prod(shape[1:]) * item  # bytes of one row (dim 0) of the saved tensor
+            if len(shape) < 2 or dims[1:] == shape[1:]:
+                ranges.append((start + offsets[0] * row, start + (offsets[0] + dims[0]) * row))
+            else:
+                assert len(shape) == 2, (name, shape)
+                first = start + offsets[0] * row + offsets[1] * item
+                ranges.extend((first + r * row, first + r * row + dims[1] * item) for r in range(dims[0]))
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted(ranges):
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            elif b > a:
+                merged.append((a, b))
+        out.append((file, merged))
+    return out
+
+
+def _read_ranges(files: list[tuple[Path, list[tuple[int, int]]]]) -> int:
+    """Read every range into one new buffer (``torch.empty``: its pages are faulted in by the reads)."""
+    import torch
+    total = sum(b - a for _, ranges in files for a, b in ranges)
+    buffer = torch.empty(total, dtype=torch.uint8)
+    view = memoryview(buffer.numpy())
+    at = 0
+    for file, ranges in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            for a, b in ranges:
+                done = 0
+                while done < b - a:
+                    n = os.preadv(fd, [view[at + done:at + b - a]], a + done)
+                    assert n > 0, (file, a, b, done)
+                    done += n
+                at += b - a
+        finally:
+            os.close(fd)
+    view.release()
+    return total
+
+
+def _floor_rank(rank: int, world: int, folder: str) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import torch.distributed as dist
+    _quiet(rank)
+    files = _rank_ranges(Path(folder), world, rank)  # planning, before the clock
+    dist.barrier()
+    before = reset_peak()
+    start = time.perf_counter()
+    total = _read_ranges(files)
+    elapsed = time.perf_counter() - start
+    peak = proc_status("VmHWM") - before
+    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"seconds": float(slowest[0]), "seconds_touched": float(slowest[0]), "peak_growth": peak,
+            "peak_growth_touched": peak, "local_bytes": total, "logits": None,
+            "ranges": sum(len(r) for _, r in files)}
 
 
 def _quiet(rank: int) -> None:
@@ -235,7 +335,10 @@ def main() -> None:
             runs: dict[str, list[list[dict[str, Any]]]] = {w: [] for w in ways}
             for rep in range(repeat):
                 for way in ways[rep % len(ways):] + ways[:rep % len(ways)]:  # rotate the order
-                    runs[way].append(run_fresh(_load_rank, world, way, str(folder), what=way))
+                    if way == "floor":
+                        runs[way].append(run_fresh(_floor_rank, world, str(folder), what=way))
+                    else:
+                        runs[way].append(run_fresh(_load_rank, world, way, str(folder), what=way))
             reference = torch.tensor(runs["shardkit"][0][0]["logits"])
             loads: dict[str, Any] = {}
             for way in ways:
@@ -251,9 +354,10 @@ def main() -> None:
                               "seconds_with_first_touch": _median_range(touched, 2),
                               "peak_over_local_with_first_touch": [round(p / b, 2)
                                                                    for p, b in zip(peaks_touched, local)],
-                              "same_logits_as_shardkit": all(
+                              "same_logits_as_shardkit": None if way == "floor" else all(
                                   torch.allclose(torch.tensor(r["logits"]), reference, atol=1e-4)
                                   for run in runs[way] for r in run)}
+            loads["floor"]["ranges_per_rank"] = [r["ranges"] for r in runs["floor"][0]]
             # Ratios of the runs paired by repetition (each pair a few seconds apart), then their median.
             paired = [s[0]["seconds"] / t[0]["seconds"] for s, t in zip(runs["shardkit"], runs["transformers_tp"])]
             paired_plain = [s[0]["seconds"] / t[0]["seconds"]
@@ -263,7 +367,13 @@ def main() -> None:
             loads["time_with_first_touch_shardkit_over_transformers_tp"] = _median_range(
                 [s[0]["seconds_touched"] / t[0]["seconds_touched"]
                  for s, t in zip(runs["shardkit"], runs["transformers_tp"])])
+            loads["time_shardkit_over_floor"] = _median_range(
+                [s[0]["seconds"] / f[0]["seconds"] for s, f in zip(runs["shardkit"], runs["floor"])])
+            loads["time_floor_over_transformers_tp"] = _median_range(
+                [f[0]["seconds"] / t[0]["seconds"] for f, t in zip(runs["floor"], runs["transformers_tp"])])
             if args.mmap:
+                loads["time_shardkit_mmap_over_floor"] = _median_range(
+                    [s[0]["seconds"] / f[0]["seconds"] for s, f in zip(runs["shardkit_mmap"], runs["floor"])])
                 loads["time_shardkit_mmap_over_transformers_tp"] = _median_range(
                     [s[0]["seconds"] / t[0]["seconds"] for s, t in zip(runs["shardkit_mmap"], runs["transformers_tp"])])
                 loads["time_with_first_touch_shardkit_mmap_over_transformers_tp"] = _median_range(

@@ -37,9 +37,9 @@ pytest.importorskip("transformers")
 
 import sharded_tensor as st  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
+from tests.distributed._archs import BY_NAME, inputs, loss, max_diff, spec_of  # noqa: E402
 from tests.distributed._grads import full_grads, full_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
-from tests.distributed.test_arch_matrix import BY_NAME, _inputs, _loss, _max_diff, _spec  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -119,13 +119,13 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
         arch = BY_NAME[name]
         if arch.register is not None:
             arch.register()
-        build, spec, x = arch.build, _spec(arch, world), _inputs(arch.inputs, 0)
+        build, spec, x = arch.build, spec_of(arch, world), inputs(arch.inputs, 0)
         all_reduces = (arch.all_reduces, arch.all_reduces) if arch.group == "decoders" else None
     ref, model = build(), build()
     model.load_state_dict(ref.state_dict())
     st.shard_model(model, spec, src_rank=0)
     want = _logits(ref(**x))
-    _loss(want).backward()
+    loss(want).backward()
     with torch.no_grad():
         eager = _logits(model(**x))
 
@@ -134,8 +134,8 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
     graphs: dict[str, list[dict[str, int]]] = {}
     compiled = torch.compile(model, backend=_backend(graphs))
     got = _logits(compiled(**x))
-    _loss(got).backward()
-    return {"forward": _max_diff(got, eager), "graph_stats": graphs, "want_all_reduces": all_reduces,
+    loss(got).backward()
+    return {"forward": max_diff(got, eager), "graph_stats": graphs, "want_all_reduces": all_reduces,
             "grads": full_mismatches(full_grads(model, rank), {n: p.grad for n, p in ref.named_parameters()}),
             "graph_breaks": sum(counters["graph_break"].values()),
             "graphs": counters["stats"]["unique_graphs"]}
