@@ -92,7 +92,7 @@ class ShardedParameter:
                        f"parameter has {shape}.")
                 raise ValueError(msg)
             source = value.sharding_metadata()
-            if source.shards == self.metadata.shards:
+            if source == self.metadata.with_dtype(source.dtype):  # same shards, no pending reduction: ours as is
                 pieces = local_by_index(value)
             else:
                 target = self.metadata.with_dtype(source.dtype)

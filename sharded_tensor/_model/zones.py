@@ -1376,6 +1376,12 @@ def _gathered(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
         raise RuntimeError(msg)
     _intervene(f"{_describe(func)} ran on gathered inputs")
+    if not any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values())):
+        # The usual call (a norm's ``x.pow(2)`` summing a pending sum): no pytree needed.
+        args = tuple(to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in args)
+        kwargs = {k: to_replicated(v) if isinstance(v, Tensor) and hasattr(v, _TAG) else v
+                  for k, v in kwargs.items()}
+        return func(*args, **kwargs)
     flat_all, spec = tree_flatten((args, kwargs))
     flat_all = [to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in flat_all]
     args, kwargs = tree_unflatten(flat_all, spec)

@@ -7,7 +7,8 @@
   ``torch.nn.utils.clip_grad_norm_`` gives each rank a different norm; in the same spawn,
   ``copy.deepcopy`` of that sharded model keeps every parameter's record: the copy's logits
   and gradients are the original's bit for bit (and the unsharded model's), its state_dict
-  holds the same ShardedTensors, and it owns its data;
+  holds the same ShardedTensors, and it owns its data; partial values loaded into a parameter
+  whole on every rank are summed first;
 * the training state: train on 2 ranks, ``get_state_dict`` + ``checkpoint.save``; resume with
   ``checkpoint.load`` + ``set_state_dict`` on 2 ranks (same layout: losses bit for bit those
   of an uninterrupted run) and on 4 ranks with another layout (losses equal within float
@@ -31,7 +32,7 @@ from torch import nn
 import checkpoint
 import sharded_tensor as st
 from sharded_tensor._model.record import record_of, sharded_parameters
-from sharding import composite, single_split
+from sharding import ShardMetadata, composite, single_split
 from tests.distributed._launch import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -147,6 +148,14 @@ def _deepcopy_on_ranks(ranks: list[str]) -> tuple[torch.Tensor, dict[str, torch.
     with torch.no_grad():
         twin[1].weight.add_(1.0)  # the copy owns its data
     assert not torch.equal(twin[1].weight, model[1].weight)
+    # Partial values loaded into a parameter whole on every rank ("5.bias") are summed first, not
+    # taken addend by addend (their full-size shards are the replicas' shards).
+    want = torch.arange(float(VOCAB))
+    addend = want * (0.5 if dist.get_rank() == 0 else 0.25)
+    pending = st.ShardedTensor.from_local_shards(
+        [st.Shard(addend, ShardMetadata((0,), (VOCAB,), ranks[dist.get_rank()]))], (VOCAB,), reduce_op="sum")
+    twin.load_state_dict({**twin_state, "5.bias": pending})
+    assert torch.equal(twin[5].bias, want)
     return twin_logits.detach(), _full_grads(twin)
 
 
