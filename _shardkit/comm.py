@@ -38,7 +38,8 @@ from . import teardown  # binds torch's default-group arguments before any group
 
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "broadcast_json", "all_gather_tensor", "CollectiveError",
-           "broadcast_int", "all_reduce", "all_reduce_values", "barrier", "ProcessGroup", "agree", "DEFAULT_TIMEOUT",
+           "broadcast_int", "all_reduce", "all_reduced", "all_reduce_values", "barrier", "ProcessGroup", "agree",
+           "DEFAULT_TIMEOUT",
            "TIMEOUT_ENV", "LIVENESS_ENV", "resolve_timeout", "operation", "operation_name", "collective"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
@@ -864,6 +865,20 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "s
              marked=bool(_scopes()))
         _record("all_reduce", tensor.numel() * tensor.element_size())
     return tensor
+
+
+def all_reduced(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "sum",
+                timeout: float | None = None, what: str = "all_reduce") -> torch.Tensor:
+    """The reduction of ``tensor`` over the group as a new contiguous tensor; ``tensor`` is not written. Collective.
+
+    For a tensor autograd (or the caller) may still read. Eager: one contiguous copy,
+    reduced in place like ``all_reduce``. Under ``torch.compile``: one functional
+    collective, which returns a new tensor itself, so the graph holds no copy around it.
+    """
+    if torch.compiler.is_compiling() and _initialized() and dist.get_world_size(group) > 1:
+        return _traced_all_reduce(tensor, op, group)
+    return all_reduce(tensor.clone(memory_format=torch.contiguous_format), group, op=op, timeout=timeout,
+                      what=what)
 
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}

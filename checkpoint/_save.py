@@ -3,7 +3,9 @@
 Phases (every rank, in order)::
 
     plan      pure: flatten the state_dict, list each tensor's distinct regions and pick one
-              writer per region among its holders (greedy by bytes, identical on every rank)
+              writer per region among its holders (greedy by bytes, identical on every rank);
+              regions are boxes, not placements, so any tiling (a mesh, packed slices, a
+              layout read from DTensor) is saved alike and a partial value is refused first
     prepare   rank 0 creates the folder, draws a fresh generation id and takes the save lease
               (another save to the path in progress: fail now); every rank checks that all
               save the same structure (and the same plain tensors, by checksum) and learns the id

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._device import RemoteDevice
-from .layout import Packed, Partial, Placement, Replicated, Split, placement_of
+from .layout import Packed, Partial, Placement, Replicated, Split, Strided, placement_of
 
 __all__ = ["ShardMetadata", "ShardedTensorMetadata"]
 
@@ -112,8 +112,10 @@ class ShardedTensorMetadata:
         object.__setattr__(self, "size", torch.Size(size))
         object.__setattr__(self, "dtype", dtype if dtype is not None else torch.get_default_dtype())
         if placement is not _UNKNOWN and placement is not None and not isinstance(placement, _PLACEMENTS):
-            msg = (f"placement={placement!r} is not a sharding.layout placement; give a Split, Packed, Replicated "
-                   f"or Partial (or None, or leave it out to read it off the shards).")
+            hint = " (metadata states a Strided layout as its Packed: placement.packed())" \
+                if isinstance(placement, Strided) else ""
+            msg = (f"placement={placement!r} is not a metadata placement{hint}; give a sharding.layout Split, "
+                   f"Packed, Replicated or Partial (or None, or leave it out to read it off the shards).")
             raise TypeError(msg)
         object.__setattr__(self, "_placement", placement)
         for i, shard in enumerate(self.shards):

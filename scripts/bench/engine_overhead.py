@@ -7,7 +7,10 @@ outputs. This bench measures what that costs, on 2 Gloo ranks, with a transforme
 sharded as ``tp_llama.py`` shards it (q/k/v/gate/up split on output features, o/down on input
 features, the rest replicated):
 
-* ``engine``: the sharded model's forward (with labels, as a training step calls it);
+* ``engine``: the sharded model's forward (with labels, as a training step calls it), as it runs
+  by default: each zone's first call of an input signature checked, later ones replayed
+  plainly (see ``sharded_tensor/_model/replay.py``);
+* ``engine_checked``: the same with ``SHARDKIT_ENGINE_REPLAY=0``: every call under the engine;
 * ``plain``: an unsharded Llama with this rank's local shapes (half the heads and MLP width)
   and this rank's local weights, plus the same collectives at the same places (the input of
   attention and MLP through ``copy_to_ranks``, the outputs of o/down through
@@ -16,8 +19,9 @@ features, the rest replicated):
 * ``floor``: the plain model under a ``TorchFunctionMode`` that only calls each op: what
   Python's dispatch to any mode costs, which the engine cannot go below.
 
-The three run alternately, ``--iters`` forwards per measurement, ``--repeat`` times, with
-gradients enabled (as in training) and under ``no_grad``. Per op: ``(engine - plain) / ops``,
+The four run alternately, ``--iters`` forwards per measurement, ``--repeat`` times, with
+gradients enabled (as in training) and under ``no_grad``. Per op: ``(engine - plain) / ops``
+(and the same for ``engine_checked``),
 ``ops`` being the torch calls the model's code makes in one forward (counted by a
 ``TorchFunctionMode`` on the plain model, collectives aside; the engine handles all of them but
 the sharded layers' own, and the number it handled is reported beside it). Times are wall and
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -52,6 +57,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 # name -> (hidden, heads, kv heads, layers, seq, batch, vocab); "tp_llama" is tp_llama.py's default model.
 SIZES = {"tiny": (64, 4, 2, 2, 16, 1, 128), "tp_llama": (1024, 16, 16, 4, 256, 4, 8192)}
 WORLD = 2
+_REPLAY_ENV = "SHARDKIT_ENGINE_REPLAY"
 
 
 class _PassThrough(TorchFunctionMode):
@@ -152,7 +158,15 @@ def _case(rank: int, size: str, grad: bool, iters: int, repeat: int) -> dict[str
         with _PassThrough():
             return plain(x, labels=x).loss
 
-    sides = {"plain": lambda: plain(x, labels=x).loss, "engine": lambda: sharded(x, labels=x).loss, "floor": floor}
+    def checked() -> Any:
+        os.environ[_REPLAY_ENV] = "0"
+        try:
+            return sharded(x, labels=x).loss
+        finally:
+            del os.environ[_REPLAY_ENV]
+
+    sides = {"plain": lambda: plain(x, labels=x).loss, "engine": lambda: sharded(x, labels=x).loss,
+             "engine_checked": checked, "floor": floor}
     with torch.no_grad():
         counter = _Count()
         with counter:  # the model's own ops (before the collectives are added to the plain model)
@@ -160,9 +174,11 @@ def _case(rank: int, size: str, grad: bool, iters: int, repeat: int) -> dict[str
         _add_collectives(plain)
         loss_plain = sides["plain"]()
         loss_engine = sides["engine"]()
+        loss_checked = sides["engine_checked"]()
         engine_calls = _engine_calls(sides["engine"])
+        checked_calls = _engine_calls(sides["engine_checked"])
         comm = {}
-        for side in ("plain", "engine"):
+        for side in ("plain", "engine", "engine_checked"):
             with st.CommCounter() as c:
                 fn = sides[side]
                 fn()
@@ -172,12 +188,14 @@ def _case(rank: int, size: str, grad: bool, iters: int, repeat: int) -> dict[str
         for fn in sides.values():  # warm-up: rule tables, signature and reshape caches, allocator
             _timed(fn, max(2, iters // 5))
         for r in range(repeat):
-            for side in (("plain", "engine", "floor") if r % 2 == 0 else ("floor", "engine", "plain")):
+            order = ("plain", "engine", "engine_checked", "floor")
+            for side in (order if r % 2 == 0 else order[::-1]):
                 wall, cpu = _timed(sides[side], iters)
                 per[side]["wall"].append(wall)
                 per[side]["cpu"].append(cpu)
-    return {"size": size, "grad": grad, "loss_equal": torch.equal(loss_plain, loss_engine), "collectives": comm,
-            "ops": counter.calls, "engine_calls": engine_calls, "iters": iters, "times": per}
+    return {"size": size, "grad": grad, "loss_equal": torch.equal(loss_plain, loss_engine) and torch.equal(
+                loss_plain, loss_checked), "collectives": comm, "ops": counter.calls, "engine_calls": engine_calls,
+            "checked_engine_calls": checked_calls, "iters": iters, "times": per}
 
 
 def _rank(rank: int, world: int, args: Any) -> list[dict[str, Any]]:
@@ -199,8 +217,10 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One case over every rank: paired (engine - plain) differences of all ranks' repeats."""
     first = per_rank[0]
     ops = first["ops"]
-    pooled: dict[str, dict[str, list[float]]] = {s: {"wall": [], "cpu": []} for s in ("plain", "engine", "floor")}
+    pooled: dict[str, dict[str, list[float]]] = {s: {"wall": [], "cpu": []}
+                                                 for s in ("plain", "engine", "engine_checked", "floor")}
     added: dict[str, list[float]] = {"wall": [], "cpu": []}
+    added_checked: dict[str, list[float]] = {"wall": [], "cpu": []}
     floor: dict[str, list[float]] = {"wall": [], "cpu": []}
     for case in per_rank:
         times = case["times"]
@@ -208,16 +228,20 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             for side in pooled:
                 pooled[side][clock] += times[side][clock]
             added[clock] += [e - p for e, p in zip(times["engine"][clock], times["plain"][clock])]
+            added_checked[clock] += [e - p for e, p in zip(times["engine_checked"][clock], times["plain"][clock])]
             floor[clock] += [f - p for f, p in zip(times["floor"][clock], times["plain"][clock])]
     return {
         "size": first["size"], "grad": first["grad"],
         "model": dict(zip(("hidden", "heads", "kv_heads", "layers", "seq", "batch", "vocab"), SIZES[first["size"]])),
         "loss_equal_every_rank": all(c["loss_equal"] for c in per_rank),
         "collectives_per_forward": first["collectives"],
-        "ops_per_forward": ops, "engine_calls_per_forward": first["engine_calls"], "iters": first["iters"],
+        "ops_per_forward": ops, "engine_calls_per_forward": first["engine_calls"],
+        "engine_calls_per_forward_checked": first["checked_engine_calls"], "iters": first["iters"],
         "forward_ms": {side: {clock: _stats(v, 1e3, 3) for clock, v in d.items()} for side, d in pooled.items()},
         "engine_added_per_forward_ms": {clock: _stats(v, 1e3, 3) for clock, v in added.items()},
         "engine_added_per_op_us": {clock: _stats(v, 1e6 / ops, 2) for clock, v in added.items()},
+        "engine_checked_added_per_forward_ms": {clock: _stats(v, 1e3, 3) for clock, v in added_checked.items()},
+        "engine_checked_added_per_op_us": {clock: _stats(v, 1e6 / ops, 2) for clock, v in added_checked.items()},
         "pass_through_mode_added_per_op_us": {clock: _stats(v, 1e6 / ops, 2) for clock, v in floor.items()},
     }
 
@@ -253,6 +277,9 @@ def main() -> None:
             report["tp_llama"]["engine_share_of_shardkit_step"] = {
                 clock: round(found["engine_added_per_forward_ms"][clock]["median"] * 1e-3 / step["shardkit"], 4)
                 for clock in ("wall", "cpu")}
+            report["tp_llama"]["engine_checked_share_of_shardkit_step"] = {
+                clock: round(found["engine_checked_added_per_forward_ms"][clock]["median"] * 1e-3 / step["shardkit"],
+                             4) for clock in ("wall", "cpu")}
     print(json.dumps(report, indent=2))
 
 

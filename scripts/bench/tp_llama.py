@@ -44,17 +44,20 @@ def _config(args: Any) -> Any:
                        attn_implementation="sdpa")
 
 
-def _shardkit(model: Any, world: int, layers: int) -> Any:
+def _shardkit(model: Any, world: int, layers: int, plan: str) -> Any:
     import sharded_tensor as st
     from sharding import composite, single_split
     ranks = [f"rank:{r}/cpu" for r in range(world)]
+    if plan == "full":
+        return st.shard_model(model, st.tensor_parallel_spec(model, ranks))
     cols, rows = llama_tp_names(layers)
     spec = composite(**{n: single_split(0, ranks) for n in cols}, **{n: single_split(1, ranks) for n in rows})
     return st.shard_model(model, spec)
 
 
-def _dtensor(model: Any, world: int, layers: int) -> Any:
+def _dtensor(model: Any, world: int, layers: int, plan: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -62,8 +65,11 @@ def _dtensor(model: Any, world: int, layers: int) -> Any:
     )
     mesh = init_device_mesh("cpu", (world,))
     cols, rows = llama_tp_names(layers)
-    plan = {**{n: ColwiseParallel() for n in cols}, **{n: RowwiseParallel() for n in rows}}
-    parallelize_module(model, mesh, plan)
+    styles = {**{n: ColwiseParallel() for n in cols}, **{n: RowwiseParallel() for n in rows}}
+    if plan == "full":  # as torchtitan does: the vocabulary split, the logits left split for loss_parallel
+        styles["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+        styles["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, styles)
     return model
 
 
@@ -77,11 +83,12 @@ def _dtensor(model: Any, world: int, layers: int) -> Any:
 _PLAIN_CALLS: dict[str, int] = {}
 
 
-def _sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
+def _sum_over_ranks(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if torch.compiler.is_compiling():
         from torch.distributed import _functional_collectives as funcol
-        return funcol.wait_tensor(funcol.all_reduce(x, "sum", torch.distributed.group.WORLD))
-    torch.distributed.all_reduce(x)
+        return funcol.wait_tensor(funcol.all_reduce(x, op, torch.distributed.group.WORLD))
+    reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+    torch.distributed.all_reduce(x, op=reduce_op)
     _PLAIN_CALLS["all_reduce"] = _PLAIN_CALLS.get("all_reduce", 0) + 1
     return x
 
@@ -125,7 +132,58 @@ def _leave(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Te
     return _LeaveParallel.apply(output)
 
 
-def _plain(base: Any, config: Any, rank: int, world: int, layers: int) -> Any:
+class _VocabEmbedding(torch.nn.Module):
+    """This rank's rows of the embedding: ids outside them look up zeros; the ranks' rows are summed."""
+
+    def __init__(self, weight: torch.Tensor, start: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.size(0))
+        rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return _LeaveParallel.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class _VocabParallelLoss(torch.autograd.Function):
+    """Mean cross entropy of logits split on the vocabulary: three all-reduces of one number per row."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int) -> torch.Tensor:
+        width = logits.size(-1)
+        top = _sum_over_ranks(logits.detach().max(-1).values, "max")
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        total = _sum_over_ranks(exp.sum(-1))
+        local = target - start
+        mine = (local >= 0) & (local < width)
+        index = local.clamp(0, width - 1).unsqueeze(-1)
+        picked = _sum_over_ranks(shifted.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0))
+        valid = target != -100
+        count = valid.sum()
+        loss = ((total.log() - picked) * valid).sum() / count
+        softmax = exp.div_(total.unsqueeze(-1))
+        ctx.save_for_backward(softmax, index, mine, valid, count)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax, index, mine, valid, count = ctx.saved_tensors
+        out = softmax.scatter_add(-1, index, -mine.unsqueeze(-1).to(softmax.dtype))
+        return out * (valid.unsqueeze(-1) * (grad / count)), None, None
+
+
+def _plain_full_loss(model: Any, batch: torch.Tensor) -> torch.Tensor:
+    """The plain model's loss with the vocabulary split: the causal shift of transformers' loss, by hand."""
+    hidden = model.model(input_ids=batch).last_hidden_state
+    logits = model.lm_head(_EnterParallel.apply(hidden))
+    target = torch.nn.functional.pad(batch, (0, 1), value=-100)[:, 1:]
+    return _VocabParallelLoss.apply(logits.flatten(0, 1), target.flatten(), model.vocab_start)
+
+
+def _plain(base: Any, config: Any, rank: int, world: int, layers: int, plan: str = "standard") -> Any:
     """An ordinary Llama holding this rank's heads and MLP columns, with the two marks hooked in."""
     import copy
 
@@ -151,7 +209,38 @@ def _plain(base: Any, config: Any, rank: int, world: int, layers: int) -> Any:
         layer.mlp.register_forward_pre_hook(_enter_arg)
         layer.self_attn.o_proj.register_forward_hook(_leave)
         layer.mlp.down_proj.register_forward_hook(_leave)
+    if plan == "full":
+        rows = config.vocab_size // world
+        model.vocab_start = rank * rows
+        model.model.embed_tokens = _VocabEmbedding(state["model.embed_tokens.weight"].chunk(world, 0)[rank].clone(),
+                                                   rank * rows)
+        model.lm_head = torch.nn.Linear(config.hidden_size, rows, bias=False)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(state["lm_head.weight"].chunk(world, 0)[rank])
     return model
+
+
+def _loss(side: str, plan: str, model: Any, batch: torch.Tensor) -> torch.Tensor:
+    """The loss of one forward; under ``--plan full`` call it (and ``backward``) inside ``_loss_scope``."""
+    if plan == "standard" or side == "shardkit":  # shardkit's loss in the forward takes the split logits
+        return model(batch, labels=batch).loss  # type: ignore[no-any-return]
+    if side == "plain":
+        return _plain_full_loss(model, batch)
+    logits = model(batch).logits
+    target = torch.nn.functional.pad(batch, (0, 1), value=-100)[:, 1:]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+def _loss_scope(side: str, plan: str) -> Any:
+    """Where logits stay split on the vocabulary: shardkit's and DTensor's ``loss_parallel``."""
+    import contextlib
+    if plan == "full" and side == "shardkit":
+        import sharded_tensor as st
+        return st.loss_parallel()
+    if plan == "full" and side == "dtensor":
+        from torch.distributed.tensor.parallel import loss_parallel
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 def _comm_dtensor(fn: Any) -> dict[str, Any]:
@@ -171,8 +260,8 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
     for side, shard in (("shardkit", _shardkit), ("dtensor", _dtensor)):
         m = LlamaForCausalLM(config)
         m.load_state_dict(base.state_dict())
-        models[side] = shard(m, world, args.layers)
-    models["plain"] = _plain(base, config, rank, world, args.layers)
+        models[side] = shard(m, world, args.layers, args.plan)
+    models["plain"] = _plain(base, config, rank, world, args.layers, args.plan)
     del base
     if args.compile:
         models = {side: torch.compile(m) for side, m in models.items()}
@@ -182,9 +271,9 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
                for _ in range(args.steps + 1)]
     out: dict[str, Any] = {}
     if args.compile:
-        out.update(_compile_warmup(models, opts, batches[0]))
+        out.update(_compile_warmup(models, opts, batches[0], args.plan))
     else:
-        out.update(_count_collectives(models, batches[0]))
+        out.update(_count_collectives(models, batches[0], args.plan))
     # Training steps, alternating sides.
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     losses: dict[str, list[float]] = {side: [] for side in SIDES}
@@ -198,8 +287,9 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
             torch.distributed.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
-            loss = model(batch, labels=batch).loss
-            loss.backward()
+            with _loss_scope(side, args.plan):
+                loss = _loss(side, args.plan, model, batch)
+                loss.backward()
             opt.step()
             elapsed = time.perf_counter() - t0
             times[side].append(elapsed)
@@ -211,7 +301,7 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
     return out
 
 
-def _compile_warmup(models: dict[str, Any], opts: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
+def _compile_warmup(models: dict[str, Any], opts: dict[str, Any], x: torch.Tensor, plan: str) -> dict[str, Any]:
     """One untimed step per side, which compiles forward and backward; graph breaks and the time it took."""
     from torch._dynamo.utils import counters
     out: dict[str, Any] = {"compile_seconds": {}, "graph_breaks": {}, "graphs": {}}
@@ -219,7 +309,8 @@ def _compile_warmup(models: dict[str, Any], opts: dict[str, Any], x: torch.Tenso
         counters.clear()
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        model(x, labels=x).loss.backward()
+        with _loss_scope(side, plan):
+            _loss(side, plan, model, x).backward()
         opts[side].zero_grad()
         out["compile_seconds"][side] = time.perf_counter() - t0
         out["graph_breaks"][side] = sum(counters["graph_break"].values())
@@ -227,26 +318,29 @@ def _compile_warmup(models: dict[str, Any], opts: dict[str, Any], x: torch.Tenso
     return out
 
 
-def _count_collectives(models: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
+def _count_collectives(models: dict[str, Any], x: torch.Tensor, plan: str) -> dict[str, Any]:
     """Collectives of one forward and one backward, per side."""
     import sharded_tensor as st
     out: dict[str, Any] = {}
     m = models["shardkit"]
-    with st.CommCounter() as fwd:
-        loss = m(x, labels=x).loss
-    with st.CommCounter() as bwd:
-        loss.backward()
+    with _loss_scope("shardkit", plan):
+        with st.CommCounter() as fwd:
+            loss = _loss("shardkit", plan, m, x)
+        with st.CommCounter() as bwd:
+            loss.backward()
     m.zero_grad()
     out["shardkit_forward"] = {"counts": dict(fwd.counts), "bytes": dict(fwd.bytes_by_op)}
     out["shardkit_backward"] = {"counts": dict(bwd.counts), "bytes": dict(bwd.bytes_by_op)}
     m = models["dtensor"]
     holder: dict[str, Any] = {}
-    out["dtensor_forward"] = {"counts": _comm_dtensor(lambda: holder.setdefault("loss", m(x, labels=x).loss))}
-    out["dtensor_backward"] = {"counts": _comm_dtensor(lambda: holder["loss"].backward())}
+    with _loss_scope("dtensor", plan):
+        out["dtensor_forward"] = {"counts": _comm_dtensor(
+            lambda: holder.setdefault("loss", _loss("dtensor", plan, m, x)))}
+        out["dtensor_backward"] = {"counts": _comm_dtensor(lambda: holder["loss"].backward())}
     m.zero_grad()
     m = models["plain"]
     _PLAIN_CALLS.clear()
-    loss = m(x, labels=x).loss
+    loss = _loss("plain", plan, m, x)
     out["plain_forward"] = {"counts": dict(_PLAIN_CALLS)}
     _PLAIN_CALLS.clear()
     loss.backward()
@@ -265,6 +359,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="torch.compile (inductor) both sides")
+    parser.add_argument("--plan", choices=("standard", "full"), default="standard",
+                        help="standard: embedding and lm_head whole; full: both split on the vocabulary, "
+                             "the loss computed on the split logits (loss_parallel)")
     args = parser.parse_args()
     results = launch(_rank, 2, args)
     # The slowest rank's time per step; medians and ranges over the steps.
@@ -286,7 +383,7 @@ def main() -> None:
 
     r0 = results[0]
     report = {
-        "benchmark": "tp_llama", "machine": machine(), "world": 2, "compile": args.compile,
+        "benchmark": "tp_llama", "machine": machine(), "world": 2, "compile": args.compile, "plan": args.plan,
         "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "seq": args.seq,
                   "batch": args.batch, "vocab": args.vocab},
         **({"compile_seconds": r0["compile_seconds"], "graph_breaks": [r["graph_breaks"] for r in results],
@@ -305,6 +402,8 @@ def main() -> None:
                        "plain/dtensor": cpu_ratio("plain", "dtensor"),
                        "shardkit/plain": cpu_ratio("shardkit", "plain")},
         "first_loss": {side: r0["losses"][side][0] for side in SIDES},
+        # After the optimizer's steps: equal too when every side's gradients are right.
+        "last_loss": {side: r0["losses"][side][-1] for side in SIDES},
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "steps": args.steps,
     }

@@ -103,8 +103,9 @@ class Unit:
         self.accumulated: torch.Tensor | None = None  # whole gradients held while not syncing
         self.order: list[Unit] = []  # for a root: every unit below it, itself first
         self.root: Unit | None = None  # while running: the root of the current forward / backward
-        # (unit, reduce-scatter in flight, which gradients it carries, the whole gradients it sends, the others' parts)
-        self._reductions: list[tuple[Unit, Any, list[bool], list[torch.Tensor], list[torch.Tensor]]] = []
+        # (unit, reduce-scatter in flight, which gradients it carries, this rank's rows of them, the others'
+        # parts of those rows, what it sends: kept alive until it completes)
+        self._reductions: list[tuple[Unit, Any, list[bool], list[torch.Tensor], list[torch.Tensor], Any]] = []
         self._callback_queued = False
         self.handles: list[Any] = []
         self.absent = False  # this rank is in no data-parallel group (ranks=[]): it holds no rows
@@ -289,10 +290,10 @@ class Unit:
         # Even with no gradient here the reduce-scatter runs: the other ranks may have some.
         wholes = []
         for flat, grad in zip(plan.params, grads):
-            whole = (grad.reshape(-1).to(self.reduce_dtype).contiguous() if grad is not None
-                     else torch.zeros(flat.numel, dtype=self.reduce_dtype, device=device))
+            whole = (grad.to(self.reduce_dtype) if grad is not None
+                     else torch.zeros(flat.shape, dtype=self.reduce_dtype, device=device))
             if held is not None:
-                whole = whole + held[plan.full_slice(flat)]
+                whole = whole + held[plan.full_slice(flat)].view(flat.shape)
             wholes.append(whole)
         # The other ranks' gradients of this rank's rows: one segment per other rank, each its own
         # tensor (the first becomes the reduced buffer the gradients are views of; the others are freed).
@@ -300,23 +301,27 @@ class Unit:
         pieces: list[list[torch.Tensor]] = []
         places: list[list[torch.Tensor | None]] = []
         for flat, whole in zip(plan.params, wholes):
-            pieces.append([whole[slice(*_span(flat, r))] for r in range(world)])
+            # Each other rank's rows, sent from the gradient itself: a weight's gradient often comes
+            # transposed (strided), and then only the rows that travel are made contiguous; this
+            # rank's own rows are summed where they are.
+            pieces.append([_rows(whole, flat, r) if r == me else _rows(whole, flat, r).reshape(-1)
+                           for r in range(world)])
             start, stop = _span(flat, me)
             places.append([None if r == me else part for r, part in
                            enumerate(_in_rank_order(None, received, flat.offset, stop - start, me, world))])
         pending = _flat.start_scatter(pieces, places, self.group, me,
                                       counted=(world - 1) * plan.segment * wholes[0].element_size() if wholes else 0,
                                       what=f"fully_shard reduce-scatter of {self.label}")
-        root._reductions.append((self, pending, had, wholes, received))
+        root._reductions.append((self, pending, had, [piece[me] for piece in pieces], received, pieces))
 
     def complete_reductions(self) -> None:
         """Wait for posted reduce-scatters and add the averaged gradients to the local shards."""
         reductions, self._reductions = self._reductions, []
-        for unit, pending, had, wholes, received in reductions:
+        for unit, pending, had, own, received, _sent in reductions:
             pending.wait()
-            unit._assign(unit._reduce(wholes, received), had)
+            unit._assign(unit._reduce(own, received), had)
 
-    def _reduce(self, wholes: list[torch.Tensor], received: list[torch.Tensor]) -> torch.Tensor:
+    def _reduce(self, own: list[torch.Tensor], received: list[torch.Tensor]) -> torch.Tensor:
         """This rank's rows of every gradient: the sum over ranks, in rank order, over the ranks.
 
         Summed into the first received segment (an element-wise sum may write over one of its
@@ -326,12 +331,15 @@ class Unit:
         out = received[0] if received else torch.empty(plan.segment, dtype=self.reduce_dtype,
                                                         device=self.unsharded.device)
         with torch.no_grad():
-            for flat, whole in zip(plan.params, wholes):
+            for flat, rows in zip(plan.params, own):
                 start, stop = _span(flat, me)
                 if start == stop:
                     continue
-                parts = _in_rank_order(whole[start:stop], received, flat.offset, stop - start, me, plan.world)
-                total = out[flat.offset:flat.offset + stop - start]
+                shape = flat.local_shape(me)
+                parts = [part.view(shape) for part in _in_rank_order(None, received, flat.offset, stop - start, me,
+                                                                     plan.world) if part is not None]
+                parts.insert(me, rows)
+                total = out[flat.offset:flat.offset + stop - start].view(shape)
                 if len(parts) == 1:
                     total.copy_(parts[0])
                 else:
@@ -361,6 +369,12 @@ class Unit:
         self.complete_reductions()
         for unit in self.order:
             unit.reshard()
+
+
+def _rows(whole: torch.Tensor, flat: FlatParam, group_rank: int) -> torch.Tensor:
+    """``group_rank``'s rows of a whole parameter (or gradient), a view."""
+    start, length = flat.rows_of(group_rank)
+    return whole[start:start + length]
 
 
 def _span(flat: FlatParam, group_rank: int) -> tuple[int, int]:

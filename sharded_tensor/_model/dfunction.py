@@ -91,6 +91,10 @@ def register_layout_rule(name: str, rule: LayoutRule, *, replace: bool = False) 
 
 
 def _elementwise(layouts: Sequence[ShardedTensorMetadata], specs: Sequence[PlacementSpec | None]) -> LayoutDecision:
+    if any(layout.pending is not None for layout in layouts):
+        # A function of partial values is not the partial values of the function (tanh(a) + tanh(b)
+        # is not tanh(a + b)): the inputs are reduced first, to a replica on every rank.
+        return _replicate(layouts, specs)
     first = layouts[0]
     wanted = tuple(None if layout.shards == first.shards else specs[0] for layout in layouts)
     return LayoutDecision(inputs=wanted)
@@ -173,7 +177,7 @@ class DFunction:
         first = next(a for a in args if isinstance(a, ShardedTensor))
         layout = first.sharding_metadata()
         for other in (a for a in args if isinstance(a, ShardedTensor)):
-            if other.sharding_metadata().shards != layout.shards:
+            if other.sharding_metadata().shards != layout.shards or other.sharding_metadata().pending != layout.pending:
                 msg = (f"layout rule {cls.layout_rule!r} left the ShardedTensor arguments of {cls.__name__} in "
                        f"different layouts; a rule must put every input where the local forward can combine them.")
                 raise ValueError(msg)
@@ -184,7 +188,7 @@ class DFunction:
             local_args = [m[index] if m is not None else a for a, m in zip(args, locals_by_arg)]
             outputs[index] = cls._function().apply(*local_args)
         dtype = next(iter(outputs.values())).dtype if outputs else layout.dtype
-        result_layout = ShardedTensorMetadata(layout.shards, layout.size, dtype)
+        result_layout = layout.with_dtype(dtype)  # partial inputs a rule kept (a linear function) give partial values
         result = from_local(outputs, result_layout, first.sharding_spec(), rank=rank, group=first.process_group)
         if decision.output is not None and first.sharding_spec() != decision.output:
             result.reshard(decision.output)
@@ -222,7 +226,7 @@ def _resharded(tensor: ShardedTensor, spec: PlacementSpec | None) -> ShardedTens
     if spec is None:
         return tensor
     target = spec.build_metadata(tensor.shape, tensor.dtype, world_size=world_of(tensor))
-    if target.shards == tensor.sharding_metadata().shards:
+    if target == tensor.sharding_metadata():  # the same shards holding the same kind of values (partial or not)
         return tensor
     rank, group = rank_of(tensor), tensor.process_group
     local = redistribute(local_by_index(tensor), tensor.sharding_metadata(), target, rank=rank, group=group)

@@ -44,9 +44,8 @@ Intervals = tuple[tuple[int, int], ...]
 
 
 def _all_reduce(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
-    # A fresh contiguous copy: autograd may still need the input, and Gloo wants contiguity.
-    out = tensor.contiguous().clone()
-    return _comm.all_reduce(out, group)
+    # Out of place: autograd (or a pending sum's later reader) may still need the input.
+    return _comm.all_reduced(tensor, group)
 
 
 def _gather(tensor: torch.Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> torch.Tensor:

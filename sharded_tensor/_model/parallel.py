@@ -383,7 +383,8 @@ class _ShardedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _zones.entering_layer(self._module, args, kwargs)  # a zone replayed or recorded: its inputs' tags
         with _zones.outside_propagation():
-            return self._plan.handler.forward(self._call, self._module, *args, **kwargs)
+            out = self._plan.handler.forward(self._call, self._module, *args, **kwargs)
+        return _zones.leaving_layer(out)
 
 
 def install(module: nn.Module, plan: Plan | None) -> None:

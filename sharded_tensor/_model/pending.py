@@ -215,10 +215,17 @@ def _known_sum(value: Any) -> Any:
 
 def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # A sum already taken is used whole: keeping its addends pending would all-reduce them again.
-    flat, spec = tree_flatten((args, kwargs))
+    nested = any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values()))
+    if nested:
+        flat, spec = tree_flatten((args, kwargs))
+    else:  # the usual call, tensors and numbers side by side: no pytree needed
+        flat, spec = [*args, *kwargs.values()], None
     known = [_known_sum(x) for x in flat]
     if any(k is not x for k, x in zip(known, flat)):
-        args, kwargs = tree_unflatten(known, spec)
+        if spec is None:
+            args, kwargs = tuple(known[:len(args)]), dict(zip(kwargs, known[len(args):]))
+        else:
+            args, kwargs = tree_unflatten(known, spec)
         if not any(isinstance(_tag_of(x), Partial) for x in known):
             if any(_tag_of(x) is not None for x in known):
                 raise _zones._Fallback

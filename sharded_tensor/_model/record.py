@@ -7,13 +7,18 @@ list of parameters; the zones, which refuse a direct use of a split parameter), 
 :func:`sharded_parameters` for a module's own parameters (the state-dict hooks here, the
 optimizer state, ``fully_shard``). A parameter replaced in its module
 (``load_state_dict(assign=True)`` included, see ``_load_hook``) takes its record along or
-is no longer sharded; there is no second table to fall out of step.
+is no longer sharded; there is no second table to fall out of step. ``copy.deepcopy`` of a
+sharded model (an EMA or teacher copy) gives the copy's parameters the same records
+(``_KeepRecords``): a record names a layout, not a tensor, so original and copy share it.
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,7 +92,7 @@ class ShardedParameter:
                        f"parameter has {shape}.")
                 raise ValueError(msg)
             source = value.sharding_metadata()
-            if source.shards == self.metadata.shards:
+            if source == self.metadata.with_dtype(source.dtype):  # same shards, no pending reduction: ours as is
                 pieces = local_by_index(value)
             else:
                 target = self.metadata.with_dtype(source.dtype)
@@ -136,10 +141,46 @@ def sharded_parameters(module: nn.Module) -> dict[str, ShardedParameter]:
 
 
 def install_hooks(module: nn.Module) -> None:
-    """Make ``module``'s ``state_dict()`` and ``load_state_dict()`` read its records (once per module)."""
+    """Make ``module``'s ``state_dict()`` and ``load_state_dict()`` read its records, and
+    ``copy.deepcopy`` keep them (once per module)."""
     if "_shardkit_hooks" not in module.__dict__:
         module.__dict__["_shardkit_hooks"] = (module.register_state_dict_post_hook(_state_dict_hook),
                                               module.register_load_state_dict_pre_hook(_load_hook))
+        module.__dict__["_shardkit_records"] = _KeepRecords(module)
+
+
+class _KeepRecords:
+    """Carries a module's records over ``copy.deepcopy`` of the module.
+
+    ``nn.Parameter.__deepcopy__`` copies a parameter's data and ``requires_grad`` only, so the
+    copy of a sharded parameter would lose its record (and the copy's ``state_dict`` its
+    ``ShardedTensor``s). Kept in the module's ``__dict__``, this object is copied with the
+    module: it then attaches each record to the copy of its parameter, found through the
+    copy's own memo, so the copy's records are on the copy's parameters (whichever the
+    module holds at copy time).
+    """
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module: nn.Module | None) -> None:
+        # A weak reference: a strong one would make every sharded module a reference cycle,
+        # freed only by the cyclic garbage collector.
+        self._module = weakref.ref(module) if module is not None else None
+
+    def __reduce__(self) -> tuple[type[_KeepRecords], tuple[nn.Module | None]]:
+        # Pickled with its module (torch.save(model)), it is rebuilt around the unpickled module.
+        return (_KeepRecords, (self._module() if self._module is not None else None,))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _KeepRecords | None:
+        module = self._module() if self._module is not None else None
+        copied = memo.get(id(module)) if module is not None else None
+        if module is None or not isinstance(copied, nn.Module):
+            return None  # copied without its module: nothing to keep
+        for param in module._parameters.values():
+            record = record_of(param) if param is not None else None
+            if param is not None and record is not None:
+                attach(copy.deepcopy(param, memo), record)
+        return _KeepRecords(copied)
 
 
 def _state_dict_hook(module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object) -> None:

@@ -163,6 +163,7 @@ class Plan:
 
     layers: tuple[LayerCall, ...]
     outputs: tuple[OutputLeaf, ...]
+    pending: bool = False  # pending sums met whole tensors or were summed: ops on them go through the engine
 
 
 @dataclass
@@ -170,21 +171,28 @@ class Recording:
     """What a checked zone call saw: the first intervention (why it cannot replay), its sharded layer calls."""
 
     reason: str | None = None
+    pending: bool = False  # ops on pending sums only went through the engine's pending rules
     layers: list[LayerCall] = field(default_factory=list)
 
     def layer(self, module: torch.nn.Module, inputs: list[Tensor]) -> None:
         self.layers.append(LayerCall(module, tuple(_tag_of(x) for x in inputs), tuple(x.shape for x in inputs)))
 
-    def plan(self, out: Any) -> Plan | str:
-        """The plan of this call given its output ``out``, or why it is not replayable."""
+    def plan(self, out: Any, outermost: bool) -> Plan | str:
+        """The plan of this call given its output ``out``, or why it is not replayable.
+
+        Only an outermost zone replays ops on pending sums: a nested one runs under its
+        enclosing zone's engine, and any pending sum it hands out is that engine's to follow.
+        """
         if self.reason is not None:
             return self.reason
+        if self.pending and not outermost:
+            return "a zone nested in another one computed with pending sums"
         leaves: list[Any] = []
         if not output_leaves(out, leaves):
             return "it returns objects other than tensors, plain values and containers of them"
         outputs = tuple(OutputLeaf(Tensor, _tag_of(x), x.shape, x.dtype) if isinstance(x, Tensor)
                         else OutputLeaf(type(x)) for x in leaves)
-        return Plan(tuple(self.layers), outputs)
+        return Plan(tuple(self.layers), outputs, self.pending)
 
 
 class Cursor:

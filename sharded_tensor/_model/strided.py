@@ -46,6 +46,13 @@ __all__ = ["Strided"]
 Strided = _zones.Strided
 
 
+def _tag_of(x: torch.Tensor) -> Strided:
+    """The strided split ``x`` is tagged with (the dispatch routes only such tensors here)."""
+    tag = getattr(x, _zones._TAG, None)
+    assert isinstance(tag, Strided), tag
+    return tag
+
+
 def _unmerged(x: torch.Tensor, tag: Strided) -> torch.Tensor:
     """The local ``x`` with its strided dimension unflattened into ``(blocks, this rank's length)``."""
     out: torch.Tensor = x.unflatten(tag.dim, (tag.blocks, x.shape[tag.dim] // tag.blocks))
@@ -125,7 +132,7 @@ def _reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 
 def _strided_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """view / reshape of a strided tensor: its blocks unflattened (an ordinary split), then reshaped."""
-    x, tag = args[0], getattr(args[0], _zones._TAG)
+    x, tag = args[0], _tag_of(args[0])
     if aten_name(func) not in ("view", "reshape") or any(isinstance(a, torch.Tensor) for a in args[1:]):
         raise _zones._Fallback
     unmerged = _zones.tag(_unmerged(x, tag), _zones.Split(tag.dim + 1, tag.intervals, tag.group))
@@ -134,7 +141,7 @@ def _strided_reshape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
 
 def _permuted(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """transpose / permute / t: where the strided dimension goes, read from the op on distinct sizes."""
-    x, tag = args[0], getattr(args[0], _zones._TAG)
+    x, tag = args[0], _tag_of(args[0])
     probe = torch.empty([d + 2 for d in range(x.dim())], device="meta")
     try:
         sizes = list(func(probe, *args[1:], **kwargs).shape)
@@ -195,7 +202,7 @@ def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
 def _global_sizes(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``x.shape``, ``x.size()``, ``x.numel()`` of a strided tensor as the unsharded program sees them."""
     x = args[0]
-    tag = getattr(x, _zones._TAG)
+    tag = _tag_of(x)
     shape = list(x.shape)
     shape[tag.dim] = tag.blocks * tag.size
     owner = getattr(getattr(func, "__self__", None), "__name__", "")

@@ -44,6 +44,11 @@ sums the ranks' partial gradients.
 Decisions depend only on shapes and on the split (the same on every rank), so every rank
 takes the same path and the collectives of a fallback always match.
 
+All this runs on a zone's first call of each input signature only: where the engine ran
+every op as the model wrote it, later calls of the signature replay the forward plainly,
+with its sharded layers' inputs and its outputs tagged as recorded (``replay``). Ops on
+pending sums still go through the engine in a replay (``_PendingTensor``).
+
 Sizes in the model's code mean what they mean in the unsharded model: a ``view(b, s,
 num_heads, 3, head_dim)`` with a fixed ``num_heads`` (BLOOM), a ``reshape(b, s, embed_dim)``
 (OPT) or an ``expand`` to a whole size is read against the whole tensor and mapped to this
@@ -176,6 +181,7 @@ class _State(threading.local):
         self.recorders: list[_replay.Recording] = []  # checked zone calls recording, innermost last
         self.replay: _replay.Cursor | None = None  # the zone call being replayed
         self.tracing = False  # inside torch.compile's trace of a zone: nested zones run as they are
+        self.pending_op = False  # an op on pending sums only is running (checked): see ``_pending_op``
 
 
 _STATE = _State()
@@ -226,19 +232,26 @@ def shared_copy(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor
 class _Outside:
     """Leaves the propagation mode for a ``with`` block when it is the innermost mode (once per sharded layer call)."""
 
-    __slots__ = ("_popped",)
+    __slots__ = ("_popped", "_plain")
 
     def __enter__(self) -> None:
-        self._popped = None
+        self._popped = self._plain = None
         if _STATE.depth:
             n = torch._C._len_torch_function_stack()
             if n and isinstance(torch._C._get_function_stack_at(n - 1), _Propagate):
                 self._popped = torch._C._pop_torch_function_stack()
+            elif _STATE.replay is not None and _STATE.replay.plan.pending:
+                # A replayed call's pending sums are ``_PendingTensor``s: a layer computes on them plainly.
+                self._plain = torch._C.DisableTorchFunctionSubclass()
+                self._plain.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         if self._popped is not None:
             torch._C._push_on_torch_function_stack(self._popped)
             self._popped = None
+        if self._plain is not None:
+            self._plain.__exit__(None, None, None)
+            self._plain = None
 
 
 def outside_propagation() -> contextlib.AbstractContextManager[None]:
@@ -296,10 +309,45 @@ def _whole(tensor: Any, group: _comm.ProcessGroup) -> Any:
 
 
 def _intervene(reason: str) -> None:
-    """The engine ran an op otherwise than the caller wrote it: the zone calls being checked cannot replay."""
+    """The engine ran an op otherwise than the caller wrote it: the zone calls being checked cannot replay
+    (unless the op was on pending sums only, which a replay hands to the engine too: ``_PendingTensor``)."""
+    pending = _STATE.pending_op
     for recording in _STATE.recorders:
-        if recording.reason is None:
+        if pending:
+            recording.pending = True
+        elif recording.reason is None:
             recording.reason = reason
+
+
+class _PendingTensor(torch.Tensor):
+    """A pending sum (``Partial``) in a replayed zone call: every op on it goes through the engine, as when checked.
+
+    A zone whose code adds a row-parallel result to the residual stream and normalizes it (a
+    decoder layer) makes ops on pending sums that the engine runs otherwise than written (the
+    whole tensor added on one rank, the sum taken when a norm needs it). A replay cannot run
+    those plainly, but only they need the engine: the consumers' pending sums are handed out
+    as this subclass, whose ``__torch_function__`` sends the ops that touch one through the
+    engine's dispatch, while every other op of the zone runs plainly.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        with torch._C.DisableTorchFunctionSubclass():
+            return _as_pending(_dispatch(func, args, kwargs or {}))
+
+
+def _as_pending(value: Any) -> Any:
+    """``value`` with its tensors tagged ``Partial`` made ``_PendingTensor``s (their attributes kept)."""
+    if isinstance(value, Tensor):
+        found = value.__dict__
+        if found and type(found.get(_TAG)) is Partial and type(value) is not _PendingTensor:
+            pending = value.as_subclass(_PendingTensor)
+            pending.__dict__.update(found)
+            return pending
+        return value
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_as_pending(v) for v in value)
+    return value
 
 
 # -- rules ----------------------------------------------------------------------------------------
@@ -1226,6 +1274,33 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             tags.append(found.get(_TAG))
     if not any(t is not None for t in tags):
         return func(*args, **kwargs)
+    if _STATE.recorders and not _STATE.pending_op and all(t is None or type(t) is Partial for t in tags):
+        return _pending_op(func, args, kwargs, kind, tags)
+    return _tagged_op(func, args, kwargs, kind, tags)
+
+
+def _pending_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str, tags: list[Any]) -> Any:
+    """``_tagged_op`` of an op whose tagged inputs are all pending sums, in a recorded call.
+
+    A replay runs such an op through the engine too (``_PendingTensor``), so what the engine
+    does in it marks the call as replaying pending sums, not as unreplayable; unless its
+    output holds another tag than a pending sum, which a replay would not give it.
+    """
+    _STATE.pending_op = True
+    try:
+        out = _tagged_op(func, args, kwargs, kind, tags)
+    finally:
+        _STATE.pending_op = False
+    leaves: list[Any] = []
+    if not _replay.output_leaves(out, leaves) or any(
+            isinstance(x, Tensor) and x.__dict__ and x.__dict__.get(_TAG) is not None
+            and type(x.__dict__[_TAG]) is not Partial for x in leaves):
+        _intervene(f"{_describe(func)} on a pending sum gave another split")
+    return out
+
+
+def _tagged_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str, tags: list[Any]) -> Any:
+    """An op with a tagged tensor among its arguments: through its rule, else on gathered inputs."""
     rule = _getter if kind is _GETTER_KIND else _tables()[0].get(func)
     other = next((t for t in tags if t is not None and type(t) is not Split), None)
     if other is not None:  # the first tag that is not a plain split decides
@@ -1238,7 +1313,7 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if out is not None:
             return out
     if rule is not None:
-        if _STATE.recorders and rule not in _PLAIN_RULES:
+        if _STATE.recorders and rule not in _PLAIN_RULES and not _STATE.pending_op:
             _intervene(f"{_describe(func)} went through a rule that may change its arguments "
                        f"({getattr(rule, '__qualname__', rule)})")
         try:
@@ -1301,6 +1376,12 @@ def _gathered(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
         raise RuntimeError(msg)
     _intervene(f"{_describe(func)} ran on gathered inputs")
+    if not any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values())):
+        # The usual call (a norm's ``x.pow(2)`` summing a pending sum): no pytree needed.
+        args = tuple(to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in args)
+        kwargs = {k: to_replicated(v) if isinstance(v, Tensor) and hasattr(v, _TAG) else v
+                  for k, v in kwargs.items()}
+        return func(*args, **kwargs)
     flat_all, spec = tree_flatten((args, kwargs))
     flat_all = [to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in flat_all]
     args, kwargs = tree_unflatten(flat_all, spec)
@@ -1393,7 +1474,7 @@ class ZoneForward:
         if recording is not None:
             if len(self._plans) >= self._MAX_SIGNATURES:
                 self._plans.clear()
-            self._plans[key] = recording.plan(out)
+            self._plans[key] = recording.plan(out, outermost=not state.depth)
         return out if state.depth else _exit(out)
 
     def _replayed(self, plan: _replay.Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1409,7 +1490,8 @@ class ZoneForward:
         state.replay = cursor
         try:
             out = self._original(*args, **kwargs)
-            cursor.finish(out)
+            with torch._C.DisableTorchFunctionSubclass() if plan.pending else contextlib.nullcontext():
+                cursor.finish(out)
         finally:
             state.replay = None
             state.depth -= 1
@@ -1417,7 +1499,12 @@ class ZoneForward:
                 torch._C._push_on_torch_function_stack(popped)
             else:
                 state.copies.pop()
-        return out if outer else _exit(out)
+        if outer:
+            return out
+        if plan.pending:  # pending sums handed out are summed here: plainly, as the checked call's exit does
+            with torch._C.DisableTorchFunctionSubclass():
+                return _exit(out)
+        return _exit(out)
 
     def calls(self) -> dict[str, Any]:
         """How many calls ran checked and replayed, and why signatures stay checked."""
@@ -1449,6 +1536,14 @@ def entering_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         state.replay.layer(module, inputs)
     for recording in state.recorders:
         recording.layer(module, inputs)
+
+
+def leaving_layer(out: Any) -> Any:
+    """A sharded layer's output: in a replayed call that follows pending sums, its pending sum as one."""
+    replay = _STATE.replay
+    if replay is not None and replay.plan.pending:
+        return _as_pending(out)
+    return out
 
 
 def zone_calls(model: torch.nn.Module) -> dict[str, dict[str, Any]]:

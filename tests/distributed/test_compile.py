@@ -7,7 +7,12 @@ One spawn of 2 Gloo ranks checks, for a plain MLP and for architectures of the m
   ``FORWARD_TOL``: the compiled graph runs the same local ops and the same collectives);
 * every parameter's gradient from the compiled forward and backward, the split ones
   gathered whole, equals the unsharded model's (``full_mismatches``: rtol 1e-4);
-* dynamo records no graph break and captures one graph.
+* dynamo records no graph break and captures one graph;
+* with ``aot_eager``, the forward and backward graphs hold the collectives the layout needs
+  (the matrix's count of forward all-reduces; as many in backward for the decoders, whose
+  column-parallel inputs need their gradients summed) and no copy around them: no clone
+  feeding a functional all-reduce, no copy of its result (a functional collective returns a
+  new tensor; a copy there would be paid on every step).
 
 The backend is ``aot_eager`` by default: dynamo and AOTAutograd build the same graph inductor
 receives (local ops, functional collectives and their backward); only the code generation is
@@ -32,9 +37,9 @@ pytest.importorskip("transformers")
 
 import sharded_tensor as st  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
+from tests.distributed._archs import BY_NAME, inputs, loss, max_diff, spec_of  # noqa: E402
 from tests.distributed._grads import full_grads, full_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
-from tests.distributed.test_arch_matrix import BY_NAME, _inputs, _loss, _max_diff, _spec  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -71,30 +76,66 @@ def _logits(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
+_ALL_REDUCE = "_c10d_functional.all_reduce.default"
+_WAIT = "_c10d_functional.wait_tensor.default"
+
+
+def _graph_stats(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Functional all-reduces in an AOT graph, and copies made around them."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    copied_in = sum(1 for n in calls if str(n.target) == "aten.clone.default"
+                    and any(str(u.target) == _ALL_REDUCE for u in n.users))
+    copies = ("aten.copy.default", "aten.copy_.default", "aten.clone.default")
+    copied_out = sum(1 for n in calls if str(n.target) in copies
+                     and any(isinstance(a, torch.fx.Node) and str(a.target) == _WAIT for a in n.args))
+    return {"all_reduces": sum(1 for n in calls if str(n.target) == _ALL_REDUCE), "copies": copied_in + copied_out}
+
+
+def _backend(graphs: dict[str, list[dict[str, int]]]) -> Any:
+    """``BACKEND``; for ``aot_eager``, the same backend recording each graph's ``_graph_stats``."""
+    if BACKEND != "aot_eager":
+        return BACKEND
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    def recorder(kind: str) -> Callable[..., Any]:
+        def compile_graph(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+            graphs.setdefault(kind, []).append(_graph_stats(gm))
+            return boxed_nop(gm, inputs)
+        return compile_graph
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        return aot_eager(gm, inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    return backend
+
+
 def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
+    all_reduces = None
     if name == "mlp":
         build, spec, x = _mlp_case(world)
+        all_reduces = (1, 0)  # the input needs no gradient: nothing to sum in backward
     else:
         arch = BY_NAME[name]
         if arch.register is not None:
             arch.register()
-        build, spec, x = arch.build, _spec(arch, world), _inputs(arch.inputs, 0)
+        build, spec, x = arch.build, spec_of(arch, world), inputs(arch.inputs, 0)
+        all_reduces = (arch.all_reduces, arch.all_reduces) if arch.group == "decoders" else None
     ref, model = build(), build()
     model.load_state_dict(ref.state_dict())
     st.shard_model(model, spec, src_rank=0)
     want = _logits(ref(**x))
-    _loss(want).backward()
+    loss(want).backward()
     with torch.no_grad():
         eager = _logits(model(**x))
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, backend=BACKEND)
+    graphs: dict[str, list[dict[str, int]]] = {}
+    compiled = torch.compile(model, backend=_backend(graphs))
     got = _logits(compiled(**x))
-    _loss(got).backward()
-    return {"forward": _max_diff(got, eager),
+    loss(got).backward()
+    return {"forward": max_diff(got, eager), "graph_stats": graphs, "want_all_reduces": all_reduces,
             "grads": full_mismatches(full_grads(model, rank), {n: p.grad for n, p in ref.named_parameters()}),
             "graph_breaks": sum(counters["graph_break"].values()),
             "graphs": counters["stats"]["unique_graphs"]}
@@ -122,3 +163,12 @@ def test_compiled_sharded_models_match_eager_with_no_graph_break() -> None:
             assert got["forward"] <= FORWARD_TOL, (rank, name, got)
             assert got["grads"] == {}, (rank, name, got)
             assert got["graph_breaks"] == 0 and got["graphs"] == 1, (rank, name, got)
+            if BACKEND != "aot_eager":
+                continue
+            stats = got["graph_stats"]
+            assert len(stats["forward"]) == len(stats["backward"]) == 1, (rank, name, stats)
+            forward, backward = stats["forward"][0], stats["backward"][0]
+            assert forward["copies"] == backward["copies"] == 0, (rank, name, stats)
+            if got["want_all_reduces"] is not None:
+                want = tuple(got["want_all_reduces"])
+                assert (forward["all_reduces"], backward["all_reduces"]) == want, (rank, name, stats)

@@ -10,7 +10,8 @@
   eval mode (where torch would otherwise take its fused fast path).
 * A ``DFunction`` on ShardedTensors: the output keeps the layout, an input in another layout
   is resharded (a copy; the caller's tensor is untouched) and the bytes show in
-  ``CommCounter``; on plain tensors it is an ordinary autograd function.
+  ``CommCounter``; partial values are reduced before the function sees them; on plain
+  tensors it is an ordinary autograd function.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 import sharded_tensor as st
-from sharding import composite, single_split
+from sharding import ShardMetadata, composite, single_split
+from sharding.layout import Replicated
 from tests.distributed._grads import local_grad_mismatches
 from tests.distributed._launch import run_distributed
 
@@ -171,6 +173,12 @@ def _extension(rank: int, world: int) -> dict[str, object]:
     out["dfunction_layout"] = result.sharding_metadata().shards == rows.sharding_metadata().shards
     out["dfunction_comm"] = (dict(comm.counts), comm.bytes_sent)
     out["dfunction_input_untouched"] = cols.sharding_metadata().shards[0].dims == (10, 2)
+    # Partial values (each rank an addend of full) are reduced before the function runs.
+    addend = st.ShardedTensor.from_local_shards([st.Shard(full / 2, ShardMetadata((0, 0), (10, 4), ranks[rank]))],
+                                                (10, 4), reduce_op="sum")
+    summed = ScaledTanh.apply(addend, rows, 2.0)
+    out["dfunction_partial"] = (torch.equal(summed.full_tensor(), torch.tanh(full + full) * 2.0),
+                                summed.sharding_metadata().placement, torch.equal(addend.local_shard(), full / 2))
     return out
 
 
@@ -213,6 +221,8 @@ def test_dfunction_on_sharded_tensors(ext_runs):
         counts, sent = out["dfunction_comm"]
         # the column-split input is moved to rows: each rank sends the quarter it does not keep
         assert counts == {"send/recv": 1} and sent == 5 * 2 * 4
+        # partial values reduced first (an all-reduce), not each rank's addend put through tanh
+        assert out["dfunction_partial"] == (True, Replicated(), True)
 
 
 def test_dfunction_on_plain_tensors_is_an_autograd_function():

@@ -10,7 +10,9 @@ checks on every rank:
 * communication: one all-gather per unit in forward, one more per resharded unit in
   backward, one reduce-scatter per unit, with the bytes of the flat buffers; the next
   unit's gather is posted before a unit computes (prefetch); between steps no unit holds
-  gathered parameters;
+  gathered parameters; the reduced gradients are, bit for bit, the sum of every rank's
+  whole gradients in rank order over the number of ranks, and a unit's local ``.grad`` are
+  views of one buffer;
 * ``st.clip_grad_norm_`` gives torch's norm and clipped update on the whole model;
 * gradient accumulation: 2 micro-batches, the first under ``st.no_sync`` (no
   reduce-scatter), give the whole batch's step; without ``no_sync`` too;
@@ -244,6 +246,29 @@ def _mechanics(rank: int, world: int) -> dict[str, object]:
         model(x)
     out["held_after_no_grad"] = [u.unsharded.untyped_storage().nbytes() for u in units]
 
+    # The reduction, bit for bit: each rank's whole gradients (of its own rows of the batch) summed
+    # over the ranks in rank order, divided by their number; the local .grad are views of one
+    # reduced buffer per unit, not copies.
+    reduced = _shard_mlp(_mlp())
+    ref = _mlp()
+    rows = slice(rank * (BATCH // world), (rank + 1) * (BATCH // world))
+    F.mse_loss(reduced(x[rows]), y[rows]).backward()
+    F.mse_loss(ref(x[rows]), y[rows]).backward()
+    mismatched = []
+    got = _full_grads(reduced)
+    for name, p in ref.named_parameters():
+        every = [torch.empty_like(p.grad) for _ in range(world)]
+        torch.distributed.all_gather(every, p.grad)
+        total = every[0] + every[1]
+        for g in every[2:]:
+            total += g
+        if not torch.equal(got[name], total / world):
+            mismatched.append(name)
+    out["reduced_mismatched"] = mismatched
+    reduced_units = [u for m in reduced.modules() if (u := unit_of(m)) is not None]
+    out["grad_buffers_per_unit"] = [len({p.grad.untyped_storage().data_ptr() for p in u.local if p.grad is not None
+                                         and p.numel()}) for u in reduced_units]
+
     # Mixed precision: bfloat16 compute, float32 masters, gradients and optimizer state.
     mixed = _shard_mlp(_mlp(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mixed_units = [u for m in mixed.modules() if (u := unit_of(m)) is not None]
@@ -442,6 +467,8 @@ def test_fully_shard_trains_like_one_process_on_the_whole_batch(tmp_path: Path) 
         assert mech["prefetched"] == [True] * 4, mech["prefetched"]  # two forwards, two prefetches each
         assert mech["held_after_step"] == [0, 0, 0] and mech["states_after_step"] == ["sharded"] * 3
         assert mech["held_after_no_grad"] == [0, 0, 0]
+        assert mech["reduced_mismatched"] == []
+        assert all(n <= 1 for n in mech["grad_buffers_per_unit"]), mech["grad_buffers_per_unit"]
         assert mech["grad_shapes_match"]
         assert mech["mixed_compute_dtypes"] == ["torch.bfloat16"]
         assert mech["mixed_output_dtype"] == "torch.bfloat16"

@@ -4,7 +4,11 @@
   and Embedding weights, a replicated placement, whole layer-norm parameters) gives the
   unsharded model's norm and clipped gradients for the 1-, 2-, 3- and inf-norms; the norm is
   bit-identical on every rank and replicated gradients stay bit-identical, while
-  ``torch.nn.utils.clip_grad_norm_`` gives each rank a different norm;
+  ``torch.nn.utils.clip_grad_norm_`` gives each rank a different norm; in the same spawn,
+  ``copy.deepcopy`` of that sharded model keeps every parameter's record: the copy's logits
+  and gradients are the original's bit for bit (and the unsharded model's), its state_dict
+  holds the same ShardedTensors, and it owns its data; partial values loaded into a parameter
+  whole on every rank are summed first;
 * the training state: train on 2 ranks, ``get_state_dict`` + ``checkpoint.save``; resume with
   ``checkpoint.load`` + ``set_state_dict`` on 2 ranks (same layout: losses bit for bit those
   of an uninterrupted run) and on 4 ranks with another layout (losses equal within float
@@ -17,6 +21,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,8 +31,8 @@ from torch import nn
 
 import checkpoint
 import sharded_tensor as st
-from sharded_tensor._model.record import sharded_parameters
-from sharding import composite, single_split
+from sharded_tensor._model.record import record_of, sharded_parameters
+from sharding import ShardMetadata, composite, single_split
 from tests.distributed._launch import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -112,7 +118,45 @@ def _clip_on_ranks(rank: int, world_size: int) -> dict[str, object]:
             dist.all_gather(copies, grad)
             assert all(torch.equal(c, grad) for c in copies), name
         results[str(norm_type)] = (norm, local, _full_grads(model))
+    results["copy"] = _deepcopy_on_ranks(ranks)
     return results
+
+
+def _deepcopy_on_ranks(ranks: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``copy.deepcopy`` of a sharded model (an EMA or teacher copy) keeps every parameter's record."""
+    model = _build(_uneven_spec(ranks))
+    twin = copy.deepcopy(model)
+    tokens = _tokens(1)
+    logits, twin_logits = model(tokens[:-1]), twin(tokens[:-1])
+    assert torch.equal(twin_logits, logits)
+    F.cross_entropy(logits, tokens[1:]).backward()
+    F.cross_entropy(twin_logits, tokens[1:]).backward()
+    split = 0
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert q is not p and (q.numel() == 0 or q.data_ptr() != p.data_ptr()), name
+        assert torch.equal(q.grad, p.grad), name
+        assert record_of(q) is record_of(p), name  # a record names a layout: original and copy share it
+        split += record_of(p) is not None
+    assert split == 6  # every parameter of _uneven_spec
+    state, twin_state = model.state_dict(), twin.state_dict()
+    assert sum(isinstance(v, st.ShardedTensor) for v in twin_state.values()) == 6
+    for key, value in state.items():
+        assert type(twin_state[key]) is type(value), key
+        if isinstance(value, st.ShardedTensor):
+            assert twin_state[key].sharding_metadata() == value.sharding_metadata(), key
+            assert torch.equal(twin_state[key].full_tensor(), value.full_tensor()), key
+    with torch.no_grad():
+        twin[1].weight.add_(1.0)  # the copy owns its data
+    assert not torch.equal(twin[1].weight, model[1].weight)
+    # Partial values loaded into a parameter whole on every rank ("5.bias") are summed first, not
+    # taken addend by addend (their full-size shards are the replicas' shards).
+    want = torch.arange(float(VOCAB))
+    addend = want * (0.5 if dist.get_rank() == 0 else 0.25)
+    pending = st.ShardedTensor.from_local_shards(
+        [st.Shard(addend, ShardMetadata((0,), (VOCAB,), ranks[dist.get_rank()]))], (VOCAB,), reduce_op="sum")
+    twin.load_state_dict({**twin_state, "5.bias": pending})
+    assert torch.equal(twin[5].bias, want)
+    return twin_logits.detach(), _full_grads(twin)
 
 
 def test_clip_grad_norm_matches_unsharded_model_on_three_ranks():
@@ -131,6 +175,17 @@ def test_clip_grad_norm_matches_unsharded_model_on_three_ranks():
         # What torch's own clipping would use: a different norm on each rank.
         assert len({float(x) for x in locals_}) == 3
         assert all(float(x) < float(expected_norm) for x in locals_) or norm_type == float("inf")
+    # The deep copy of a sharded model computes the unsharded model's logits and gradients.
+    reference = _build(composite())
+    tokens = _tokens(1)
+    expected_logits = reference(tokens[:-1])
+    F.cross_entropy(expected_logits, tokens[1:]).backward()
+    for rank_result in results:
+        logits, grads = rank_result["copy"]
+        torch.testing.assert_close(logits, expected_logits.detach(), rtol=1e-5, atol=1e-6)
+        assert grads.keys() == {n for n, _ in reference.named_parameters()}
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # -- get_state_dict / set_state_dict through a checkpoint --------------------------------------------

@@ -148,8 +148,10 @@ def test_metadata_placement_does_not_change_equality_or_serialization():
     assert ShardedTensorMetadata.from_dict(metadata.to_dict()) == metadata
     assert "placement" not in metadata.to_dict()  # the format is unchanged; placements are derived
     assert pickle.loads(pickle.dumps(metadata)).placement == metadata.placement
-    with pytest.raises(TypeError, match=r"placement='sum' is not a sharding.layout placement"):
+    with pytest.raises(TypeError, match=r"placement='sum' is not a metadata placement; give a sharding.layout"):
         ShardedTensorMetadata(metadata.shards, (4, 2), torch.float32, placement="sum")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"states a Strided layout as its Packed: placement.packed\(\)"):
+        ShardedTensorMetadata(metadata.shards, (4, 2), placement=Strided(0, ((0, 2),), 2))  # type: ignore[arg-type]
     # The placement is the one source of a pending reduction: it takes part in equality and survives copies.
     pending = ShardedTensorMetadata(metadata.shards, (4, 2), placement=Partial("max"))
     assert pending != metadata and pending.pending == Partial("max") and metadata.pending is None

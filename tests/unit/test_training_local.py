@@ -190,3 +190,25 @@ def test_shard_parameter_refuses_meta_values_on_the_source_rank():
                                          r"shard_parameter takes the values from the source rank.*use shard_model\(\)"):
         st.shard_parameter(layer, "weight", single_split(0, ["rank:0/cpu"]))
     assert layer.weight.is_meta
+
+
+def test_deepcopy_and_pickle_keep_every_record():
+    """An EMA or teacher copy (``copy.deepcopy``) and ``pickle`` keep the records (state_dicts of ShardedTensors)."""
+    import pickle
+
+    from sharded_tensor._model.record import record_of
+    from sharding import single_split
+
+    ranks = ["rank:0/cpu"]
+    model = _model()
+    st.shard_model(model, composite(**{"0": single_split(0, ranks), "3.weight": single_split(1, ranks)}))
+    split = [n for n, p in model.named_parameters() if record_of(p) is not None]
+    assert split == ["0.weight", "0.bias", "3.weight"]
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), copy.deepcopy(model[0])):
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert q is not p and (record_of(q) is not None) == (name in split), name
+        state = twin.state_dict()
+        assert isinstance(state["weight" if isinstance(twin, nn.Linear) else "0.weight"], st.ShardedTensor)
+    # The copy's record follows the parameter its module holds at copy time.
+    model[3].weight = nn.Parameter(torch.zeros(4, 16))
+    assert record_of(copy.deepcopy(model)[3].weight) is None
