@@ -1,21 +1,41 @@
-"""Tensor-parallel training of a transformers Llama: shardkit against DTensor's parallelize_module.
+"""Tensor-parallel training of a transformers Llama: shardkit, DTensor's parallelize_module, and by hand.
 
-Both sides shard the same model the same way on 2 Gloo ranks (q/k/v/gate/up split on output
+Three sides shard the same model the same way on 2 Gloo ranks (q/k/v/gate/up split on output
 features, o/down on input features, the rest replicated) and run the same training steps
-(forward with labels, backward, AdamW) in the same processes, alternating, so the ratios
-compare like with like on a shared machine. Reported per side: collectives and bytes of one
-forward (shardkit's ``CommCounter``; ``CommDebugMode`` for DTensor, which counts calls, with
-bytes from the tensors it sees), of one backward, and the median step time; the loss of the
-first step must agree.
+(forward with labels, backward, AdamW) in the same processes, in turn, so the ratios
+compare like with like on a shared machine:
+
+* ``shardkit``: ``st.shard_model`` with a composite spec;
+* ``dtensor``: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``;
+* ``plain``, the floor: no framework. Each rank builds an ordinary Llama with its share of
+  the heads and of the MLP's width, loads its slices of the weights, and two tiny autograd
+  functions are hooked in (identity forward, all-reduce backward on the input of attention
+  and of the MLP; all-reduce forward, identity backward on o_proj's and down_proj's output):
+  the fewest ops and collectives this plan allows.
+
+Reported per side: collectives of one forward and of one backward (shardkit's
+``CommCounter`` with bytes; ``CommDebugMode`` for DTensor, which counts calls; plain counts
+its own calls), the median step time of the slowest rank with its range, the CPU seconds of
+a step (both ranks; steadier than wall time on a loaded machine), the ratios between every
+pair of sides, and the first and last losses, which must agree.
 
     python scripts/bench/tp_llama.py                  # hidden 1024, 4 layers, 16 heads, seq 256, batch 4
     python scripts/bench/tp_llama.py --hidden 256 --seq 64 --steps 3   # a quick look
-    python scripts/bench/tp_llama.py --compile --steps 6   # both sides under torch.compile (inductor)
+    python scripts/bench/tp_llama.py --compile --steps 6   # every side under torch.compile (inductor)
+    python scripts/bench/tp_llama.py --plan full           # the vocabulary split too, loss_parallel
 
-With ``--compile`` both models are wrapped in ``torch.compile`` (inductor) after sharding; one
+With ``--compile`` the models are wrapped in ``torch.compile`` (inductor) after sharding; one
 untimed step per side compiles forward and backward (its time is reported as
 ``compile_seconds``), and the graph breaks dynamo recorded on each side are reported. The
 collectives are not counted then: the compiled graphs run them outside the counters.
+
+``--plan full`` splits the embedding and ``lm_head`` on the vocabulary and computes the loss
+on the split logits, each side at its best: shardkit ``st.tensor_parallel_spec`` with the
+model's own loss inside ``st.loss_parallel()``; DTensor as torchtitan does
+(``RowwiseParallel(input_layouts=Replicate())`` for the embedding,
+``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)`` for ``lm_head``,
+``F.cross_entropy`` inside ``loss_parallel()``); plain by hand (a vocabulary-split embedding
+and a vocabulary-parallel cross entropy).
 """
 
 from __future__ import annotations
