@@ -350,8 +350,13 @@ class ShardedEmbedding(_registry.ShardedModule):
             y = F.embedding(input, weight, module.padding_idx, None, module.norm_type, module.scale_grad_by_freq,
                             module.sparse)
             return call.split_output(y, plan.intervals)
-        if input.numel() and (bool((input < 0).any()) or bool((input >= module.num_embeddings).any())):
-            msg = f"index out of range in self: indices must be in [0, {module.num_embeddings}) for this Embedding."
+        msg = f"index out of range in self: indices must be in [0, {module.num_embeddings}) for this Embedding."
+        if torch.compiler.is_compiling():
+            # Traced, the ids have no values yet: reading one in Python (``bool``) would break the graph
+            # or fail on fake tensors. The check goes into the graph instead and runs with it (an
+            # out-of-range id would otherwise silently embed as zeros on every rank).
+            torch._assert_async(((input >= 0) & (input < module.num_embeddings)).all(), msg)
+        elif input.numel() and (bool((input < 0).any()) or bool((input >= module.num_embeddings).any())):
             raise IndexError(msg)
         start, length = plan.intervals[call.rank]
         if length == 0:
