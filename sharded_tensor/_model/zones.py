@@ -977,14 +977,16 @@ class _VocabParallelCE(torch.autograd.Function):
         start, length = split.intervals[rank]
         x = logits.float()
         top = x.amax(dim=1) if length else x.new_full((x.shape[0],), float("-inf"))
-        top = _comm.all_reduce(top.contiguous().clone(), split.group, op="max")
+        # ``all_reduced`` (a new tensor): under torch.compile a functional collective with no copy
+        # around it, where an in-place reduction is functionalized as a clone and a copy back.
+        top = _comm.all_reduced(top, split.group, op="max")
         shifted = x - top.unsqueeze(1)
         exp = shifted.exp()
-        total = _comm.all_reduce(exp.sum(dim=1), split.group)
+        total = _comm.all_reduced(exp.sum(dim=1), split.group)
         inside = (target >= start) & (target < start + length)
         local = torch.where(inside, target - start, torch.zeros_like(target))
         picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * inside
-        picked = _comm.all_reduce(picked, split.group)
+        picked = _comm.all_reduced(picked, split.group)
         valid = target != ignore
         loss = (total.log() - picked) * valid
         ctx.save_for_backward(exp, total, local, inside, valid)

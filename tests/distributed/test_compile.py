@@ -49,6 +49,9 @@ FORWARD_TOL = 1e-6  # relative to the logits' largest magnitude; measured differ
 # tied embeddings. Each costs tens of seconds of tracing on a loaded 2-core machine;
 # SHARDKIT_COMPILE_ARCHS=llama,qwen3,... checks others (all 23 of the matrix pass, see docs/huggingface.md).
 ARCHITECTURES = ["llama", "gpt2"]
+# Llama sharded with ``st.tensor_parallel_spec``: its vocabulary-split embedding and lm_head make the
+# whole model one zone, and transformers' loss in the forward runs on the split logits.
+VOCAB_SPLIT = "llama_vocab_split"
 
 
 class _MLP(torch.nn.Module):
@@ -112,9 +115,18 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     all_reduces = None
+    ranks = [f"rank:{r}/cpu" for r in range(world)]
     if name == "mlp":
         build, spec, x = _mlp_case(world)
         all_reduces = (1, 0)  # the input needs no gradient: nothing to sum in backward
+    elif name == VOCAB_SPLIT:  # the whole model is the zone: embedding and lm_head split on the vocabulary
+        build, x = BY_NAME["llama"].build, inputs("padded", 0)
+        x["labels"] = x["input_ids"]  # transformers' loss in the forward, on the split logits
+        spec = st.tensor_parallel_spec(build(), ranks)
+        # Forward: the embedding's sum, the layers' row-parallel ones, the loss's three (max, sum of
+        # exponentials, target logit). Backward: the column-parallel inputs' gradients, lm_head's included.
+        layers = BY_NAME["llama"].all_reduces
+        all_reduces = (1 + layers + 3, layers + 1)
     else:
         arch = BY_NAME[name]
         if arch.register is not None:
@@ -124,18 +136,22 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
     ref, model = build(), build()
     model.load_state_dict(ref.state_dict())
     st.shard_model(model, spec, src_rank=0)
-    want = _logits(ref(**x))
-    loss(want).backward()
+    # With labels, the model's own loss is differentiated (and compared); otherwise a fixed weighting of the logits.
+    objective = (lambda out: out.loss) if "labels" in x else (lambda out: loss(_logits(out)))
+    want = ref(**x)
+    objective(want).backward()
     with torch.no_grad():
-        eager = _logits(model(**x))
+        eager = model(**x)
 
     torch._dynamo.reset()
     counters.clear()
     graphs: dict[str, list[dict[str, int]]] = {}
     compiled = torch.compile(model, backend=_backend(graphs))
-    got = _logits(compiled(**x))
-    loss(got).backward()
-    return {"forward": max_diff(got, eager), "graph_stats": graphs, "want_all_reduces": all_reduces,
+    got = compiled(**x)
+    objective(got).backward()
+    losses = (float(got.loss.detach()), float(eager.loss), float(want.loss.detach())) if "labels" in x else None
+    return {"forward": max_diff(_logits(got), _logits(eager)), "losses": losses,
+            "graph_stats": graphs, "want_all_reduces": all_reduces,
             "grads": full_mismatches(full_grads(model, rank), {n: p.grad for n, p in ref.named_parameters()}),
             "graph_breaks": sum(counters["graph_break"].values()),
             "graphs": counters["stats"]["unique_graphs"]}
@@ -154,7 +170,7 @@ def _run(rank: int, world: int, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def test_compiled_sharded_models_match_eager_with_no_graph_break() -> None:
-    names = ["mlp", *os.environ.get("SHARDKIT_COMPILE_ARCHS", ",".join(ARCHITECTURES)).split(",")]
+    names = ["mlp", VOCAB_SPLIT, *os.environ.get("SHARDKIT_COMPILE_ARCHS", ",".join(ARCHITECTURES)).split(",")]
     results = run_distributed(_run, 2, names, timeout=900)
     for rank, per_model in enumerate(results):
         for name in names:
@@ -162,6 +178,10 @@ def test_compiled_sharded_models_match_eager_with_no_graph_break() -> None:
             assert "error" not in got, (rank, name, got)
             assert got["forward"] <= FORWARD_TOL, (rank, name, got)
             assert got["grads"] == {}, (rank, name, got)
+            if got["losses"] is not None:
+                compiled, eager, unsharded = got["losses"]
+                assert compiled == eager, (rank, name, got)
+                assert abs(compiled - unsharded) <= FORWARD_TOL * abs(unsharded), (rank, name, got)
             assert got["graph_breaks"] == 0 and got["graphs"] == 1, (rank, name, got)
             if BACKEND != "aot_eager":
                 continue
