@@ -1212,6 +1212,10 @@ class _Propagate(TorchFunctionMode):
         # activation nor a split parameter: they go straight through. Both marks are
         # attributes, so a tensor with no attributes of its own (an empty ``__dict__``, the
         # usual case) carries neither, which one read tells.
+        if type(func) is torch._ops.OpOverload:
+            # An aten op called as such is a compiled graph's (a model compiled and called inside
+            # ``loss_parallel``): it already is one of the local ops and collectives the rules chose.
+            return func(*args, **(kwargs or {}))
         for v in args:
             if isinstance(v, Tensor):
                 found = v.__dict__
@@ -1450,8 +1454,8 @@ class ZoneForward:
         if state.replay is not None or state.tracing:  # inside a replayed or traced zone: as the enclosing one runs
             return self._original(*args, **kwargs)
         if torch.compiler.is_compiling():
-            if state.depth:
-                return self._original(*args, **kwargs)
+            # Outermost in the compiled region, even inside a zone opened outside it (``loss_parallel``):
+            # dynamo must not trace the propagation op by op, it cannot (it reads tensors' ``__dict__``).
             return _traced_zone(self._module, self._ties, *args, **kwargs)
         key = None
         if _replay.enabled():
@@ -1581,16 +1585,35 @@ def _traced_zone(module: torch.nn.Module, ties: tuple[tuple[str, ...], ...], *ar
     a constant without gradient, so they are pointed at the traced value too.
     """
     aliases = {alias: _attribute(module, group[0]) for group in ties for alias in group[1:]}
-    previous = _STATE.tracing
-    _STATE.tracing = True
+    state = _STATE
+    previous = state.tracing, state.depth
+    state.tracing, state.depth = True, 0
     try:
-        with torch.nn.utils.stateless._reparametrize_module(module, aliases), _zone():
+        with _without_propagation(), torch.nn.utils.stateless._reparametrize_module(module, aliases), _zone():
             out = type(module).forward(module, *args, **kwargs)
+        # Outputs leave the graph as plain tensors, where a split one would lose its tag (and pass
+        # for a whole one): they are gathered whole, under ``loss_parallel`` too.
+        return _gather_outputs(out)
     finally:
-        _STATE.tracing = previous
-    if _STATE.keep_split_outputs:
-        return out
-    return _gather_outputs(out)
+        state.tracing, state.depth = previous
+
+
+@contextlib.contextmanager
+def _without_propagation() -> Iterator[None]:
+    """The torch function mode stack without the propagation of a zone opened outside the compiled region
+    (``loss_parallel``): the traced zone runs as an outermost one, its ops seen by its own propagation only.
+    Tracing may have pushed modes above it, so it is taken out wherever it sits."""
+    modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())][::-1]
+    for mode in modes:
+        if not isinstance(mode, _Propagate):
+            torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+        for mode in modes:
+            torch._C._push_on_torch_function_stack(mode)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ losses.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -52,6 +53,8 @@ ARCHITECTURES = ["llama", "gpt2"]
 # Llama sharded with ``st.tensor_parallel_spec``: its vocabulary-split embedding and lm_head make the
 # whole model one zone, and transformers' loss in the forward runs on the split logits.
 VOCAB_SPLIT = "llama_vocab_split"
+# The same, compiled and called inside ``st.loss_parallel()`` (as scripts/bench/tp_llama.py --plan full does).
+VOCAB_SPLIT_LOSS_PARALLEL = "llama_vocab_split_loss_parallel"
 
 
 class _MLP(torch.nn.Module):
@@ -119,7 +122,7 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
     if name == "mlp":
         build, spec, x = _mlp_case(world)
         all_reduces = (1, 0)  # the input needs no gradient: nothing to sum in backward
-    elif name == VOCAB_SPLIT:  # the whole model is the zone: embedding and lm_head split on the vocabulary
+    elif name in (VOCAB_SPLIT, VOCAB_SPLIT_LOSS_PARALLEL):  # the whole model is the zone
         build, x = BY_NAME["llama"].build, inputs("padded", 0)
         x["labels"] = x["input_ids"]  # transformers' loss in the forward, on the split logits
         spec = st.tensor_parallel_spec(build(), ranks)
@@ -147,8 +150,9 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
     counters.clear()
     graphs: dict[str, list[dict[str, int]]] = {}
     compiled = torch.compile(model, backend=_backend(graphs))
-    got = compiled(**x)
-    objective(got).backward()
+    with st.loss_parallel() if name == VOCAB_SPLIT_LOSS_PARALLEL else contextlib.nullcontext():
+        got = compiled(**x)  # outputs leave a compiled graph whole, under loss_parallel too
+        objective(got).backward()
     losses = (float(got.loss.detach()), float(eager.loss), float(want.loss.detach())) if "labels" in x else None
     return {"forward": max_diff(_logits(got), _logits(eager)), "losses": losses,
             "graph_stats": graphs, "want_all_reduces": all_reduces,
@@ -170,7 +174,8 @@ def _run(rank: int, world: int, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def test_compiled_sharded_models_match_eager_with_no_graph_break() -> None:
-    names = ["mlp", VOCAB_SPLIT, *os.environ.get("SHARDKIT_COMPILE_ARCHS", ",".join(ARCHITECTURES)).split(",")]
+    archs = os.environ.get("SHARDKIT_COMPILE_ARCHS", ",".join(ARCHITECTURES)).split(",")
+    names = ["mlp", VOCAB_SPLIT, VOCAB_SPLIT_LOSS_PARALLEL, *archs]
     results = run_distributed(_run, 2, names, timeout=900)
     for rank, per_model in enumerate(results):
         for name in names:
