@@ -38,7 +38,7 @@ pytest.importorskip("transformers")
 
 import sharded_tensor as st  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
-from tests.distributed._archs import BY_NAME, inputs, loss, max_diff, spec_of  # noqa: E402
+from tests.distributed._archs import BY_NAME, VOCAB, inputs, loss, max_diff, spec_of  # noqa: E402
 from tests.distributed._grads import full_grads, full_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 
@@ -154,11 +154,23 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
         got = compiled(**x)  # outputs leave a compiled graph whole, under loss_parallel too
         objective(got).backward()
     losses = (float(got.loss.detach()), float(eager.loss), float(want.loss.detach())) if "labels" in x else None
-    return {"forward": max_diff(_logits(got), _logits(eager)), "losses": losses,
-            "graph_stats": graphs, "want_all_reduces": all_reduces,
-            "grads": full_mismatches(full_grads(model, rank), {n: p.grad for n, p in ref.named_parameters()}),
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "graphs": counters["stats"]["unique_graphs"]}
+    out = {"forward": max_diff(_logits(got), _logits(eager)), "losses": losses,
+           "graph_stats": {kind: list(stats) for kind, stats in graphs.items()}, "want_all_reduces": all_reduces,
+           "grads": full_mismatches(full_grads(model, rank), {n: p.grad for n, p in ref.named_parameters()}),
+           "graph_breaks": sum(counters["graph_break"].values()),
+           "graphs": counters["stats"]["unique_graphs"], "refused": None}
+    if name == VOCAB_SPLIT:  # an id past the vocabulary: refused in eager and by the compiled graph's own check
+        bad = dict(x, input_ids=x["input_ids"].clone().fill_(model.config.vocab_size))
+        out["refused"] = (_raised(lambda: model(**bad)), _raised(lambda: compiled(**bad)))  # may retrace
+    return out
+
+
+def _raised(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the type and message are what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "nothing raised"
 
 
 def _run(rank: int, world: int, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -188,6 +200,11 @@ def test_compiled_sharded_models_match_eager_with_no_graph_break() -> None:
                 assert compiled == eager, (rank, name, got)
                 assert abs(compiled - unsharded) <= FORWARD_TOL * abs(unsharded), (rank, name, got)
             assert got["graph_breaks"] == 0 and got["graphs"] == 1, (rank, name, got)
+            if got["refused"] is not None:
+                eager_error, compiled_error = got["refused"]
+                bounds = f"[0, {VOCAB})"
+                assert eager_error.startswith("IndexError") and bounds in eager_error, (rank, eager_error)
+                assert compiled_error.startswith("RuntimeError") and bounds in compiled_error, (rank, compiled_error)
             if BACKEND != "aot_eager":
                 continue
             stats = got["graph_stats"]
