@@ -1,13 +1,18 @@
 """Sharded models under ``torch.compile``: eager's numbers forward and backward, one graph, no break.
 
-One spawn of 2 Gloo ranks checks, for a plain MLP and for architectures of the matrix
-(tests/distributed/test_arch_matrix.py), on every rank:
+One spawn of 2 Gloo ranks checks, for a plain MLP, for architectures of the matrix
+(tests/distributed/test_arch_matrix.py) and for a Llama sharded with ``st.tensor_parallel_spec``
+(embedding and lm_head split on the vocabulary: the whole model is the outermost zone; the loss
+computed in the forward from labels, once plainly and once inside ``st.loss_parallel()``), on
+every rank:
 
 * the compiled model's logits equal the eager sharded model's (relative difference below
   ``FORWARD_TOL``: the compiled graph runs the same local ops and the same collectives);
 * every parameter's gradient from the compiled forward and backward, the split ones
   gathered whole, equals the unsharded model's (``full_mismatches``: rtol 1e-4);
 * dynamo records no graph break and captures one graph;
+* with labels, the compiled loss equals the eager sharded one bit for bit; an id past the
+  vocabulary is refused in eager (``IndexError``) and by the compiled graph's assertion;
 * with ``aot_eager``, the forward and backward graphs hold the collectives the layout needs
   (the matrix's count of forward all-reduces; as many in backward for the decoders, whose
   column-parallel inputs need their gradients summed) and no copy around them: no clone
