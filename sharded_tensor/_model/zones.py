@@ -177,7 +177,7 @@ class _State(threading.local):
         self.depth = 0
         self.copies: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
         self.keep_split_outputs = False
-        self.ranks: dict[Any, int] = {}  # this process's rank per group, looked up once per zone call
+        self.ranks: dict[Any, tuple[int, int]] = {}  # rank and world per group, looked up once per zone call
         self.recorders: list[_replay.Recording] = []  # checked zone calls recording, innermost last
         self.replay: _replay.Cursor | None = None  # the zone call being replayed
         self.tracing = False  # inside torch.compile's trace of a zone: nested zones run as they are
@@ -189,11 +189,18 @@ _STATE = _State()
 
 def _rank(group: _comm.ProcessGroup) -> int:
     """This process's rank in ``group`` (``rank_and_world`` costs a microsecond or more per call)."""
+    return rank_and_world(group)[0]
+
+
+def rank_and_world(group: _comm.ProcessGroup) -> tuple[int, int]:
+    """``_comm.rank_and_world(group)``, looked up once per outermost zone call (groups change only between)."""
+    if not _STATE.depth:
+        return _comm.rank_and_world(group)
     ranks = _STATE.ranks
     try:
         return ranks[group]
     except KeyError:
-        found = ranks[group] = _comm.rank_and_world(group)[0]
+        found = ranks[group] = _comm.rank_and_world(group)
         return found
 
 
@@ -1301,14 +1308,19 @@ def _pending_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: 
 
 def _tagged_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str, tags: list[Any]) -> Any:
     """An op with a tagged tensor among its arguments: through its rule, else on gathered inputs."""
-    rule = _getter if kind is _GETTER_KIND else _tables()[0].get(func)
-    other = next((t for t in tags if t is not None and type(t) is not Split), None)
-    if other is not None:  # the first tag that is not a plain split decides
+    other = None
+    for t in tags:  # the first tag that is not a plain split decides
+        if t is not None and type(t) is not Split:
+            other = t
+            break
+    if other is not None:
         if type(other) is Packed:
             rule = _split_packed if _aten_name(func) in ("split", "chunk", "getitem") else None
         else:
             rule = TAG_KINDS[type(other)][0]
-    elif rule is _elementwise:
+    else:
+        rule = _getter if kind is _GETTER_KIND else _tables()[0].get(func)
+    if rule is _elementwise and other is None:
         out = _same_split(func, args, kwargs)
         if out is not None:
             return out
@@ -1481,7 +1493,7 @@ class ZoneForward:
         """The module's forward run plainly, its sharded layers' inputs and its outputs tagged as recorded."""
         state = _STATE
         outer = state.depth > 0
-        cursor = _replay.Cursor(plan, f"{type(self._module).__name__} ({self._module.__class__.__module__})")
+        cursor = _replay.Cursor(plan, self._module)
         popped = torch._C._pop_torch_function_stack() if outer else None
         if not outer:
             state.ranks = {}
