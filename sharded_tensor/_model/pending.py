@@ -65,7 +65,7 @@ def pending(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
 
 def _summed(tensor: torch.Tensor, tag: Partial) -> torch.Tensor:
     """The sum over the ranks of a pending ``tensor``: one all-reduce, kept until ``tensor`` is written to."""
-    cached = getattr(tensor, _SUM, None)
+    cached = tensor.__dict__.get(_SUM)
     if cached is not None and cached[0] == tensor._version:
         return cached[1]  # type: ignore[no-any-return]
     with _zones.outside_propagation():
@@ -103,7 +103,8 @@ def add_once(value: Any, group: _comm.ProcessGroup) -> Any:
 
 
 def _tag_of(value: Any) -> Any:
-    return getattr(value, _zones._TAG, None) if isinstance(value, torch.Tensor) else None
+    # A tag is an attribute of the tensor object itself: its ``__dict__`` answers without a failed lookup.
+    return value.__dict__.get(_zones._TAG) if isinstance(value, torch.Tensor) else None
 
 
 def _only_pending(values: list[Any]) -> Partial:
@@ -167,14 +168,18 @@ def _scale(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
 def _linear_in_one(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Ops linear in their one pending input, with no other tensor (shapes, sums, negation, copies)."""
-    flat = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-    if not args or _tag_of(args[0]) is None or any(_tag_of(x) is not None for x in flat[1:]):
+    tag = _tag_of(args[0]) if args else None
+    if tag is None:
         raise _zones._Fallback
-    if any(isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) and _tag_of(y) is not None for y in x)
-           for x in args[1:]):
-        raise _zones._Fallback
-    tag = _tag_of(args[0])
     x = args[0]
+    for v in args[1:]:
+        if isinstance(v, torch.Tensor):
+            if _tag_of(v) is not None:
+                raise _zones._Fallback
+        elif isinstance(v, (list, tuple)) and any(isinstance(y, torch.Tensor) and _tag_of(y) is not None for y in v):
+            raise _zones._Fallback
+    if kwargs and any(_tag_of(v) is not None for v in kwargs.values()):
+        raise _zones._Fallback
     out = func(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         if not out.is_floating_point() or out.dtype != x.dtype:

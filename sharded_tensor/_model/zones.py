@@ -1273,15 +1273,20 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if flat is None:
         flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
     tags = []
+    tagged = pending_only = False
     for x in flat:
         found = x.__dict__
         if found:
             if _OWNED in found and _split_label(x):
                 _refuse_owned(func, x)
-            tags.append(found.get(_TAG))
-    if not any(t is not None for t in tags):
+            t = found.get(_TAG)
+            tags.append(t)
+            if t is not None:
+                pending_only = (pending_only or not tagged) and type(t) is Partial
+                tagged = True
+    if not tagged:
         return func(*args, **kwargs)
-    if _STATE.recorders and not _STATE.pending_op and all(t is None or type(t) is Partial for t in tags):
+    if pending_only and _STATE.recorders and not _STATE.pending_op:
         return _pending_op(func, args, kwargs, kind, tags)
     return _tagged_op(func, args, kwargs, kind, tags)
 
@@ -1431,7 +1436,9 @@ def _gather_outputs(value: Any, pending_only: bool = False) -> Any:
         return {k: _gather_outputs(v, pending_only) for k, v in value.items()}
     if isinstance(value, dict):  # e.g. transformers' ModelOutput: update in place, keep the type
         for k, v in list(value.items()):
-            value[k] = _gather_outputs(v, pending_only)
+            found = _gather_outputs(v, pending_only)
+            if found is not v:  # a ModelOutput's item assignment is slow: only what changed
+                value[k] = found
         return value
     return value
 
