@@ -386,7 +386,11 @@ class _ShardedForward:
         functools.update_wrapper(self, type(module).forward)  # keeps inspect.signature(module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _zones.entering_layer(self._module, args, kwargs)  # a zone replayed or recorded: its inputs' tags
+        state = _zones._STATE
+        if state.replay is not None or state.recorders:  # a zone replayed or recorded: its inputs' tags
+            _zones.entering_layer(self._module, args, kwargs)
+        if not state.depth:  # outside any zone: nothing to step out of
+            return self._plan.handler.forward(self._call, self._module, *args, **kwargs)
         with _zones.outside_propagation():
             out = self._plan.handler.forward(self._call, self._module, *args, **kwargs)
         return _zones.leaving_layer(out)

@@ -58,14 +58,14 @@ _SUM = "_shardkit_sum"  # (version of the addend when summed, the sum)
 
 def pending(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
     """Inside a zone, ``tensor`` (this rank's addend) tagged as a pending sum; outside, the sum (all-reduce)."""
-    if not _zones.in_zone() or _comm.rank_and_world(group)[1] == 1:
+    if not _zones.in_zone() or _zones.rank_and_world(group)[1] == 1:
         return reduce_from_ranks(tensor, group)
     return _zones.tag(tensor, Partial(group=group))
 
 
 def _summed(tensor: torch.Tensor, tag: Partial) -> torch.Tensor:
     """The sum over the ranks of a pending ``tensor``: one all-reduce, kept until ``tensor`` is written to."""
-    cached = getattr(tensor, _SUM, None)
+    cached = tensor.__dict__.get(_SUM)
     if cached is not None and cached[0] == tensor._version:
         return cached[1]  # type: ignore[no-any-return]
     with _zones.outside_propagation():
@@ -88,8 +88,13 @@ class _Once(torch.autograd.Function):
 
 def add_once(value: Any, group: _comm.ProcessGroup) -> Any:
     """``value`` (whole on every rank) as the addend of a pending sum: itself on rank 0, zero elsewhere."""
-    keep = _comm.rank_and_world(group)[0] == 0
+    keep = _zones.rank_and_world(group)[0] == 0
     if isinstance(value, torch.Tensor):
+        if keep:
+            return value  # itself, its gradient whole: what ``_Once`` does on this rank, without its node
+        if not (value.requires_grad and torch.is_grad_enabled()):
+            with _zones.outside_propagation():
+                return torch.zeros_like(value)
         with _zones.outside_propagation():
             return _Once.apply(value, keep)
     if isinstance(value, bool) or not isinstance(value, (int, float, complex)):
@@ -98,7 +103,8 @@ def add_once(value: Any, group: _comm.ProcessGroup) -> Any:
 
 
 def _tag_of(value: Any) -> Any:
-    return getattr(value, _zones._TAG, None) if isinstance(value, torch.Tensor) else None
+    # A tag is an attribute of the tensor object itself: its ``__dict__`` answers without a failed lookup.
+    return value.__dict__.get(_zones._TAG) if isinstance(value, torch.Tensor) else None
 
 
 def _only_pending(values: list[Any]) -> Partial:
@@ -117,19 +123,21 @@ def _only_pending(values: list[Any]) -> Partial:
 
 def _add(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """add / sub in their forms (``+``, ``-``, reflected, in place): pending + pending, pending + whole once."""
-    bound = bind(func, args, kwargs)
-    if bound is None or "other" not in bound:
-        raise _zones._Fallback
-    a, b = bound["self"], bound["other"]
+    if not kwargs and len(args) == 2 and isinstance(args[0], torch.Tensor):
+        a, b = args  # the usual ``x + y``: what ``bind`` gives (alpha 1), without binding
+    else:
+        bound = bind(func, args, kwargs)
+        if bound is None or "other" not in bound:
+            raise _zones._Fallback
+        a, b = bound["self"], bound["other"]
+        if isinstance(bound.get("alpha", 1), torch.Tensor):
+            raise _zones._Fallback
+        if len(args) < 2 or args[0] is not a or args[1] is not b:
+            raise _zones._Fallback  # given by name: rare, summed first
     tag = _only_pending([a, b])
     if _tag_of(a) is None and _zones._in_place(func):
         raise _zones._Fallback  # a whole tensor updated in place must receive whole values
-    alpha = bound.get("alpha", 1)
-    if isinstance(alpha, torch.Tensor):
-        raise _zones._Fallback
     values = list(args)
-    if len(values) < 2 or values[0] is not a or values[1] is not b:
-        raise _zones._Fallback  # given by name: rare, summed first
     if _tag_of(a) is None:
         values[0] = add_once(a, tag.group)
     if _tag_of(b) is None:
@@ -160,14 +168,18 @@ def _scale(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
 def _linear_in_one(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Ops linear in their one pending input, with no other tensor (shapes, sums, negation, copies)."""
-    flat = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-    if not args or _tag_of(args[0]) is None or any(_tag_of(x) is not None for x in flat[1:]):
+    tag = _tag_of(args[0]) if args else None
+    if tag is None:
         raise _zones._Fallback
-    if any(isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) and _tag_of(y) is not None for y in x)
-           for x in args[1:]):
-        raise _zones._Fallback
-    tag = _tag_of(args[0])
     x = args[0]
+    for v in args[1:]:
+        if isinstance(v, torch.Tensor):
+            if _tag_of(v) is not None:
+                raise _zones._Fallback
+        elif isinstance(v, (list, tuple)) and any(isinstance(y, torch.Tensor) and _tag_of(y) is not None for y in v):
+            raise _zones._Fallback
+    if kwargs and any(_tag_of(v) is not None for v in kwargs.values()):
+        raise _zones._Fallback
     out = func(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         if not out.is_floating_point() or out.dtype != x.dtype:
@@ -215,17 +227,36 @@ def _known_sum(value: Any) -> Any:
 
 def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # A sum already taken is used whole: keeping its addends pending would all-reduce them again.
-    nested = any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values()))
-    if nested:
-        flat, spec = tree_flatten((args, kwargs))
-    else:  # the usual call, tensors and numbers side by side: no pytree needed
-        flat, spec = [*args, *kwargs.values()], None
+    flat = (*args, *kwargs.values()) if kwargs else args
+    known: list[Any] | None = None
+    for i, x in enumerate(flat):  # the usual call, tensors and numbers side by side: one pass, no pytree
+        if isinstance(x, torch.Tensor):
+            attrs = x.__dict__
+            cached = attrs.get(_SUM) if attrs else None
+            if cached is not None and cached[0] == x._version and isinstance(attrs.get(_zones._TAG), Partial):
+                if known is None:
+                    known = list(flat)
+                known[i] = cached[1]
+        elif isinstance(x, (list, tuple, dict)):
+            return _nested_rule(func, args, kwargs)
+    if known is not None:
+        args, kwargs = tuple(known[:len(args)]), dict(zip(kwargs, known[len(args):]))
+        if not any(isinstance(_tag_of(x), Partial) for x in known):
+            if any(_tag_of(x) is not None for x in known):
+                raise _zones._Fallback
+            return func(*args, **kwargs)
+    rule = _rules().get(func)
+    if rule is None:
+        raise _zones._Fallback
+    return rule(func, args, kwargs)
+
+
+def _nested_rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``_rule`` of a call with lists, tuples or dicts among its arguments (walked by pytree)."""
+    flat, spec = tree_flatten((args, kwargs))
     known = [_known_sum(x) for x in flat]
     if any(k is not x for k, x in zip(known, flat)):
-        if spec is None:
-            args, kwargs = tuple(known[:len(args)]), dict(zip(kwargs, known[len(args):]))
-        else:
-            args, kwargs = tree_unflatten(known, spec)
+        args, kwargs = tree_unflatten(known, spec)
         if not any(isinstance(_tag_of(x), Partial) for x in known):
             if any(_tag_of(x) is not None for x in known):
                 raise _zones._Fallback

@@ -198,14 +198,15 @@ class Recording:
 class Cursor:
     """A replay in progress: the next sharded layer call expected."""
 
-    __slots__ = ("plan", "zone", "next")
+    __slots__ = ("plan", "root", "next")
 
-    def __init__(self, plan: Plan, zone: str) -> None:
-        self.plan, self.zone, self.next = plan, zone, 0
+    def __init__(self, plan: Plan, root: torch.nn.Module) -> None:
+        self.plan, self.root, self.next = plan, root, 0
 
     def _mismatch(self, what: str) -> ReplayMismatch:
+        zone = f"{type(self.root).__name__} ({type(self.root).__module__})"
         return ReplayMismatch(
-            f"zone {self.zone}: a replayed call {what}, unlike the checked call of the same input signature; the "
+            f"zone {zone}: a replayed call {what}, unlike the checked call of the same input signature; the "
             f"zone's code takes another path for the same input shapes, dtypes, tags and flags (it depends on "
             f"something else: values, global state). Set {ENV}=0 to check every call of every zone.")
 
@@ -216,8 +217,7 @@ class Cursor:
             raise self._mismatch(f"called sharded layer {type(module).__name__} after the {len(layers)} the "
                                  f"checked call made")
         want = layers[self.next]
-        if want.module is not module or len(want.shapes) != len(inputs) \
-                or any(x.shape != s for x, s in zip(inputs, want.shapes)):
+        if want.module is not module or tuple([x.shape for x in inputs]) != want.shapes:
             raise self._mismatch(
                 f"called sharded layer {type(module).__name__} with inputs of shapes "
                 f"{[tuple(x.shape) for x in inputs]} as call {self.next + 1}, where the checked call called "

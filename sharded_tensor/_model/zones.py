@@ -177,7 +177,7 @@ class _State(threading.local):
         self.depth = 0
         self.copies: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
         self.keep_split_outputs = False
-        self.ranks: dict[Any, int] = {}  # this process's rank per group, looked up once per zone call
+        self.ranks: dict[Any, tuple[int, int]] = {}  # rank and world per group, looked up once per zone call
         self.recorders: list[_replay.Recording] = []  # checked zone calls recording, innermost last
         self.replay: _replay.Cursor | None = None  # the zone call being replayed
         self.tracing = False  # inside torch.compile's trace of a zone: nested zones run as they are
@@ -189,11 +189,18 @@ _STATE = _State()
 
 def _rank(group: _comm.ProcessGroup) -> int:
     """This process's rank in ``group`` (``rank_and_world`` costs a microsecond or more per call)."""
+    return rank_and_world(group)[0]
+
+
+def rank_and_world(group: _comm.ProcessGroup) -> tuple[int, int]:
+    """``_comm.rank_and_world(group)``, looked up once per outermost zone call (groups change only between)."""
+    if not _STATE.depth:
+        return _comm.rank_and_world(group)
     ranks = _STATE.ranks
     try:
         return ranks[group]
     except KeyError:
-        found = ranks[group] = _comm.rank_and_world(group)[0]
+        found = ranks[group] = _comm.rank_and_world(group)
         return found
 
 
@@ -1272,15 +1279,20 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if flat is None:
         flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
     tags = []
+    tagged = pending_only = False
     for x in flat:
         found = x.__dict__
         if found:
             if _OWNED in found and _split_label(x):
                 _refuse_owned(func, x)
-            tags.append(found.get(_TAG))
-    if not any(t is not None for t in tags):
+            t = found.get(_TAG)
+            tags.append(t)
+            if t is not None:
+                pending_only = (pending_only or not tagged) and type(t) is Partial
+                tagged = True
+    if not tagged:
         return func(*args, **kwargs)
-    if _STATE.recorders and not _STATE.pending_op and all(t is None or type(t) is Partial for t in tags):
+    if pending_only and _STATE.recorders and not _STATE.pending_op:
         return _pending_op(func, args, kwargs, kind, tags)
     return _tagged_op(func, args, kwargs, kind, tags)
 
@@ -1307,14 +1319,19 @@ def _pending_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: 
 
 def _tagged_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str, tags: list[Any]) -> Any:
     """An op with a tagged tensor among its arguments: through its rule, else on gathered inputs."""
-    rule = _getter if kind is _GETTER_KIND else _tables()[0].get(func)
-    other = next((t for t in tags if t is not None and type(t) is not Split), None)
-    if other is not None:  # the first tag that is not a plain split decides
+    other = None
+    for t in tags:  # the first tag that is not a plain split decides
+        if t is not None and type(t) is not Split:
+            other = t
+            break
+    if other is not None:
         if type(other) is Packed:
             rule = _split_packed if _aten_name(func) in ("split", "chunk", "getitem") else None
         else:
             rule = TAG_KINDS[type(other)][0]
-    elif rule is _elementwise:
+    else:
+        rule = _getter if kind is _GETTER_KIND else _tables()[0].get(func)
+    if rule is _elementwise and other is None:
         out = _same_split(func, args, kwargs)
         if out is not None:
             return out
@@ -1425,7 +1442,9 @@ def _gather_outputs(value: Any, pending_only: bool = False) -> Any:
         return {k: _gather_outputs(v, pending_only) for k, v in value.items()}
     if isinstance(value, dict):  # e.g. transformers' ModelOutput: update in place, keep the type
         for k, v in list(value.items()):
-            value[k] = _gather_outputs(v, pending_only)
+            found = _gather_outputs(v, pending_only)
+            if found is not v:  # a ModelOutput's item assignment is slow: only what changed
+                value[k] = found
         return value
     return value
 
@@ -1487,7 +1506,7 @@ class ZoneForward:
         """The module's forward run plainly, its sharded layers' inputs and its outputs tagged as recorded."""
         state = _STATE
         outer = state.depth > 0
-        cursor = _replay.Cursor(plan, f"{type(self._module).__name__} ({self._module.__class__.__module__})")
+        cursor = _replay.Cursor(plan, self._module)
         popped = torch._C._pop_torch_function_stack() if outer else None
         if not outer:
             state.ranks = {}
