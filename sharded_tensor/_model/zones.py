@@ -1164,6 +1164,17 @@ def _tables() -> tuple[dict[Any, Callable[..., Any]], frozenset[Any], frozenset[
     return rules, metadata, effects
 
 
+def _tag_among(values: Any) -> bool:
+    """Whether a tagged tensor is among ``values`` or one level down (split parameters aside)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if hasattr(v, _TAG):
+                return True
+        elif isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) and hasattr(x, _TAG) for x in v):
+            return True
+    return False
+
+
 def _any_tagged(values: Any) -> bool:
     """Whether a tagged tensor or a split parameter is among ``values`` or one level down."""
     for v in values:
@@ -1219,9 +1230,10 @@ class _Propagate(TorchFunctionMode):
         # activation nor a split parameter: they go straight through. Both marks are
         # attributes, so a tensor with no attributes of its own (an empty ``__dict__``, the
         # usual case) carries neither, which one read tells.
-        if type(func) is torch._ops.OpOverload:
-            # An aten op called as such is a compiled graph's (a model compiled and called inside
-            # ``loss_parallel``): it already is one of the local ops and collectives the rules chose.
+        if type(func) is torch._ops.OpOverload and not _tag_among((*args, *(kwargs or {}).values())):
+            # An operator on untagged tensors may be a compiled graph's (a model compiled and called inside
+            # ``loss_parallel``), run on the split parameters themselves: one of the local ops and collectives
+            # the rules chose while tracing, not a use of a split parameter to refuse.
             return func(*args, **(kwargs or {}))
         for v in args:
             if isinstance(v, Tensor):
