@@ -27,6 +27,10 @@ guards and CUDA graphs assume too. So:
 Inputs or outputs holding other objects than tensors, plain values and lists or tuples of
 them (a key/value cache) are never replayed: such an object may hold split tensors the zone
 reads or fills, which a signature cannot see, and a plain run would leave them untagged.
+Nor is a call that receives a pending sum (a ``Partial`` tag on an input, e.g. a block fed
+the residual stream of a block before it whose row-parallel result is not summed yet): the
+engine runs the ops on it otherwise than written (it sums the value where a norm needs it,
+adds a whole tensor once), which a plain run of the zone's code would not do.
 
 ``SHARDKIT_ENGINE_REPLAY=0`` in the environment (read at each call) runs every call checked.
 """
@@ -39,6 +43,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from sharding import layout
 
 __all__ = ["ENV", "enabled", "Recording", "Plan", "Cursor", "ReplayMismatch", "signature", "output_leaves",
            "retag_outputs", "layer_inputs", "set_tag"]
@@ -83,7 +89,10 @@ def set_tag(x: Tensor, tag: Any) -> None:
 def _leaf(value: Any) -> Any:
     """One argument's part of a signature, or ``None`` if it cannot be part of one."""
     if isinstance(value, Tensor):
-        return (value.shape, value.dtype, value.device, value.requires_grad, _tag_of(value))
+        tag = _tag_of(value)
+        if isinstance(tag, layout.Partial):
+            return None  # a pending sum coming in: the zone's ops on it are not the ones written
+        return (value.shape, value.dtype, value.device, value.requires_grad, tag)
     if value is None or isinstance(value, _PLAIN_VALUES):
         return (type(value), value)
     return None
@@ -180,13 +189,14 @@ class Recording:
     def plan(self, out: Any, outermost: bool) -> Plan | str:
         """The plan of this call given its output ``out``, or why it is not replayable.
 
-        Only an outermost zone replays ops on pending sums: a nested one runs under its
-        enclosing zone's engine, and any pending sum it hands out is that engine's to follow.
+        Only an outermost zone replays: a nested one runs under its enclosing zone's engine,
+        which resolves the pending sums it receives and hands out rank by rank (a whole tensor
+        added on one rank only); a plain run of the nested zone's code would not.
         """
         if self.reason is not None:
             return self.reason
-        if self.pending and not outermost:
-            return "a zone nested in another one computed with pending sums"
+        if not outermost:
+            return "a zone nested in a checked one runs under that zone's engine"
         leaves: list[Any] = []
         if not output_leaves(out, leaves):
             return "it returns objects other than tensors, plain values and containers of them"

@@ -1492,7 +1492,7 @@ class ZoneForward:
         if _replay.enabled():
             key = _replay.signature(self._module.training, state.keep_split_outputs, args, kwargs)
         plan = self._plans.get(key) if key is not None else None
-        if isinstance(plan, _replay.Plan) and (not state.depth or _innermost_is_propagation()):
+        if isinstance(plan, _replay.Plan) and not state.depth:
             self.replayed += 1
             return self._replayed(plan, args, kwargs)
         self.checked += 1
@@ -1515,14 +1515,16 @@ class ZoneForward:
         return out if state.depth else _exit(out)
 
     def _replayed(self, plan: _replay.Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The module's forward run plainly, its sharded layers' inputs and its outputs tagged as recorded."""
+        """The module's forward run plainly, its sharded layers' inputs and its outputs tagged as recorded.
+
+        Only an outermost zone replays: a zone nested in a checked one receives and hands out
+        values whose pending sums the enclosing engine resolves per rank (a whole tensor added
+        once), which a plain run of the nested zone's code does not reproduce.
+        """
         state = _STATE
-        outer = state.depth > 0
         cursor = _replay.Cursor(plan, self._module)
-        popped = torch._C._pop_torch_function_stack() if outer else None
-        if not outer:
-            state.ranks = {}
-            state.copies.append({})
+        state.ranks = {}
+        state.copies.append({})
         state.depth += 1
         state.replay = cursor
         try:
@@ -1532,12 +1534,7 @@ class ZoneForward:
         finally:
             state.replay = None
             state.depth -= 1
-            if outer:
-                torch._C._push_on_torch_function_stack(popped)
-            else:
-                state.copies.pop()
-        if outer:
-            return out
+            state.copies.pop()
         if plan.pending:  # pending sums handed out are summed here: plainly, as the checked call's exit does
             with torch._C.DisableTorchFunctionSubclass():
                 return _exit(out)
@@ -1547,12 +1544,6 @@ class ZoneForward:
         """How many calls ran checked and replayed, and why signatures stay checked."""
         reasons = sorted({p for p in self._plans.values() if isinstance(p, str)})
         return {"checked": self.checked, "replayed": self.replayed, "not_replayed_because": reasons}
-
-
-def _innermost_is_propagation() -> bool:
-    """Whether the innermost torch function mode is the engine's (a nested zone can step out of it)."""
-    n = torch._C._len_torch_function_stack()
-    return bool(n) and isinstance(torch._C._get_function_stack_at(n - 1), _Propagate)
 
 
 def _exit(out: Any) -> Any:
