@@ -265,7 +265,7 @@ def main() -> None:
         import tp_llama
         hidden, heads, _, layers, seq, batch, vocab = SIZES["tp_llama"]
         tp_args = argparse.Namespace(hidden=hidden, layers=layers, heads=heads, seq=seq, batch=batch, vocab=vocab,
-                                     steps=args.tp_llama_steps, compile=False)
+                                     steps=args.tp_llama_steps, compile=False, plan="standard")
         runs = launch(tp_llama._rank, WORLD, tp_args)
         step = {side: statistics.median(max(r["times"][side][i] for r in runs) for i in range(tp_args.steps))
                 for side in ("shardkit", "dtensor")}
