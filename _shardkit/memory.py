@@ -37,6 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from . import env
+
 __all__ = ["empty_for_fill", "plain", "unshared", "sole_owner", "release_outside", "wait_for_releases",
            "cached_bytes", "empty_cache", "cyclic_gc_paused"]
 
@@ -48,14 +50,9 @@ _FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0
 
 def plain() -> bool:
     """True if ``SHARDKIT_PLAIN_MEMORY`` asks for ordinary ``torch.empty`` memory (read at each call)."""
-    text = os.environ.get("SHARDKIT_PLAIN_MEMORY", "")
-    if text in ("", "0"):
-        return False
-    if text == "1":
-        return True
-    msg = (f"SHARDKIT_PLAIN_MEMORY={text!r} is neither 1 nor 0; set it to 1 to allocate every tensor with "
-           f"torch.empty (no mappings, reuse or early release), or to 0 or unset it for the default.")
-    raise ValueError(msg)
+    return env.flag("SHARDKIT_PLAIN_MEMORY", default=False,
+                    on="to allocate every tensor with torch.empty (no mappings, reuse or early release)",
+                    off="for the default")
 
 
 def _cache_limit() -> int:

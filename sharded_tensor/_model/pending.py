@@ -241,26 +241,27 @@ def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
             return _nested_rule(func, args, kwargs)
     if known is not None:
         args, kwargs = tuple(known[:len(args)]), dict(zip(kwargs, known[len(args):]))
-        if not any(isinstance(_tag_of(x), Partial) for x in known):
-            if any(_tag_of(x) is not None for x in known):
-                raise _zones._Fallback
-            return func(*args, **kwargs)
-    rule = _rules().get(func)
-    if rule is None:
-        raise _zones._Fallback
-    return rule(func, args, kwargs)
+    return _with_sums(func, args, kwargs, known)
 
 
 def _nested_rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``_rule`` of a call with lists, tuples or dicts among its arguments (walked by pytree)."""
     flat, spec = tree_flatten((args, kwargs))
     known = [_known_sum(x) for x in flat]
-    if any(k is not x for k, x in zip(known, flat)):
-        args, kwargs = tree_unflatten(known, spec)
-        if not any(isinstance(_tag_of(x), Partial) for x in known):
-            if any(_tag_of(x) is not None for x in known):
-                raise _zones._Fallback
-            return func(*args, **kwargs)
+    if not any(k is not x for k, x in zip(known, flat)):
+        return _with_sums(func, args, kwargs, None)
+    args, kwargs = tree_unflatten(known, spec)
+    return _with_sums(func, args, kwargs, known)
+
+
+def _with_sums(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+               known: list[Any] | None) -> Any:
+    """``func`` on arguments whose pending sums already taken are in (``known``: the operands, or
+    ``None`` if none was): run as written once no operand is pending, else by its rule."""
+    if known is not None and not any(isinstance(_tag_of(x), Partial) for x in known):
+        if any(_tag_of(x) is not None for x in known):
+            raise _zones._Fallback
+        return func(*args, **kwargs)
     rule = _rules().get(func)
     if rule is None:
         raise _zones._Fallback

@@ -37,13 +37,13 @@ adds a whole tensor once), which a plain run of the zone's code would not do.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from _shardkit import env as _env
 from sharding import layout
 
 __all__ = ["ENV", "enabled", "Recording", "Plan", "Cursor", "ReplayMismatch", "signature", "output_leaves",
@@ -59,14 +59,8 @@ _PLAIN_VALUES = (bool, int, float, str, torch.dtype, torch.device)
 
 def enabled() -> bool:
     """Whether zones replay verified calls (``SHARDKIT_ENGINE_REPLAY``, read at each call; on by default)."""
-    text = os.environ.get(ENV, "")
-    if text in ("", "1"):
-        return True
-    if text == "0":
-        return False
-    msg = (f"{ENV}={text!r} is neither 1 nor 0; set it to 0 to run every zone call under the checking engine, "
-           f"or to 1 or unset it to replay calls whose signature was checked already.")
-    raise ValueError(msg)
+    return _env.flag(ENV, default=True, on="to replay calls whose signature was checked already",
+                     off="to run every zone call under the checking engine")
 
 
 class ReplayMismatch(RuntimeError):
