@@ -1,7 +1,8 @@
 """The architectures of the tensor-parallel matrix: tiny transformers models, their layouts and inputs.
 
 Shared by the matrix (``test_arch_matrix``), which checks each one sharded against itself
-unsharded, and the compiled runs (``test_compile``). Each ``Arch`` builds its model from a
+unsharded, the compiled runs (``test_compile``) and, for GPT-2's layout (``gpt2_spec``), the
+extension and tensor-parallel plan tests. Each ``Arch`` builds its model from a
 tiny config and a fixed seed (no downloads) and gives the hand-written layout of
 docs/huggingface.md over a list of ranks.
 """
@@ -15,9 +16,10 @@ from typing import Any
 import torch
 
 import sharded_tensor as st
-from sharding import composite, single_split
+from sharding import CompositeShardingSpec, composite, single_split
 
-__all__ = ["ARCHS", "BY_NAME", "Arch", "BATCH", "SEQ", "VOCAB", "inputs", "loss", "max_diff", "spec_of"]
+__all__ = ["ARCHS", "BY_NAME", "Arch", "BATCH", "SEQ", "VOCAB", "gpt2_spec", "inputs", "loss", "max_diff",
+           "spec_of"]
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 96, 64, 96, 4, 2, 16, 2
 BATCH, SEQ = 2, 8
@@ -83,9 +85,9 @@ def _phi3_spec(ranks: list[str]) -> Spec:
     return parts
 
 
-def _gpt2(ranks: list[str]) -> Spec:
+def _gpt2(ranks: list[str], layers: int = LAYERS) -> Spec:
     parts: Spec = {}
-    for block in _layers("transformer.h"):
+    for block in (f"transformer.h.{i}" for i in range(layers)):
         parts[f"{block}.attn.c_attn.weight"] = single_split(1, ranks * 3)  # each rank's heads of q, k, v
         parts[f"{block}.attn.c_attn.bias"] = single_split(0, ranks * 3)
         parts[f"{block}.attn.c_proj.weight"] = single_split(0, ranks)
@@ -93,6 +95,13 @@ def _gpt2(ranks: list[str]) -> Spec:
         parts[f"{block}.mlp.c_fc.bias"] = single_split(0, ranks)
         parts[f"{block}.mlp.c_proj.weight"] = single_split(0, ranks)
     return parts
+
+
+def gpt2_spec(world: int, layers: int = LAYERS) -> CompositeShardingSpec:
+    """GPT-2's layout over ranks ``0..world-1`` (``layers`` blocks), for a ``Conv1D`` registration as
+    test_extension writes it: ``c_attn`` each rank's heads of q, k and v, ``c_fc`` split on its
+    outputs, both ``c_proj`` on their inputs."""
+    return composite(**_gpt2([f"rank:{r}/cpu" for r in range(world)], layers))
 
 
 def _bert(ranks: list[str], prefix: str = "bert") -> Spec:

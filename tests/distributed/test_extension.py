@@ -23,6 +23,7 @@ from torch import nn
 import sharded_tensor as st
 from sharding import ShardMetadata, composite, single_split
 from sharding.layout import Replicated
+from tests.distributed._archs import gpt2_spec
 from tests.distributed._grads import local_grad_mismatches
 from tests.distributed._launch import run_distributed
 
@@ -53,20 +54,6 @@ class ShardedConv1D(st.ShardedModule):
         if mode == "out":
             return call.split_output(call.enter(x) @ module.weight + module.bias, w)
         return call.reduce(call.split_input(x, w.intervals) @ module.weight) + module.bias
-
-
-def gpt2_spec(world: int, layers: int):  # type: ignore[no-untyped-def]
-    ranks = [f"rank:{r}/cpu" for r in range(world)]
-    parts = {}
-    for i in range(layers):
-        block = f"transformer.h.{i}"
-        parts[f"{block}.attn.c_attn.weight"] = single_split(1, ranks * 3)  # each rank's heads of q, k, v
-        parts[f"{block}.attn.c_attn.bias"] = single_split(0, ranks * 3)
-        parts[f"{block}.attn.c_proj.weight"] = single_split(0, ranks)
-        parts[f"{block}.mlp.c_fc.weight"] = single_split(1, ranks)
-        parts[f"{block}.mlp.c_fc.bias"] = single_split(0, ranks)
-        parts[f"{block}.mlp.c_proj.weight"] = single_split(0, ranks)
-    return composite(**parts)
 
 
 class ScaledTanh(st.DFunction):

@@ -19,9 +19,10 @@ pytest.importorskip("transformers")
 
 import sharded_tensor as st  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
+from tests.distributed._archs import gpt2_spec  # noqa: E402
 from tests.distributed._grads import local_grad_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
-from tests.distributed.test_extension import ShardedConv1D, gpt2_spec  # noqa: E402
+from tests.distributed.test_extension import ShardedConv1D  # noqa: E402
 from tests.distributed.test_hf_models import bert_spec, llama_spec  # noqa: E402
 
 pytestmark = pytest.mark.distributed

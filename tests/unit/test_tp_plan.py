@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import sharded_tensor as st  # noqa: E402
 from sharding import CompositeShardingSpec, DevicePlacement, single_split, spec_from_dict  # noqa: E402
-from tests.distributed.test_extension import gpt2_spec  # noqa: E402
+from tests.distributed._archs import gpt2_spec  # noqa: E402
 from tests.distributed.test_hf_models import bert_spec, llama_spec  # noqa: E402
 
 R2 = ["rank:0/cpu", "rank:1/cpu"]
