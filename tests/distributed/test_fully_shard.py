@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sharded_tensor as st
+from tests.distributed._fully_shard_models import fully_shard_llama, fully_shard_mlp, tiny_llama, uneven_mlp
 from tests.distributed._launch import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -48,33 +49,8 @@ pytestmark = pytest.mark.distributed
 BATCH, STEPS, TOL = 6, 5, 1e-6
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 7), nn.GELU(),
-                         nn.Sequential(nn.Linear(7, 11), nn.LayerNorm(11), nn.Tanh(), nn.Linear(11, 2)),
-                         nn.Linear(2, 3))
-
-
 def _llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-                         use_cache=False, attention_dropout=0.0)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-
-def _shard_mlp(model: nn.Module, **kwargs: object) -> nn.Module:
-    st.fully_shard(model[0], **kwargs)  # type: ignore[arg-type]
-    st.fully_shard(model[2], **kwargs)  # type: ignore[arg-type]
-    return st.fully_shard(model, **kwargs)  # type: ignore[arg-type]
-
-
-def _shard_llama(model: nn.Module, **kwargs: object) -> nn.Module:
-    for layer in model.model.layers:  # type: ignore[union-attr]
-        st.fully_shard(layer, **kwargs)  # type: ignore[arg-type]
-    return st.fully_shard(model, **kwargs)  # type: ignore[arg-type]
+    return tiny_llama(vocab=37)
 
 
 def _data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,8 +128,8 @@ class _Null:
 
 def _compare(rank: int, world: int, kind: str, optim_name: str, **kwargs: object) -> dict[str, float]:
     """Relative differences of the fully sharded run from the whole-batch run."""
-    build = _mlp if kind == "mlp" else _llama
-    shard = _shard_mlp if kind == "mlp" else _shard_llama
+    build = uneven_mlp if kind == "mlp" else _llama
+    shard = fully_shard_mlp if kind == "mlp" else fully_shard_llama
     ref = build()
     ref_optim = _optim(optim_name, ref.parameters())
     clip = kwargs.pop("clip", None)
@@ -222,7 +198,7 @@ def _mechanics(rank: int, world: int) -> dict[str, object]:
     from sharded_tensor._fsdp.unit import unit_of
 
     out: dict[str, object] = {}
-    model = _shard_mlp(_mlp())
+    model = fully_shard_mlp(uneven_mlp())
     units = [u for m in model.modules() if (u := unit_of(m)) is not None]
     out["local_shapes"] = [tuple(p.shape) for p in model.parameters()]
     out["param_types"] = sorted({type(p).__name__ for p in model.parameters()})
@@ -249,8 +225,8 @@ def _mechanics(rank: int, world: int) -> dict[str, object]:
     # The reduction, bit for bit: each rank's whole gradients (of its own rows of the batch) summed
     # over the ranks in rank order, divided by their number; the local .grad are views of one
     # reduced buffer per unit, not copies.
-    reduced = _shard_mlp(_mlp())
-    ref = _mlp()
+    reduced = fully_shard_mlp(uneven_mlp())
+    ref = uneven_mlp()
     rows = slice(rank * (BATCH // world), (rank + 1) * (BATCH // world))
     F.mse_loss(reduced(x[rows]), y[rows]).backward()
     F.mse_loss(ref(x[rows]), y[rows]).backward()
@@ -270,7 +246,7 @@ def _mechanics(rank: int, world: int) -> dict[str, object]:
                                          and p.numel()}) for u in reduced_units]
 
     # Mixed precision: bfloat16 compute, float32 masters, gradients and optimizer state.
-    mixed = _shard_mlp(_mlp(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mixed = fully_shard_mlp(uneven_mlp(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mixed_units = [u for m in mixed.modules() if (u := unit_of(m)) is not None]
     watch = _Watch(mixed_units)
     for unit in mixed_units:
@@ -282,7 +258,7 @@ def _mechanics(rank: int, world: int) -> dict[str, object]:
     with st.CommCounter() as comm:
         mixed_loss.backward()
     adam.step()
-    ref = _mlp()
+    ref = uneven_mlp()
     ref_loss = F.mse_loss(ref(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
     out["mixed_compute_dtypes"] = sorted({str(d) for d in watch.dtypes})
     out["mixed_output_dtype"] = str(mixed_out.dtype)
@@ -307,15 +283,15 @@ def _errors(rank: int, world: int) -> dict[str, str]:
         else:
             out[key] = "no error"
 
-    model = _shard_mlp(_mlp())
+    model = fully_shard_mlp(uneven_mlp())
     attempt("twice", lambda: st.fully_shard(model))
-    child_after = _mlp()
+    child_after = uneven_mlp()
     st.fully_shard(child_after)
     attempt("parent_first", lambda: st.fully_shard(child_after[0]))
-    attempt("not_dividing", lambda: st.fully_shard(_mlp(), [0, 1] if rank < 2 else [2]))
-    attempt("not_including", lambda: st.fully_shard(_mlp(), [r for r in range(world) if r != rank]))
-    attempt("outside", lambda: st.fully_shard(_mlp(), list(range(world + 1))))
-    attempt("dtype", lambda: st.fully_shard(_mlp(), param_dtype=torch.int8))
+    attempt("not_dividing", lambda: st.fully_shard(uneven_mlp(), [0, 1] if rank < 2 else [2]))
+    attempt("not_including", lambda: st.fully_shard(uneven_mlp(), [r for r in range(world) if r != rank]))
+    attempt("outside", lambda: st.fully_shard(uneven_mlp(), list(range(world + 1))))
+    attempt("dtype", lambda: st.fully_shard(uneven_mlp(), param_dtype=torch.int8))
     tied = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 6, bias=False))
     tied[1].weight = tied[0].weight
     st.fully_shard(tied[0])
@@ -323,9 +299,9 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     with torch.device("meta"):
         meta = nn.Linear(3, 4)
     attempt("meta", lambda: st.fully_shard(meta)(torch.ones(2, 3)))  # rows never materialized
-    early = _mlp()
+    early = uneven_mlp()
     optim = torch.optim.SGD(early.parameters(), lr=0.1)
-    _shard_mlp(early)
+    fully_shard_mlp(early)
     F.mse_loss(early(torch.ones(2, 5)), torch.zeros(2, 3)).backward()
     attempt("optimizer_before", optim.step)
     # The group still works after all of these.
@@ -354,7 +330,7 @@ def _meta_llama(init: object = None) -> nn.Module:
     with torch.device("meta"):
         model = _llama()
     with _Largest() as largest:
-        _shard_llama(model)
+        fully_shard_llama(model)
         st.shard_model(model, composite(), seed=7, init=init)  # type: ignore[arg-type]
     model.largest = largest.numel  # type: ignore[assignment]
     return model

@@ -44,6 +44,13 @@ from torch import nn
 
 import checkpoint
 import sharded_tensor as st
+from tests.distributed._fully_shard_models import (
+    fully_shard_llama,
+    fully_shard_mlp,
+    tensor_parallel_mlp,
+    tiny_llama,
+    uneven_mlp,
+)
 from tests.distributed._grads import whole_state
 from tests.distributed._launch import run_distributed
 
@@ -52,18 +59,8 @@ pytestmark = pytest.mark.distributed
 BATCH = 4
 
 
-def _mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 7), nn.GELU(),
-                         nn.Sequential(nn.Linear(7, 11), nn.LayerNorm(11), nn.Tanh(), nn.Linear(11, 2)),
-                         nn.Linear(2, 3)).to(dtype)
-
-
 def _sharded(dtype: torch.dtype = torch.float32, ranks: list[int] | None = None) -> nn.Module:
-    model = _mlp(dtype)
-    st.fully_shard(model[0], ranks)
-    st.fully_shard(model[2], ranks)
-    return st.fully_shard(model, ranks)
+    return fully_shard_mlp(uneven_mlp(dtype), ranks)
 
 
 def _optim(model: nn.Module) -> torch.optim.Optimizer:
@@ -118,17 +115,10 @@ def _two_by_two(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
     """Tensor parallel within {0, 1} and {2, 3} (shard_model), fully sharded over {0, 2} and {1, 3}."""
     import torch.distributed as dist
 
-    from sharding import composite, single_split
-
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    model = _mlp()
-    ranks = ["rank:0/cpu", "rank:1/cpu"]
-    spec = composite(**{"0": single_split(0, ranks), "2.3.weight": single_split(1, ranks)})
-    st.shard_model(model, spec, process_group=tp_groups[rank // 2])
+    model = tensor_parallel_mlp(uneven_mlp(), tp_groups[rank // 2])
     tp_local = tuple(model[0].weight.shape)
-    st.fully_shard(model[0])  # ranks=None: the data-parallel groups of a tensor-parallel model
-    st.fully_shard(model[2])
-    st.fully_shard(model)
+    fully_shard_mlp(model)  # ranks=None: the data-parallel groups of a tensor-parallel model
     optim = _optim(model)
     loaded = _load(model, optim, src)
     x, y = _batch(2)
@@ -145,13 +135,7 @@ LLAMA_BATCH, LLAMA_STEPS = 4, 3
 
 
 def _llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-                         use_cache=False, attention_dropout=0.0)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return tiny_llama(vocab=40)
 
 
 def _tokens(step: int) -> torch.Tensor:
@@ -183,9 +167,7 @@ def _llama_two_by_two(rank: int, world: int, dst: str) -> dict[str, object]:
     spec = st.tensor_parallel_spec(model, [0, 1])
     st.shard_model(model, spec, process_group=tp_groups[rank // 2])
     tp_local = tuple(model.model.layers[0].self_attn.q_proj.weight.shape)
-    for layer in model.model.layers:
-        st.fully_shard(layer)
-    st.fully_shard(model)
+    fully_shard_llama(model)
     optim = _optim(model)
     rows = slice(rank // 2 * 2, rank // 2 * 2 + 2)  # each data-parallel rank: half the batch
     losses = []
@@ -220,7 +202,7 @@ def _fsdp2(rank: int, world: int, src: str, dst: str) -> dict[str, object]:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    model = _mlp()
+    model = uneven_mlp()
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -298,7 +280,7 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
 
 def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> None:
     # 1. One process, plain model: 2 steps, save. The reference continues without interruption.
-    ref = _mlp()
+    ref = uneven_mlp()
     ref_optim = _optim(ref)
     _steps(ref, ref_optim, range(0, 2))
     plain = str(tmp_path / "plain")
@@ -350,7 +332,7 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
         for name, value in hybrid["after"].items():
             assert _rel(value, after_three[name]) <= 1e-6, (rank, name, _rel(value, after_three[name]))
         assert hybrid["local"][0] == ((4, 5) if rank % 2 == 0 else (3, 5))  # 7 rows over 2 ranks
-    model = _mlp()
+    model = uneven_mlp()
     optim = _optim(model)
     _assert_equal(_load(model, optim, four + "-hybrid"), results[0]["hybrid"]["after"],
                   "one process loading the 2 x 2 checkpoint")
@@ -364,7 +346,7 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
         # model[0].weight (7, 5): tensor-parallel blocks of 4 and 3 rows, each split over 2 ranks by rows.
         assert grid["tp_local"] == ((4, 5) if rank % 2 == 0 else (3, 5))
         assert grid["local"][0] == [(2, 5), (2, 5), (2, 5), (1, 5)][rank]
-    model = _mlp()
+    model = uneven_mlp()
     optim = _optim(model)
     _assert_equal(_load(model, optim, four + "-2x2"), results[0]["2x2"]["after"],
                   "one process loading the 2 x 2 (tensor parallel) checkpoint")
@@ -376,7 +358,7 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
     assert max(abs(a - b) / b for a, b in zip(mean, ref_losses[:2])) <= 1e-6
 
     # 3. One process loads what 4 ranks saved: their values, bit for bit; consolidate agrees.
-    model = _mlp()
+    model = uneven_mlp()
     optim = _optim(model)
     _assert_equal(_load(model, optim, four), results[0]["after"], "one process loading the 4-rank checkpoint")
     merged = tmp_path / "merged.safetensors"
@@ -397,7 +379,7 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
         for name, value in fsdp2["after"].items():
             assert _rel(value, after_five[name]) <= 1e-6, (rank, name, _rel(value, after_five[name]))
         _assert_equal(fsdp2["back"], fsdp2["after"], f"shardkit rank {rank} loading the FSDP2 checkpoint")
-    model = _mlp()
+    model = uneven_mlp()
     optim = _optim(model)
     _assert_equal(_load(model, optim, four + "-fsdp2"), results[0]["fsdp2"]["after"],
                   "one process loading the FSDP2 checkpoint")
@@ -415,6 +397,6 @@ def test_fully_sharded_checkpoints_move_between_world_sizes(tmp_path: Path) -> N
         assert torch.equal(value, results[0]["after"][f"model.{name}"]), name
     mean = sum(res["losses"][0] for res in pair) / 2
     assert abs(mean - ref_losses[2]) / ref_losses[2] <= 1e-6
-    model = _mlp()
+    model = uneven_mlp()
     optim = _optim(model)
     _assert_equal(_load(model, optim, two), pair[0]["after"], "one process loading the 2-rank checkpoint")

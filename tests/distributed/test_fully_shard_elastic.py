@@ -29,7 +29,7 @@ from torch import nn
 
 import checkpoint
 import sharded_tensor as st
-from sharding import composite, single_split
+from tests.distributed._fully_shard_models import fully_shard_mlp, tensor_parallel_mlp, uneven_mlp
 from tests.distributed._grads import whole_state
 from tests.distributed._launch import run_distributed
 
@@ -37,13 +37,6 @@ pytestmark = pytest.mark.distributed
 
 BATCH, STEPS = 12, 3  # 12 rows divide over 1, 2, 3 and 4 data-parallel ranks
 CHAIN = ["fs4", "2x2", "tp2", "fs3", "ddp4", "one", "ddp4", "fs3", "tp2", "2x2", "fs4"]
-
-
-def _mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 7), nn.GELU(),
-                         nn.Sequential(nn.Linear(7, 11), nn.LayerNorm(11), nn.Tanh(), nn.Linear(11, 2)),
-                         nn.Linear(2, 3)).to(dtype)
 
 
 def _optim(model: nn.Module) -> torch.optim.Optimizer:
@@ -55,18 +48,6 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
 
 
-def _fully_shard(model: nn.Module, ranks: list[int] | None = None) -> nn.Module:
-    st.fully_shard(model[0], ranks)  # type: ignore[arg-type]
-    st.fully_shard(model[2], ranks)  # type: ignore[arg-type]
-    return st.fully_shard(model, ranks)
-
-
-def _tensor_parallel(model: nn.Module, group: Any) -> nn.Module:
-    ranks = ["rank:0/cpu", "rank:1/cpu"]
-    spec = composite(**{"0": single_split(0, ranks), "2.3.weight": single_split(1, ranks)})
-    return st.shard_model(model, spec, process_group=group)
-
-
 class _Layout:
     """One layout on this rank: the model, which part of the batch it trains on, its checkpoint group."""
 
@@ -75,21 +56,21 @@ class _Layout:
         self.group: Any = None  # the group checkpoints are saved and loaded over (None: the world)
         self.reduce: Any = False  # the group gradients are averaged over by all_reduce_grads, if any
         self.part: tuple[int, int] | None = None  # (index, count) of this rank's part of the batch
-        model = _mlp(dtype)
+        model = uneven_mlp(dtype)
         if name == "fs4":
-            _fully_shard(model)
+            fully_shard_mlp(model)
             self.part = (rank, 4)
         elif name == "2x2":
-            _tensor_parallel(model, groups["tp"][rank // 2])
-            _fully_shard(model)  # over {0, 2} and {1, 3}: the data-parallel groups of the tensor-parallel model
+            tensor_parallel_mlp(model, groups["tp"][rank // 2])
+            fully_shard_mlp(model)  # over {0, 2} and {1, 3}: the data-parallel groups of the tensor-parallel model
             self.part = (rank // 2, 2)
         elif name == "tp2":
             if rank < 2:
-                _tensor_parallel(model, groups["01"])
+                tensor_parallel_mlp(model, groups["01"])
                 self.part = (0, 1)
             self.group = groups["01"]
         elif name == "fs3":
-            _fully_shard(model, [0, 1, 2] if rank < 3 else [])
+            fully_shard_mlp(model, [0, 1, 2] if rank < 3 else [])
             self.part = (rank, 3) if rank < 3 else None
         elif name == "ddp4":
             self.part = (rank, 4)
@@ -159,7 +140,7 @@ def _chain(rank: int, world: int, root: str) -> list[dict[str, object]]:
 
 
 def test_elastic_chain_resumes_bit_for_bit(tmp_path: Path) -> None:
-    model = _mlp()
+    model = uneven_mlp()
     optim = _optim(model)
     ref_losses = []
     for step in range(len(CHAIN) * STEPS):
