@@ -29,6 +29,7 @@ from sharding import (
     spec_from_dict,
 )
 from sharding.layout import Partial
+from tests.distributed._cases import assert_no_problems, random_tensor, region
 from tests.distributed._launch import run_distributed
 from tests.unit.test_plan import sizes, specs
 
@@ -52,26 +53,11 @@ def cases(draw: hst.DrawFn, world: int) -> dict[str, object]:
             "dst": draw(specs(size, world)).to_dict()}
 
 
-def _values(size: tuple[int, ...], dtype: torch.dtype, seed: int, exact_any_order: bool) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, size, generator=g).bool()
-    if not dtype.is_floating_point:
-        return torch.randint(-(2**40), 2**40, size, generator=g).to(dtype)
-    if exact_any_order:
-        return torch.randint(-16, 17, size, generator=g).to(dtype)
-    return torch.randn(size, generator=g, dtype=torch.float64).to(dtype)
-
-
 def _reference(parts: list[torch.Tensor], op: str) -> torch.Tensor:
     acc = parts[0].clone()
     for p in parts[1:]:
         acc = _FOLD[op](acc, p)
     return acc / len(parts) if op == "avg" else acc
-
-
-def _region(x: torch.Tensor, md: ShardMetadata) -> torch.Tensor:
-    return x[tuple(slice(o, o + n) for o, n in zip(md.offsets, md.dims))]
 
 
 def _partial_tensor(rank: int, parts: dict[int, torch.Tensor], op: str, size: tuple[int, ...]) -> st.ShardedTensor:
@@ -85,7 +71,7 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
     for i, case in enumerate(case_list):
         size = tuple(case["size"])  # type: ignore[arg-type]
         dtype, op, holders = getattr(torch, str(case["dtype"])), str(case["op"]), list(case["holders"])  # type: ignore[arg-type]
-        parts = {h: _values(size, dtype, seed=100 * i + h, exact_any_order=world > 2) for h in holders}
+        parts = {h: random_tensor(size, dtype, seed=100 * i + h, small_integers=world > 2) for h in holders}
         ref = _reference([parts[h] for h in holders], op)
         problems: list[str] = []
         t = _partial_tensor(rank, parts, op, size)
@@ -120,7 +106,7 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
         if t.sharding_metadata() != dst_md:
             problems.append(f"layout after reshard {t.sharding_metadata()} != {dst_md}")
         for s in t.local_shards():
-            if s.tensor.dtype != dtype or not torch.equal(s.tensor, _region(ref, s.metadata)):
+            if s.tensor.dtype != dtype or not torch.equal(s.tensor, region(ref, s.metadata)):
                 problems.append(f"shard {s.metadata} differs from the reduced region")
         # Back into partial values (same reduction, same holders): the value is unchanged.
         if op != "avg":  # avg of copies is exact only for some counts of holders
@@ -143,12 +129,8 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
 
 def _check(case_list: list[dict[str, object]], world: int) -> None:
     results = run_distributed(_run_cases, world, case_list, timeout=180)
-    failures = []
-    for i, case in enumerate(case_list):
-        problems = [f"rank {r}: {p}" for r in range(world) for p in results[r][i] if not p.startswith("bytes=")]
-        if problems:
-            failures.append(f"case {i} {case}:\n  " + "\n  ".join(problems))
-    assert not failures, "\n".join(failures)
+    assert_no_problems(case_list, [[f"rank {r}: {p}" for r in range(world) for p in results[r][i]
+                                    if not p.startswith("bytes=")] for i in range(len(case_list))])
 
 
 @SPAWN_SETTINGS
@@ -167,7 +149,7 @@ def _named(rank: int, world: int, tmp: str) -> dict[str, object]:
     """The common transitions on every rank: bytes, in-place all-reduce, save/load, checkpoints."""
     ranks = [f"rank:{r}/cpu" for r in range(world)]
     size = (8, 12)
-    parts = {h: _values(size, torch.float32, seed=h, exact_any_order=True) for h in range(world)}
+    parts = {h: random_tensor(size, torch.float32, seed=h, small_integers=True) for h in range(world)}
     ref = _reference([parts[h] for h in range(world)], "sum")
     found: dict[str, object] = {}
     targets = {"replicate": DevicePlacement("cpu"), "rows": single_split(0, ranks),
@@ -177,7 +159,7 @@ def _named(rank: int, world: int, tmp: str) -> dict[str, object]:
         t = _partial_tensor(rank, parts, "sum", size)
         with st.CommCounter() as comm:
             t.reshard(spec)
-        assert all(torch.equal(s.tensor, _region(ref, s.metadata)) for s in t.local_shards()), name
+        assert all(torch.equal(s.tensor, region(ref, s.metadata)) for s in t.local_shards()), name
         found[name] = comm.bytes_sent
         found[name + "_mine"] = sum(s.metadata.numel for s in t.local_shards())
     # Partial sums on other holders: reduced onto a split over them, then spread again.
@@ -218,7 +200,7 @@ def _named(rank: int, world: int, tmp: str) -> dict[str, object]:
                            and torch.equal(t.local_shard(), parts[rank]))
     target = {"w": st.zeros(*size, sharding_spec=single_split(1, ranks)), "step": 0}
     checkpoint.load(target, f"{tmp}/reduced")
-    found["loaded"] = all(torch.equal(s.tensor, _region(ref, s.metadata)) for s in target["w"].local_shards())
+    found["loaded"] = all(torch.equal(s.tensor, region(ref, s.metadata)) for s in target["w"].local_shards())
     collected = checkpoint.collect_state_dict({"w": t})
     found["collected"] = collected is None if rank else torch.equal(collected["w"], ref)
     try:

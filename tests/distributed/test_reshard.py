@@ -20,7 +20,8 @@ from hypothesis import strategies as hst
 import sharded_tensor as st
 from _shardkit.memory import wait_for_releases
 from sharded_tensor._plan import plan_reshard
-from sharding import DevicePlacement, ShardMetadata, mesh, single_split, spec_from_dict
+from sharding import DevicePlacement, mesh, single_split, spec_from_dict
+from tests.distributed._cases import assert_no_problems, random_tensor, region
 from tests.distributed._launch import run_distributed
 from tests.unit.test_plan import minimum_elements, sizes, specs
 
@@ -37,19 +38,6 @@ def cases(draw: hst.DrawFn, world: int) -> dict[str, object]:
     size = draw(sizes(max_ndim=3, max_dim=7))
     return {"size": list(size), "dtype": draw(hst.sampled_from(DTYPES)),
             "src": draw(specs(size, world)).to_dict(), "dst": draw(specs(size, world)).to_dict()}
-
-
-def _tensor(size: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, size, generator=g).bool()
-    if not dtype.is_floating_point:
-        return torch.randint(-(2**40), 2**40, size, generator=g).to(dtype)
-    return torch.randn(size, generator=g, dtype=torch.float64).to(dtype)
-
-
-def _region(x: torch.Tensor, md: ShardMetadata) -> torch.Tensor:
-    return x[tuple(slice(o, o + n) for o, n in zip(md.offsets, md.dims))]
 
 
 def _invalid_specs(size: tuple[int, ...], world: int) -> list[tuple[object, str]]:
@@ -73,7 +61,7 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
         size = tuple(case["size"])  # type: ignore[arg-type]
         dtype = getattr(torch, str(case["dtype"]))
         src, dst = spec_from_dict(case["src"]), spec_from_dict(case["dst"])  # type: ignore[arg-type]
-        x = _tensor(size, dtype, seed=i)
+        x = random_tensor(size, dtype, seed=i)
         problems: list[str] = []
         t = st.shard_tensor(x if rank == i % world else None, src, src_rank=i % world)
         src_md = t.sharding_metadata()
@@ -103,7 +91,7 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
         if [s.metadata for s in t.local_shards()] != [m for _, m in dst_md.shards_on(rank)]:
             problems.append("local shards do not follow the destination layout")
         for s in t.local_shards():
-            if s.tensor.dtype != dtype or not torch.equal(s.tensor, _region(x, s.metadata)):
+            if s.tensor.dtype != dtype or not torch.equal(s.tensor, region(x, s.metadata)):
                 problems.append(f"shard {s.metadata} differs from the original region")
         planned = plan_reshard(src_md, dst_md, rank=rank).elements_sent() * x.element_size()
         if comm.bytes_sent != planned:
@@ -116,20 +104,19 @@ def _run_cases(rank: int, world: int, case_list: list[dict[str, object]]) -> lis
 
 def _check(case_list: list[dict[str, object]], world: int) -> None:
     results = run_distributed(_run_cases, world, case_list, timeout=120)
-    failures = []
+    problems = []
     for i, case in enumerate(case_list):
         size = tuple(case["size"])  # type: ignore[arg-type]
         dtype = getattr(torch, str(case["dtype"]))
         src_md = spec_from_dict(case["src"]).build_metadata(size, dtype, world_size=world)  # type: ignore[arg-type]
         dst_md = spec_from_dict(case["dst"]).build_metadata(size, dtype, world_size=world)  # type: ignore[arg-type]
-        problems = [f"rank {r}: {p}" for r in range(world) for p in results[r][i]["problems"]]
+        found = [f"rank {r}: {p}" for r in range(world) for p in results[r][i]["problems"]]
         total = sum(results[r][i]["bytes"] for r in range(world))
         minimum = minimum_elements(src_md, dst_md) * torch.empty((), dtype=dtype).element_size()
         if total != minimum:
-            problems.append(f"all ranks sent {total} bytes, the minimum is {minimum}")
-        if problems:
-            failures.append(f"case {i} {case}:\n  " + "\n  ".join(problems))
-    assert not failures, "\n".join(failures)
+            found.append(f"all ranks sent {total} bytes, the minimum is {minimum}")
+        problems.append(found)
+    assert_no_problems(case_list, problems)
 
 
 @SPAWN_SETTINGS
@@ -167,12 +154,12 @@ def _named(rank: int, world: int) -> dict[str, object]:
     gathered = comm.all_gather_json(_payload(rank))
     sent = []
     for i, (_, src, dst, _) in enumerate(NAMED):
-        x = _tensor((8, 12), torch.float32, seed=i)
+        x = random_tensor((8, 12), torch.float32, seed=i)
         t = st.shard_tensor(x, src)
         with st.CommCounter() as counter:
             t.reshard(dst)
         for s in t.local_shards():
-            assert torch.equal(s.tensor, _region(x, s.metadata)), (NAMED[i][0], s.metadata)
+            assert torch.equal(s.tensor, region(x, s.metadata)), (NAMED[i][0], s.metadata)
         sent.append(counter.bytes_sent)
     # The same again on an agreement that fits in one round, after the reshards.
     short = comm.all_gather_json({"rank": rank})
