@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from sharded_tensor import ShardedTensor
+from sharded_tensor import CommCounter, ShardedTensor
 from sharded_tensor._model.record import sharded_parameters
 
-__all__ = ["full_grads", "full_mismatches", "full_params", "gathered_grads", "local_grad_mismatches",
-           "relative_errors", "whole_state"]
+__all__ = ["compare_with_unsharded", "full_grads", "full_mismatches", "full_params", "gathered_grads",
+           "local_grad_mismatches", "relative_error", "relative_errors", "whole_state"]
 
 
 def local_grad_mismatches(model: nn.Module, ref: nn.Module, rank: int) -> list[str]:
@@ -117,4 +117,40 @@ def whole_state(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
                 out[f"optim.{name}.{key}"] = value.clone()
             else:
                 out[f"optim.{name}.{key}"] = torch.tensor(float(value))
+    return out
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want| / max |want|``."""
+    return float((got - want).abs().max()) / float(want.abs().max())
+
+
+def compare_with_unsharded(model: nn.Module, ref: nn.Module, rank: int, x: torch.Tensor, vocab: int, *,
+                           labels: torch.Tensor | None = None) -> dict[str, Any]:
+    """A sharded language model against its unsharded copy ``ref`` (same weights), on this rank.
+
+    One forward and backward on tokens ``x``, then 3 SGD steps (lr 0.2) on seeded batches of
+    ``x``'s shape. Labels are each batch's own tokens, or ``labels`` for every step (an
+    encoder-decoder's target). Returns ``comm``, the collectives of the sharded forward;
+    ``logits``, their ``relative_error``; ``grads``, every parameter's (``relative_errors``,
+    split ones gathered: collective); ``trained``, the logits' after the steps.
+    """
+    with CommCounter() as comm:
+        got = model(x, labels=x if labels is None else labels)
+    want = ref(x, labels=x if labels is None else labels)
+    out: dict[str, Any] = {"comm": dict(comm.counts),
+                           "logits": relative_error(got.logits.detach(), want.logits.detach())}
+    got.loss.backward()
+    want.loss.backward()
+    out["grads"] = relative_errors(gathered_grads(model, rank), ref)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (model, ref))
+    for step in range(3):
+        y = torch.randint(0, vocab, tuple(x.shape), generator=torch.Generator().manual_seed(10 + step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(y, labels=y if labels is None else labels).loss.backward()
+            o.step()
+    fixed = {} if labels is None else {"labels": labels}
+    with torch.no_grad():
+        out["trained"] = relative_error(model(x, **fixed).logits, ref(x, **fixed).logits)
     return out

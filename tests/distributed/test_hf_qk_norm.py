@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import sharded_tensor as st  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
-from tests.distributed._grads import gathered_grads, relative_errors  # noqa: E402
+from tests.distributed._grads import compare_with_unsharded  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -49,10 +49,6 @@ def _spec(world: int):  # type: ignore[no-untyped-def]
     return composite(**parts)
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max()) / float(want.abs().max())
-
-
 def _run(rank: int, world: int) -> dict[str, object]:
     out: dict[str, object] = {}
     x = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -66,23 +62,8 @@ def _run(rank: int, world: int) -> dict[str, object]:
         model = _model(arch)
         model.load_state_dict(ref.state_dict())
         st.shard_model(model, _spec(world), src_rank=0)
-        with st.CommCounter() as comm:
-            got = model(x, labels=x)
-        want = ref(x, labels=x)
-        out[f"{arch}_comm"] = dict(comm.counts)
-        out[f"{arch}_logits"] = _relative(got.logits.detach(), want.logits.detach())
-        got.loss.backward()
-        want.loss.backward()
-        out[f"{arch}_grads"] = relative_errors(gathered_grads(model, rank), ref)
-        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (model, ref))
-        for step in range(3):
-            y = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10 + step))
-            for m, o in ((model, opt), (ref, ref_opt)):
-                o.zero_grad()
-                m(y, labels=y).loss.backward()
-                o.step()
-        with torch.no_grad():
-            out[f"{arch}_trained"] = _relative(model(x).logits, ref(x).logits)
+        found = compare_with_unsharded(model, ref, rank, x, VOCAB)
+        out.update({f"{arch}_{key}": value for key, value in found.items()})
     return out
 
 

@@ -25,7 +25,7 @@ import sharded_tensor as st  # noqa: E402
 from sharded_tensor._model.parallel import ShardedLinear  # noqa: E402
 from sharded_tensor._model.registry import handler_for  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
-from tests.distributed._grads import gathered_grads, relative_errors  # noqa: E402
+from tests.distributed._grads import compare_with_unsharded  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -72,10 +72,6 @@ def _build(arch: str):  # type: ignore[no-untyped-def]
     return model, cols, rows
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max()) / float(want.abs().max())
-
-
 def _run(rank: int, world: int) -> dict[str, object]:
     ranks = [f"rank:{r}/cpu" for r in range(world)]
     out: dict[str, object] = {}
@@ -89,25 +85,8 @@ def _run(rank: int, world: int) -> dict[str, object]:
         spec = composite(**{n: single_split(0, ranks) for n in cols},
                          **{f"{n}.weight": single_split(1, ranks) for n in rows})
         st.shard_model(model, spec, src_rank=0)
-        kwargs = {"labels": dec} if arch == "t5" else {"labels": x}
-        with st.CommCounter() as comm:
-            got = model(x, **kwargs)
-        want = ref(x, **kwargs)
-        out[f"{arch}_logits"] = _relative(got.logits.detach(), want.logits.detach())
-        out[f"{arch}_comm"] = dict(comm.counts)
-        got.loss.backward()
-        want.loss.backward()
-        out[f"{arch}_grads"] = relative_errors(gathered_grads(model, rank), ref)
-        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (model, ref))
-        for step in range(3):
-            y = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10 + step))
-            labels = {"labels": dec} if arch == "t5" else {"labels": y}
-            for m, o in ((model, opt), (ref, ref_opt)):
-                o.zero_grad()
-                m(y, **labels).loss.backward()
-                o.step()
-        with torch.no_grad():
-            out[f"{arch}_trained"] = _relative(model(x, **kwargs).logits, ref(x, **kwargs).logits)
+        found = compare_with_unsharded(model, ref, rank, x, VOCAB, labels=dec if arch == "t5" else None)
+        out.update({f"{arch}_{key}": value for key, value in found.items()})
     return out
 
 
