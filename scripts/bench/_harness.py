@@ -9,13 +9,14 @@ seconds apart.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,97 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(mem / GiB, 1), "python": platform.python_version(),
             "torch": torch.__version__, "backend": "gloo (TCP on 127.0.0.1)",
             "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+class Interleaved:
+    """Several ways of doing one thing, timed on this rank in the same process, interleaved.
+
+    ``measure(key, fn)`` times ``fn`` with ``timed`` under ``key``: its seconds go to
+    ``runs[key]``, its CPU seconds to ``cpu[key]``, its wire bytes to ``wire[key]`` (the last
+    call's). ``run(ways, reps)`` calls every way once to warm up (connections, caches) and
+    forgets those figures, then runs ``reps`` rounds, each starting one way later than the
+    last, so that machine noise hits every way alike.
+    """
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+        self.wire: dict[str, int] = {}
+
+    def measure(self, key: str, fn: Callable[[], Any]) -> None:
+        seconds, sent = timed(fn, self.cpu.setdefault(key, []))
+        self.runs.setdefault(key, []).append(seconds)
+        self.wire[key] = sent
+
+    def run(self, ways: Sequence[Callable[[], None]], reps: int) -> None:
+        for way in ways:
+            way()
+        self.runs.clear()
+        self.cpu.clear()
+        for rep in range(reps):
+            k = rep % len(ways)
+            for way in [*ways[k:], *ways[:k]]:
+                way()
+
+    def medians(self) -> dict[str, float]:
+        return {k: median(v) for k, v in self.runs.items()}
+
+    def cpu_medians(self) -> dict[str, float]:
+        return {k: median(v) for k, v in self.cpu.items()}
+
+
+# -- a sweep of transitions x sizes x worlds, every case in the ranks of its world ------------------
+
+def sweep_args(description: str, transitions: Sequence[str], reps: int) -> argparse.Namespace:
+    """The command line of a sweep: ``--quick``, ``--reps``, ``--worlds``, ``--sizes``, ``--only``.
+
+    ``sizes`` and ``reps`` come back filled in: 4096 and 8192 (4096 with ``--quick``) and
+    ``reps`` repetitions per way (3 with ``--quick``).
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="4096^2 only, 3 repetitions")
+    parser.add_argument("--reps", type=int, default=None, help=f"timed repetitions per way (default {reps}, quick 3)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--only", nargs="+", default=list(transitions), choices=transitions)
+    args = parser.parse_args()
+    args.sizes = args.sizes or ([4096] if args.quick else [4096, 8192])
+    args.reps = args.reps or (3 if args.quick else reps)
+    return args
+
+
+def sweep_cases(rank: int, world: int, case: Callable[..., dict[str, Any]], sizes: list[int], reps: int,
+                names: list[str]) -> list[dict[str, Any]]:
+    """``case(rank, world, n, name, reps)`` for every size ``n`` and transition ``name``, in order."""
+    out = []
+    for n in sizes:
+        for name in names:
+            if rank == 0:
+                print(f"  world={world} n={n} {name}", file=sys.stderr, flush=True)
+            out.append(case(rank, world, n, name, reps))
+    return out
+
+
+def sweep(benchmark: str, case: Callable[..., dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run ``sweep_cases`` on the ranks of each world in ``args.worlds``; the cases merged over ranks.
+
+    A case's dict is rank 0's, with ``bytes_sent`` and ``min_bytes`` made per-rank lists, its
+    ``wire_bytes`` as ``wire_bytes_per_rank`` and its ``cpu_s`` as ``cpu_s_mean_over_ranks``.
+    """
+    results = []
+    for world in args.worlds:
+        print(f"{benchmark} benchmark: {world} ranks", file=sys.stderr, flush=True)
+        for cases in zip(*launch(sweep_cases, world, case, args.sizes, args.reps, args.only)):
+            first = dict(cases[0])
+            first["bytes_sent"] = [c["bytes_sent"] for c in cases]
+            first["min_bytes"] = [c["min_bytes"] for c in cases]
+            first["wire_bytes_per_rank"] = {k: [c["wire_bytes"].get(k) for c in cases] for k in cases[0]["wire_bytes"]}
+            del first["wire_bytes"]
+            first["cpu_s_mean_over_ranks"] = {k: sum(c["cpu_s"][k] for c in cases) / len(cases)
+                                              for k in cases[0]["cpu_s"]}
+            del first["cpu_s"]
+            results.append(first)
+    return results
 
 
 # -- one way per set of fresh processes (memory figures need a process of their own) ---------------

@@ -41,7 +41,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -51,7 +50,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # after the repository ro
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _harness import launch, machine, median, ratio, timed  # noqa: E402
+from _harness import Interleaved, machine, ratio, sweep, sweep_args  # noqa: E402
 
 import sharded_tensor as st  # noqa: E402
 import sharding as sh  # noqa: E402
@@ -78,15 +77,9 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
                 for _, s in target.build_metadata((n, n), world_size=world).shards_on(rank)][0]
     nbytes = n * n * 4
     minimum = 2 * (world - 1) * nbytes // world if name == "to_replicate" else (world - 1) * nbytes // world
-    runs: dict[str, list[float]] = {}
-    wire: dict[str, int] = {}
-    cpu: dict[str, list[float]] = {}
+    clock = Interleaved()
+    measure = clock.measure
     counted = [0]
-
-    def measure(key: str, fn: Any) -> None:
-        seconds, sent = timed(fn, cpu.setdefault(key, []))
-        runs.setdefault(key, []).append(seconds)
-        wire[key] = sent
 
     def ours() -> None:
         t = st.ShardedTensor.from_local_shards(
@@ -132,70 +125,32 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
 
             measure("raw_all_to_all_and_sum", call)
 
-    impls = [ours, dtensor, raw] + ([] if name == "to_replicate" else [raw_min])
-    for impl in impls:  # warm-up: connections, DTensor's caches
-        impl()
-    runs.clear()
-    cpu.clear()
-    for rep in range(reps):
-        k = rep % len(impls)
-        for impl in impls[k:] + impls[:k]:
-            impl()
-    med = {k: median(v) for k, v in runs.items()}
+    clock.run([ours, dtensor, raw] + ([] if name == "to_replicate" else [raw_min]), reps)
+    med = clock.medians()
     return {"transition": name, "world": world, "size": [n, n], "ours_s": med["ours"], "dtensor_s": med["dtensor"],
             "raw_s": med["raw"], "raw_op": "all_reduce" if name == "to_replicate" else "reduce_scatter_tensor",
             "raw_all_to_all_and_sum_s": med.get("raw_all_to_all_and_sum", "n/a"),
-            "runs_s": runs, "bytes_sent": counted[0], "min_bytes": minimum, "wire_bytes": wire,
-            "cpu_s": {k: median(v) for k, v in cpu.items()}}
+            "runs_s": clock.runs, "bytes_sent": counted[0], "min_bytes": minimum, "wire_bytes": clock.wire,
+            "cpu_s": clock.cpu_medians()}
 
 
-def _rank_main(rank: int, world: int, sizes: list[int], reps: int, only: list[str]) -> list[dict[str, Any]]:
-    out = []
-    for n in sizes:
-        for name in only:
-            if rank == 0:
-                print(f"  world={world} n={n} {name}", file=sys.stderr, flush=True)
-            out.append(_case(rank, world, n, name, reps))
-    return out
-
-
-def _merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    merged = []
-    for cases in zip(*per_rank):
-        first = dict(cases[0])
-        first["bytes_sent"] = [c["bytes_sent"] for c in cases]
-        first["min_bytes"] = [c["min_bytes"] for c in cases]
-        first["bytes_equal_min"] = first["bytes_sent"] == first["min_bytes"]
-        first["wire_bytes_per_rank"] = {k: [c["wire_bytes"].get(k) for c in cases] for k in cases[0]["wire_bytes"]}
-        del first["wire_bytes"]
-        first["cpu_s_mean_over_ranks"] = {k: sum(c["cpu_s"][k] for c in cases) / len(cases) for k in cases[0]["cpu_s"]}
-        del first["cpu_s"]
-        first["ratio_ours_raw"] = ratio(first["ours_s"], first["raw_s"])
-        first["ratio_ours_dtensor"] = ratio(first["ours_s"], first["dtensor_s"])
-        by_hand = first["raw_all_to_all_and_sum_s"]
-        first["ratio_ours_raw_all_to_all_and_sum"] = ratio(first["ours_s"], by_hand) if by_hand != "n/a" else "n/a"
-        goal = 1.1 if first["transition"] == "to_replicate" else 1.2
-        first["goal_raw"] = f"<= {goal}"
-        first["goal_raw_met"] = first["ratio_ours_raw"] is not None and first["ratio_ours_raw"] <= goal
-        merged.append(first)
-    return merged
+def _goals(case: dict[str, Any]) -> dict[str, Any]:
+    """A case merged over ranks, with its ratios and whether it meets its goals."""
+    case["bytes_equal_min"] = case["bytes_sent"] == case["min_bytes"]
+    case["ratio_ours_raw"] = ratio(case["ours_s"], case["raw_s"])
+    case["ratio_ours_dtensor"] = ratio(case["ours_s"], case["dtensor_s"])
+    by_hand = case["raw_all_to_all_and_sum_s"]
+    case["ratio_ours_raw_all_to_all_and_sum"] = ratio(case["ours_s"], by_hand) if by_hand != "n/a" else "n/a"
+    goal = 1.1 if case["transition"] == "to_replicate" else 1.2
+    case["goal_raw"] = f"<= {goal}"
+    case["goal_raw_met"] = case["ratio_ours_raw"] is not None and case["ratio_ours_raw"] <= goal
+    return case
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4096^2 only, 3 repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per way (default 7, quick 3)")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sizes", type=int, nargs="+", default=None)
-    parser.add_argument("--only", nargs="+", default=list(TRANSITIONS), choices=TRANSITIONS)
-    args = parser.parse_args()
-    sizes = args.sizes or ([4096] if args.quick else [4096, 8192])
-    reps = args.reps or (3 if args.quick else 7)
-    results = []
-    for world in args.worlds:
-        print(f"partial benchmark: {world} ranks", file=sys.stderr, flush=True)
-        results += _merge(launch(_rank_main, world, sizes, reps, args.only))
-    doc = {"benchmark": "partial", "machine": machine(), "repetitions": reps, "statistic": "median",
+    args = sweep_args(__doc__.split("\n")[0], TRANSITIONS, reps=7)
+    results = [_goals(case) for case in sweep("partial", _case, args)]
+    doc = {"benchmark": "partial", "machine": machine(), "repetitions": args.reps, "statistic": "median",
            "dtype": "float32", "goals": {"bytes": "bytes_sent == minimum", "to_replicate_vs_raw_all_reduce": "<= 1.1",
                                          "to_split_vs_raw_reduce_scatter_tensor": "<= 1.2"},
            "results": results}

@@ -47,7 +47,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -57,7 +56,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # after the repository ro
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _harness import launch, machine, median, ratio, timed  # noqa: E402
+from _harness import Interleaved, machine, ratio, sweep, sweep_args  # noqa: E402
 
 import sharded_tensor as st  # noqa: E402
 import sharding as sh  # noqa: E402
@@ -120,17 +119,9 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
     plan = plan_reshard(src_md, dst_md, rank)
     traffic = total_traffic(src_md, dst_md)
     itemsize = 4
-    runs: dict[str, list[float]] = {}
-    wire: dict[str, int] = {}
-    impls: list[tuple[str, Any]] = []
-
-    cpu: dict[str, list[float]] = {}
-
-    def measure(key: str, fn: Any) -> None:
-        seconds, sent = timed(fn, cpu.setdefault(key, []))
-        runs.setdefault(key, []).append(seconds)
-        wire[key] = sent
-
+    clock = Interleaved()
+    measure = clock.measure
+    impls: list[Any] = []
     counted = [0]
 
     def ours() -> None:
@@ -153,7 +144,7 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
         got, want = t.local_shards(), expected.local_shards()
         assert len(got) == len(want) and all(torch.equal(a.tensor, b.tensor) for a, b in zip(got, want)), name
 
-    impls += [("ours", ours), ("ours_cold", ours_cold)]
+    impls += [ours, ours_cold]
     if dt is not None:
         mesh_shape, src_pl, dst_pl = dt
         mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
@@ -165,7 +156,7 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
             measure("dtensor", lambda: out.append(_dtensor_local(d_src.redistribute(mesh, dst_pl))))
             assert torch.equal(out[0], mine), f"DTensor's result differs from ours: {name}"
 
-        impls.append(("dtensor", dtensor))
+        impls.append(dtensor)
     # The wire limit: exactly our plan's bytes between each pair of ranks, nothing else.
     send_counts = [sum(p.numel for p in plan.sends.get(r, [])) * itemsize for r in range(world)]
     recv_counts = [sum(p.numel for p in plan.recvs.get(r, [])) * itemsize for r in range(world)]
@@ -181,7 +172,7 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
             measure("raw_all_to_all_fresh_output", lambda: dist.all_to_all_single(
                 torch.empty(sum(recv_counts), dtype=torch.uint8), send_buf, recv_counts, send_counts))
 
-        impls += [("raw_all_to_all", raw_all_to_all), ("raw_all_to_all_fresh_output", raw_fresh)]
+        impls += [raw_all_to_all, raw_fresh]
     if name == "dim0_to_replicate":
         shard = source.local_shard()
         full = torch.ones(n, n)
@@ -189,7 +180,7 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
         def raw_all_gather() -> None:
             measure("raw_all_gather", lambda: dist.all_gather_into_tensor(full, shard))
 
-        impls.append(("raw_all_gather", raw_all_gather))
+        impls.append(raw_all_gather)
     if name == "replicate_to_dim0":
         # Nothing crosses the wire; the floor is one copy of this rank's new shard.
         whole = source.local_shard()
@@ -198,16 +189,9 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
         def copy_limit() -> None:
             measure("copy_limit", lambda: whole[rank * rows:(rank + 1) * rows].clone())
 
-        impls.append(("copy_limit", copy_limit))
-    for _, impl in impls:  # warm-up: connections, DTensor's sharding-propagation cache
-        impl()
-    runs.clear()
-    cpu.clear()
-    for rep in range(reps):
-        k = rep % len(impls)
-        for _, impl in impls[k:] + impls[:k]:
-            impl()
-    med = {k: median(v) for k, v in runs.items()}
+        impls.append(copy_limit)
+    clock.run(impls, reps)  # the warm-up fills DTensor's sharding-propagation cache
+    med = clock.medians()
     raw = {k: v for k, v in med.items() if k in ("raw_all_to_all", "raw_all_gather")}
     return {
         "transition": name, "world": world, "size": [n, n],
@@ -216,70 +200,38 @@ def _case(rank: int, world: int, n: int, name: str, reps: int) -> dict[str, Any]
         "dtensor_s": med.get("dtensor", "n/a"),
         "raw_s": min(raw.values()) if raw else "n/a (no bytes to move)",
         "medians_s": med,
-        "runs_s": runs,
+        "runs_s": clock.runs,
         "bytes_sent": counted[0],
         "min_bytes": traffic.get(rank, 0) * itemsize,
         "lower_bound_total_bytes": _lower_bound_total(src_md, dst_md) * itemsize,
-        "wire_bytes": wire,
-        "cpu_s": {k: median(v) for k, v in cpu.items()},
+        "wire_bytes": clock.wire,
+        "cpu_s": clock.cpu_medians(),
     }
 
 
-def _rank_main(rank: int, world: int, sizes: list[int], reps: int, only: list[str]) -> list[dict[str, Any]]:
-    out = []
-    for n in sizes:
-        for name in only:
-            if rank == 0:
-                print(f"  world={world} n={n} {name}", file=sys.stderr, flush=True)
-            out.append(_case(rank, world, n, name, reps))
-    return out
-
-
-def _merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    merged = []
-    for cases in zip(*per_rank):
-        first = dict(cases[0])
-        for key in ("bytes_sent", "min_bytes"):
-            first[key] = [c[key] for c in cases]
-        first["cpu_s_mean_over_ranks"] = {k: sum(c["cpu_s"][k] for c in cases) / len(cases)
-                                          for k in cases[0]["cpu_s"]}
-        del first["cpu_s"]
-        cpu_ours = first["cpu_s_mean_over_ranks"]["ours"]
-        cpu_raw = [first["cpu_s_mean_over_ranks"][k] for k in ("raw_all_to_all", "raw_all_gather")
-                   if k in first["cpu_s_mean_over_ranks"]]
-        first["cpu_ratio_ours_raw"] = ratio(cpu_ours, min(cpu_raw)) if cpu_raw else "n/a"
-        first["cpu_ratio_ours_dtensor"] = ratio(cpu_ours, first["cpu_s_mean_over_ranks"].get("dtensor"))
-        first["wire_bytes_per_rank"] = {k: [c["wire_bytes"].get(k) for c in cases] for k in cases[0]["wire_bytes"]}
-        del first["wire_bytes"]
-        first["bytes_equal_min"] = first["bytes_sent"] == first["min_bytes"] and \
-            sum(first["min_bytes"]) == first["lower_bound_total_bytes"]
-        ours, dt, raw = first["ours_s"], first["dtensor_s"], first["raw_s"]
-        first["ratio_ours_dtensor"] = ratio(ours, dt) if isinstance(dt, float) else "n/a"
-        first["ratio_ours_raw"] = ratio(ours, raw) if isinstance(raw, float) else "n/a"
-        first["ratio_ours_cold_dtensor"] = ratio(first["ours_cold_s"], dt) if isinstance(dt, float) else "n/a"
-        fresh = first["medians_s"].get("raw_all_to_all_fresh_output")
-        first["ratio_ours_raw_fresh_output"] = ratio(ours, fresh) if fresh else "n/a"
-        first["goal_dtensor_0.5x"] = (first["ratio_ours_dtensor"] <= 0.5) if isinstance(dt, float) else "n/a"
-        first["goal_raw_3x"] = (first["ratio_ours_raw"] <= 3.0) if isinstance(raw, float) else "n/a"
-        merged.append(first)
-    return merged
+def _goals(case: dict[str, Any]) -> dict[str, Any]:
+    """A case merged over ranks, with its ratios and whether it meets its goals."""
+    cpu = case["cpu_s_mean_over_ranks"]
+    cpu_raw = [cpu[k] for k in ("raw_all_to_all", "raw_all_gather") if k in cpu]
+    case["cpu_ratio_ours_raw"] = ratio(cpu["ours"], min(cpu_raw)) if cpu_raw else "n/a"
+    case["cpu_ratio_ours_dtensor"] = ratio(cpu["ours"], cpu.get("dtensor"))
+    case["bytes_equal_min"] = case["bytes_sent"] == case["min_bytes"] and \
+        sum(case["min_bytes"]) == case["lower_bound_total_bytes"]
+    ours, dt, raw = case["ours_s"], case["dtensor_s"], case["raw_s"]
+    case["ratio_ours_dtensor"] = ratio(ours, dt) if isinstance(dt, float) else "n/a"
+    case["ratio_ours_raw"] = ratio(ours, raw) if isinstance(raw, float) else "n/a"
+    case["ratio_ours_cold_dtensor"] = ratio(case["ours_cold_s"], dt) if isinstance(dt, float) else "n/a"
+    fresh = case["medians_s"].get("raw_all_to_all_fresh_output")
+    case["ratio_ours_raw_fresh_output"] = ratio(ours, fresh) if fresh else "n/a"
+    case["goal_dtensor_0.5x"] = (case["ratio_ours_dtensor"] <= 0.5) if isinstance(dt, float) else "n/a"
+    case["goal_raw_3x"] = (case["ratio_ours_raw"] <= 3.0) if isinstance(raw, float) else "n/a"
+    return case
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4096^2 only, 3 repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per way (default 5, quick 3)")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sizes", type=int, nargs="+", default=None)
-    parser.add_argument("--only", nargs="+", default=list(TRANSITIONS), choices=TRANSITIONS)
-    args = parser.parse_args()
-    sizes = args.sizes or ([4096] if args.quick else [4096, 8192])
-    reps = args.reps or (3 if args.quick else 5)
-    results = []
-    for world in args.worlds:
-        print(f"reshard benchmark: {world} ranks", file=sys.stderr, flush=True)
-        results += _merge(launch(_rank_main, world, sizes, reps, args.only))
-    doc = {"benchmark": "reshard", "machine": machine(), "repetitions": reps, "statistic": "median",
+    args = sweep_args(__doc__.split("\n")[0], TRANSITIONS, reps=5)
+    results = [_goals(case) for case in sweep("reshard", _case, args)]
+    doc = {"benchmark": "reshard", "machine": machine(), "repetitions": args.reps, "statistic": "median",
            "dtype": "float32", "goals": {"bytes": "bytes_sent == plan minimum == lower bound",
                                          "vs_dtensor": "<= 0.5", "vs_raw": "<= 3.0"},
            "results": results}
