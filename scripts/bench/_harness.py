@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -272,6 +274,73 @@ def run_fresh(target: Callable[..., dict[str, Any]], world: int, *args: Any,
                        **rank_options(world))
     except LaunchError as exc:
         raise RuntimeError(f"{what} failed:\n{exc}") from exc
+
+
+def fresh_runs(target: Callable[..., dict[str, Any]], world: int, methods: Sequence[str], repeat: int,
+               *args: Any) -> dict[str, list[dict[str, Any]]]:
+    """``repeat`` runs of every way: ``{method: [{"ranks": run_fresh(target, world, method, *args)}, ...]}``.
+
+    The order of the ways rotates from one round to the next, so that changing load on a
+    shared machine hits every way alike.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for k in range(repeat):
+        for method in [*methods[k % len(methods):], *methods[:k % len(methods)]]:
+            runs[method].append({"ranks": run_fresh(target, world, method, *args, what=method)})
+    return runs
+
+
+def summarize_fresh(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One way's ``fresh_runs`` of a model built and sharded: median over repeats of the slowest
+    rank's wall time and of each rank's CPU time, each rank's worst peak growth against the goal
+    (1.2 x its shard + 200 MiB), and whether every rank of every run computed finite outputs
+    and drew blocks of its own.
+
+    Each rank's figures: ``seconds``, ``cpu_seconds``, ``peak_growth``, ``shard_bytes``,
+    ``output_finite`` and ``distinct_blocks`` (see ``distinct_over_ranks``).
+    """
+    ranks = runs[0]["ranks"]
+    walls = sorted(max(r["seconds"] for r in run["ranks"]) for run in runs)
+    cpus = [statistics.median(run["ranks"][i]["cpu_seconds"] for run in runs) for i in range(len(ranks))]
+    peaks = [max(run["ranks"][i]["peak_growth"] for run in runs) for i in range(len(ranks))]
+    return {
+        "seconds": round(statistics.median(walls), 2),
+        "seconds_all_runs": [round(w, 2) for w in walls],
+        # CPU time of each rank: less sensitive than wall time to other load on the machine.
+        "cpu_seconds": [round(c, 2) for c in cpus],
+        "peak_growth_mib": [round(p / MiB) for p in peaks],
+        "shard_mib": [round(r["shard_bytes"] / MiB) for r in ranks],
+        "goal_mib": [round((1.2 * r["shard_bytes"] + 200 * MiB) / MiB) for r in ranks],
+        "memory_goal_met": all(p <= 1.2 * r["shard_bytes"] + 200 * MiB for p, r in zip(peaks, ranks)),
+        "output_finite": all(r["output_finite"] for run in runs for r in run["ranks"]),
+        # False would mean every rank drew its block from the same random stream.
+        "distinct_random_blocks": all(r["distinct_blocks"] for run in runs for r in run["ranks"]),
+    }
+
+
+def vs_torch(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Every way's wall time and mean CPU time over ``torch_parallelize_module``'s (``summarize_fresh``
+    results by way); empty without that way."""
+    if "torch_parallelize_module" not in results:
+        return {}
+    torch_seconds = results["torch_parallelize_module"]["seconds"]
+    torch_cpu = statistics.mean(results["torch_parallelize_module"]["cpu_seconds"])
+    return {m: {"wall": round(r["seconds"] / torch_seconds, 2),
+                "cpu": round(statistics.mean(r["cpu_seconds"]) / torch_cpu, 2)} for m, r in results.items()}
+
+
+def distinct_over_ranks(values: torch.Tensor, world: int) -> bool:
+    """Whether every rank holds different ``values`` (a few elements of its block of one weight). Collective."""
+    mine = values.double().contiguous()
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return len({tuple(t.tolist()) for t in everyone}) == world
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """``report`` as indented JSON, each list of numbers on one line (per-rank lists stay readable)."""
+    text = json.dumps(report, indent=2)
+    print(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text))
 
 
 class PeakGrowth:

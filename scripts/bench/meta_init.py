@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -47,13 +45,16 @@ from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 from _harness import (  # noqa: E402
+    distinct_over_ranks,
+    fresh_runs,
     llama_tp_names,
     local_param_bytes,
     measured,
-    run_fresh,
+    print_report,
+    summarize_fresh,
+    vs_torch,
 )
 
-MiB = 1 << 20
 METHODS = ("shardkit_meta", "shardkit_meta_seeded", "torch_parallelize_module")
 
 
@@ -138,10 +139,7 @@ def _rank(rank: int, world: int, method: str, dims: dict[str, int]) -> dict[str,
     with torch.no_grad():
         logits = model(torch.arange(8).reshape(1, 8) % config.vocab_size).logits
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-        mine = _local(model.model.layers[0].self_attn.q_proj.weight)[0, :64].double().contiguous()
-        everyone = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(everyone, mine)
-        distinct = len({tuple(t.tolist()) for t in everyone}) == world
+        distinct = distinct_over_ranks(_local(model.model.layers[0].self_attn.q_proj.weight)[0, :64], world)
         # lm_head is whole on every rank: do the replicas hold the same values?
         head = _local(model.lm_head.weight)[0, :64].double().contiguous()
         heads = [torch.empty_like(head) for _ in range(world)]
@@ -157,24 +155,11 @@ def _rank(rank: int, world: int, method: str, dims: dict[str, int]) -> dict[str,
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over repeats of the slowest rank's wall time and of each rank's CPU time."""
-    ranks = runs[0]["ranks"]
-    walls = sorted(max(r["seconds"] for r in run["ranks"]) for run in runs)
-    cpus = [statistics.median(run["ranks"][i]["cpu_seconds"] for run in runs) for i in range(len(ranks))]
-    peaks = [max(run["ranks"][i]["peak_growth"] for run in runs) for i in range(len(ranks))]
-    phase_names = runs[0]["ranks"][0]["phases"]
+    """``summarize_fresh``, with rank 0's phases and the checks of the model's own initialization."""
     return {
-        "seconds": round(statistics.median(walls), 2),
-        "seconds_all_runs": [round(w, 2) for w in walls],
-        "cpu_seconds": [round(c, 2) for c in cpus],
+        **summarize_fresh(runs),
         "phases_rank0": {k: round(statistics.median(run["ranks"][0]["phases"][k] for run in runs), 2)
-                         for k in phase_names},
-        "peak_growth_mib": [round(p / MiB) for p in peaks],
-        "shard_mib": [round(r["shard_bytes"] / MiB) for r in ranks],
-        "goal_mib": [round((1.2 * r["shard_bytes"] + 200 * MiB) / MiB) for r in ranks],
-        "memory_goal_met": all(p <= 1.2 * r["shard_bytes"] + 200 * MiB for p, r in zip(peaks, ranks)),
-        "output_finite": all(r["output_finite"] for run in runs for r in run["ranks"]),
-        "distinct_random_blocks": all(r["distinct_blocks"] for run in runs for r in run["ranks"]),
+                         for k in runs[0]["ranks"][0]["phases"]},
         # False would mean the ranks hold different values for one replicated parameter.
         "replicas_agree": all(r["replicas_agree"] for run in runs for r in run["ranks"]),
         "down_proj_std": round(statistics.median(r["weight_std"] for run in runs for r in run["ranks"]), 4),
@@ -210,24 +195,12 @@ def main() -> None:
         "load_average_before": os.getloadavg(),
         "results": {},
     }
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
-    for k in range(args.repeat):
-        # Rotate the order so that changing load on a shared machine hits every way alike.
-        order = args.methods[k % len(args.methods):] + args.methods[:k % len(args.methods)]
-        for method in order:
-            runs[method].append({"ranks": run_fresh(_rank, args.world, method, dims, what=method)})
-    for method in args.methods:
-        report["results"][method] = summarize(runs[method])
+    runs = fresh_runs(_rank, args.world, args.methods, args.repeat, dims)
+    report["results"] = {method: summarize(runs[method]) for method in args.methods}
     report["load_average_after"] = os.getloadavg()
-    results = report["results"]
-    if "torch_parallelize_module" in results:
-        torch_seconds = results["torch_parallelize_module"]["seconds"]
-        torch_cpu = statistics.mean(results["torch_parallelize_module"]["cpu_seconds"])
-        report["vs_torch"] = {m: {"wall": round(r["seconds"] / torch_seconds, 2),
-                                  "cpu": round(statistics.mean(r["cpu_seconds"]) / torch_cpu, 2)}
-                              for m, r in results.items()}
-    text = json.dumps(report, indent=2)
-    print(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text))
+    if ratios := vs_torch(report["results"]):
+        report["vs_torch"] = ratios
+    print_report(report)
 
 
 if __name__ == "__main__":

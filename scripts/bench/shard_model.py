@@ -31,19 +31,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import re
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
-from _harness import local_param_bytes, measured, run_fresh  # noqa: E402
+from _harness import (  # noqa: E402
+    distinct_over_ranks,
+    fresh_runs,
+    local_param_bytes,
+    measured,
+    print_report,
+    summarize_fresh,
+    vs_torch,
+)
 
-MiB = 1 << 20
 METHODS = ("shardkit_meta", "shardkit_meta_seeded", "materialize_then_shard", "torch_parallelize_module")
 
 
@@ -111,7 +115,6 @@ def _torch_path(world: int, dim: int, blocks: int) -> Any:
 
 def _rank(rank: int, world: int, method: str, dim: int, blocks: int) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
 
     # Warm up on a tiny model: imports and one-time set-up are not what is measured.
     run = {"shardkit_meta": lambda d, b: _shardkit(world, d, b, True),
@@ -127,34 +130,10 @@ def _rank(rank: int, world: int, method: str, dim: int, blocks: int) -> dict[str
         # Does each rank hold different values in its block of fc1.weight (rows r*k..)?
         weight = model[0].fc1.weight
         block = weight.to_local() if hasattr(weight, "to_local") else weight
-        mine = block[0, :64].double().contiguous()
-        everyone = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(everyone, mine)
-        distinct = len({tuple(t.tolist()) for t in everyone}) == world
+        distinct = distinct_over_ranks(block[0, :64], world)
     return {"seconds": elapsed, "cpu_seconds": cpu, "peak_growth": growth, "shard_bytes": local_param_bytes(model),
             "output_finite": bool(torch.isfinite(y if not hasattr(y, "full_tensor") else y.full_tensor()).all()),
             "distinct_blocks": distinct}
-
-
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over repeats of the slowest rank's wall time and of each rank's CPU time."""
-    ranks = runs[0]["ranks"]
-    walls = sorted(max(r["seconds"] for r in run["ranks"]) for run in runs)
-    cpus = [statistics.median(run["ranks"][i]["cpu_seconds"] for run in runs) for i in range(len(ranks))]
-    peaks = [max(run["ranks"][i]["peak_growth"] for run in runs) for i in range(len(ranks))]
-    return {
-        "seconds": round(statistics.median(walls), 2),
-        "seconds_all_runs": [round(w, 2) for w in walls],
-        # CPU time of each rank: less sensitive than wall time to other load on the machine.
-        "cpu_seconds": [round(c, 2) for c in cpus],
-        "peak_growth_mib": [round(p / MiB) for p in peaks],
-        "shard_mib": [round(r["shard_bytes"] / MiB) for r in ranks],
-        "goal_mib": [round((1.2 * r["shard_bytes"] + 200 * MiB) / MiB) for r in ranks],
-        "memory_goal_met": all(p <= 1.2 * r["shard_bytes"] + 200 * MiB for p, r in zip(peaks, ranks)),
-        "output_finite": all(r["output_finite"] for run in runs for r in run["ranks"]),
-        # False would mean every rank drew its block from the same random stream.
-        "distinct_random_blocks": all(r["distinct_blocks"] for run in runs for r in run["ranks"]),
-    }
 
 
 def main() -> None:
@@ -177,25 +156,12 @@ def main() -> None:
         "load_average_before": os.getloadavg(),
         "results": {},
     }
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
-    for i in range(args.repeat):
-        # Rotate the order so that changing load on a shared machine hits every way alike.
-        order = args.methods[i % len(args.methods):] + args.methods[:i % len(args.methods)]
-        for method in order:
-            runs[method].append({"ranks": run_fresh(_rank, args.world, method, args.dim, args.blocks, what=method)})
-    for method in args.methods:
-        report["results"][method] = summarize(runs[method])
+    runs = fresh_runs(_rank, args.world, args.methods, args.repeat, args.dim, args.blocks)
+    report["results"] = {method: summarize_fresh(runs[method]) for method in args.methods}
     report["load_average_after"] = os.getloadavg()
-    results = report["results"]
-    if "torch_parallelize_module" in results:
-        torch_seconds = results["torch_parallelize_module"]["seconds"]
-        torch_cpu = statistics.mean(results["torch_parallelize_module"]["cpu_seconds"])
-        report["vs_torch"] = {m: {"wall": round(r["seconds"] / torch_seconds, 2),
-                                  "cpu": round(statistics.mean(r["cpu_seconds"]) / torch_cpu, 2)}
-                              for m, r in results.items()}
-    text = json.dumps(report, indent=2)
-    # One line per per-rank list keeps the report readable.
-    print(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text))
+    if ratios := vs_torch(report["results"]):
+        report["vs_torch"] = ratios
+    print_report(report)
 
 
 if __name__ == "__main__":
