@@ -343,6 +343,33 @@ def print_report(report: dict[str, Any]) -> None:
     print(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text))
 
 
+def raw_write(rank: int, world: int, folder: str, total: int, repeat: int) -> list[float]:
+    """The disk's own speed: each rank writes ``total / world`` random bytes in 64 MiB blocks, then
+    ``fsync``; seconds per repetition, between two barriers. Collective.
+
+    What a sharded save is judged against: one stream per rank, as a save writes.
+    """
+    mine = total // world
+    data = os.urandom(min(64 << 20, mine))
+    times = []
+    for i in range(repeat):
+        path = Path(folder) / f"raw-{world}-{rank}-{i}.bin"
+        dist.barrier()
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            written = 0
+            while written < mine:
+                n = min(len(data), mine - written)
+                f.write(memoryview(data)[:n])
+                written += n
+            f.flush()
+            os.fsync(f.fileno())
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        path.unlink()
+    return times
+
+
 class PeakGrowth:
     """Peak RSS growth of this process over a ``with`` block (``VmHWM`` reset first), in ``.growth``."""
 

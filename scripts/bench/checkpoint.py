@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
-from _harness import PeakGrowth  # noqa: E402
+from _harness import PeakGrowth, raw_write  # noqa: E402
 
 from _shardkit.launch import run_distributed  # noqa: E402 - after the path set-up
 
@@ -259,33 +259,6 @@ def _dcp_full_state_dict(sd: dict[str, Any]) -> Any:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _raw_write(rank: int, world: int, folder: str, total: int, repeat: int) -> list[float]:
-    """Each rank writes total/world bytes in 64 MiB blocks, then fsync; seconds per repetition."""
-    import torch
-    import torch.distributed as dist
-
-    block = min(64 << 20, total // world)
-    data = torch.randint(0, 256, (block,), dtype=torch.uint8).numpy().tobytes()
-    mine = total // world
-    times = []
-    for i in range(repeat):
-        path = Path(folder) / f"raw-{world}-{rank}-{i}.bin"
-        dist.barrier()
-        start = time.perf_counter()
-        with open(path, "wb") as f:
-            written = 0
-            while written < mine:
-                n = min(block, mine - written)
-                f.write(memoryview(data)[:n])
-                written += n
-            f.flush()
-            os.fsync(f.fileno())
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-        path.unlink()
-    return times
-
-
 def _consolidate_phase(rank: int, world: int, folder: str, repeat: int, which: list[str]) -> dict[str, Any]:
     import torch
 
@@ -465,13 +438,13 @@ def main(argv: list[str] | None = None) -> int:
         # The raw disk speed is what a save is judged against; other phases do not write.
         measure_disk = "save" in phases
         if measure_disk:
-            raw1 = run_distributed(_raw_write, 1, folder, total, args.repeat, timeout=args.timeout)[0]
+            raw1 = run_distributed(raw_write, 1, folder, total, args.repeat, timeout=args.timeout)[0]
             results["raw_write_single"] = {"seconds": round(min(raw1), 4),
                                            "GB_per_s": round(total / min(raw1) / GB, 3)}
         saved_worlds: list[int] = []
         for world in worlds:
             if measure_disk:
-                raw = run_distributed(_raw_write, world, folder, total, args.repeat, timeout=args.timeout)
+                raw = run_distributed(raw_write, world, folder, total, args.repeat, timeout=args.timeout)
                 raw_s = [max(r[i] for r in raw) for i in range(args.repeat)]
             load_from = 4 if world != 4 and 4 in saved_worlds else None
             per_rank = run_distributed(_rank_phases, world, cfg, folder, args.repeat, which, load_from, phases,

@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
-from _harness import PeakGrowth  # noqa: E402
+from _harness import PeakGrowth, raw_write  # noqa: E402
 
 from _shardkit.launch import run_distributed  # noqa: E402 - after the path set-up
 
@@ -66,31 +66,6 @@ GB = 1e9
 
 
 _Peak = PeakGrowth
-
-
-def _raw_write(rank: int, world: int, folder: str, total: int, repeat: int) -> list[float]:
-    """Each rank writes total/world bytes in 64 MiB blocks, then fsync; seconds per repetition."""
-    import torch.distributed as dist
-
-    mine = total // world
-    data = os.urandom(min(64 << 20, mine))
-    times = []
-    for i in range(repeat):
-        path = Path(folder) / f"raw-{rank}-{i}.bin"
-        dist.barrier()
-        start = time.perf_counter()
-        with open(path, "wb") as f:
-            written = 0
-            while written < mine:
-                n = min(len(data), mine - written)
-                f.write(memoryview(data)[:n])
-                written += n
-            f.flush()
-            os.fsync(f.fileno())
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-        path.unlink()
-    return times
 
 
 def machine() -> dict[str, Any]:
@@ -216,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         four = run_distributed(_rank, 4, cfg, folder, args.repeat, "save", timeout=3600)
         two = run_distributed(_rank, 2, cfg, folder, args.repeat, "load_world", timeout=3600)
-        raw = run_distributed(_raw_write, 4, folder, total, args.repeat, timeout=3600)
+        raw = run_distributed(raw_write, 4, folder, total, args.repeat, timeout=3600)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     phases = {**_summary(four, total), **_summary(two, total)}
