@@ -329,6 +329,17 @@ def vs_torch(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
                 "cpu": round(statistics.mean(r["cpu_seconds"]) / torch_cpu, 2)} for m, r in results.items()}
 
 
+def finish_fresh_report(report: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
+                        summarize: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
+    """Fill ``report`` with each way's summary of its ``fresh_runs``, the load average after and
+    ``vs_torch`` (when ``torch_parallelize_module`` ran), then print it (``print_report``)."""
+    report["results"] = {method: summarize(method_runs) for method, method_runs in runs.items()}
+    report["load_average_after"] = os.getloadavg()
+    if ratios := vs_torch(report["results"]):
+        report["vs_torch"] = ratios
+    print_report(report)
+
+
 def distinct_over_ranks(values: torch.Tensor, world: int) -> bool:
     """Whether every rank holds different ``values`` (a few elements of its block of one weight). Collective."""
     mine = values.double().contiguous()

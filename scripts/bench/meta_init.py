@@ -46,13 +46,12 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
 from _harness import (  # noqa: E402
     distinct_over_ranks,
+    finish_fresh_report,
     fresh_runs,
     llama_tp_names,
     local_param_bytes,
     measured,
-    print_report,
     summarize_fresh,
-    vs_torch,
 )
 
 METHODS = ("shardkit_meta", "shardkit_meta_seeded", "torch_parallelize_module")
@@ -196,11 +195,7 @@ def main() -> None:
         "results": {},
     }
     runs = fresh_runs(_rank, args.world, args.methods, args.repeat, dims)
-    report["results"] = {method: summarize(runs[method]) for method in args.methods}
-    report["load_average_after"] = os.getloadavg()
-    if ratios := vs_torch(report["results"]):
-        report["vs_torch"] = ratios
-    print_report(report)
+    finish_fresh_report(report, runs, summarize)
 
 
 if __name__ == "__main__":
