@@ -11,8 +11,8 @@ from torch import nn
 from sharded_tensor import CommCounter, ShardedTensor
 from sharded_tensor._model.record import sharded_parameters
 
-__all__ = ["compare_with_unsharded", "full_grads", "full_mismatches", "full_params", "gathered_grads",
-           "local_grad_mismatches", "relative_error", "relative_errors", "whole_state"]
+__all__ = ["assert_like_unsharded", "compare_with_unsharded", "full_grads", "full_mismatches", "full_params",
+           "gathered_grads", "local_grad_mismatches", "relative_error", "relative_errors", "whole_state"]
 
 
 def local_grad_mismatches(model: nn.Module, ref: nn.Module, rank: int) -> list[str]:
@@ -154,3 +154,11 @@ def compare_with_unsharded(model: nn.Module, ref: nn.Module, rank: int, x: torch
     with torch.no_grad():
         out["trained"] = relative_error(model(x, **fixed).logits, ref(x, **fixed).logits)
     return out
+
+
+def assert_like_unsharded(found: Mapping[str, Any]) -> None:
+    """``compare_with_unsharded``'s figures within float rounding: the logits (1e-5), every
+    gradient and the logits after training (1e-4)."""
+    assert found["logits"] < 1e-5, found["logits"]
+    assert {name: e for name, e in found["grads"].items() if e > 1e-4} == {}
+    assert found["trained"] < 1e-4, found["trained"]
