@@ -383,17 +383,25 @@ class _ShardedForward:
         self._module = module
         self._plan = plan
         self._call = _registry.ShardedCall(plan.inner, plan.group)
+        self._forward = plan.handler.forward
         functools.update_wrapper(self, type(module).forward)  # keeps inspect.signature(module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = _zones._STATE
-        if state.replay is not None or state.recorders:  # a zone replayed or recorded: its inputs' tags
+        replay = state.replay
+        if replay is not None:  # a replayed zone call: no propagation mode to step out of
+            replay.layer(self._module, args, kwargs)
+            if not replay.plan.pending:
+                return self._forward(self._call, self._module, *args, **kwargs)
+            with torch._C.DisableTorchFunctionSubclass():  # the layer computes plainly on pending sums
+                out = self._forward(self._call, self._module, *args, **kwargs)
+            return _zones.as_pending(out)
+        if state.recorders:  # a checked zone call recording: its inputs' tags
             _zones.entering_layer(self._module, args, kwargs)
         if not state.depth:  # outside any zone: nothing to step out of
-            return self._plan.handler.forward(self._call, self._module, *args, **kwargs)
+            return self._forward(self._call, self._module, *args, **kwargs)
         with _zones.outside_propagation():
-            out = self._plan.handler.forward(self._call, self._module, *args, **kwargs)
-        return _zones.leaving_layer(out)
+            return self._forward(self._call, self._module, *args, **kwargs)
 
 
 def install(module: nn.Module, plan: Plan | None) -> None:

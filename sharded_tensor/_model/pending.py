@@ -60,7 +60,14 @@ def pending(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
     """Inside a zone, ``tensor`` (this rank's addend) tagged as a pending sum; outside, the sum (all-reduce)."""
     if not _zones.in_zone() or _zones.rank_and_world(group)[1] == 1:
         return reduce_from_ranks(tensor, group)
-    return _zones.tag(tensor, Partial(group=group))
+    tag = _PARTIALS.get(group)
+    if tag is None:
+        tag = _PARTIALS[group] = Partial(group=group)
+    return _zones.tag(tensor, tag)
+
+
+# One tag per group: every row-parallel result of a forward is tagged alike, built once.
+_PARTIALS: dict[_comm.ProcessGroup, Partial] = {}
 
 
 def _summed(tensor: torch.Tensor, tag: Partial) -> torch.Tensor:
@@ -124,16 +131,31 @@ def _only_pending(values: list[Any]) -> Partial:
 def _add(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """add / sub in their forms (``+``, ``-``, reflected, in place): pending + pending, pending + whole once."""
     if not kwargs and len(args) == 2 and isinstance(args[0], torch.Tensor):
-        a, b = args  # the usual ``x + y``: what ``bind`` gives (alpha 1), without binding
-    else:
-        bound = bind(func, args, kwargs)
-        if bound is None or "other" not in bound:
+        # The usual ``x + y``: what ``bind`` gives (alpha 1), without binding.
+        a, b = args
+        tag_a, tag_b = _tag_of(a), _tag_of(b)
+        if tag_a is not None and tag_b is not None:
+            if type(tag_a) is not Partial or tag_b != tag_a:
+                raise _zones._Fallback
+            return _zones.tag(func(a, b), tag_a)
+        tag = tag_a if tag_b is None else tag_b
+        if type(tag) is not Partial:
             raise _zones._Fallback
-        a, b = bound["self"], bound["other"]
-        if isinstance(bound.get("alpha", 1), torch.Tensor):
-            raise _zones._Fallback
-        if len(args) < 2 or args[0] is not a or args[1] is not b:
-            raise _zones._Fallback  # given by name: rare, summed first
+        if tag_a is None:
+            if _zones._in_place(func):
+                raise _zones._Fallback  # a whole tensor updated in place must receive whole values
+            a = add_once(a, tag.group)
+        else:
+            b = add_once(b, tag.group)
+        return _zones.tag(func(a, b), tag)
+    bound = bind(func, args, kwargs)
+    if bound is None or "other" not in bound:
+        raise _zones._Fallback
+    a, b = bound["self"], bound["other"]
+    if isinstance(bound.get("alpha", 1), torch.Tensor):
+        raise _zones._Fallback
+    if len(args) < 2 or args[0] is not a or args[1] is not b:
+        raise _zones._Fallback  # given by name: rare, summed first
     tag = _only_pending([a, b])
     if _tag_of(a) is None and _zones._in_place(func):
         raise _zones._Fallback  # a whole tensor updated in place must receive whole values
@@ -229,19 +251,35 @@ def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     # A sum already taken is used whole: keeping its addends pending would all-reduce them again.
     flat = (*args, *kwargs.values()) if kwargs else args
     known: list[Any] | None = None
+    still_pending = other_tag = False
     for i, x in enumerate(flat):  # the usual call, tensors and numbers side by side: one pass, no pytree
         if isinstance(x, torch.Tensor):
             attrs = x.__dict__
-            cached = attrs.get(_SUM) if attrs else None
-            if cached is not None and cached[0] == x._version and isinstance(attrs.get(_zones._TAG), Partial):
+            tag = attrs.get(_zones._TAG) if attrs else None
+            if tag is None:
+                continue
+            if not isinstance(tag, Partial):
+                other_tag = True
+                continue
+            cached = attrs.get(_SUM)
+            if cached is not None and cached[0] == x._version:
                 if known is None:
                     known = list(flat)
                 known[i] = cached[1]
+            else:
+                still_pending = True
         elif isinstance(x, (list, tuple, dict)):
             return _nested_rule(func, args, kwargs)
     if known is not None:
         args, kwargs = tuple(known[:len(args)]), dict(zip(kwargs, known[len(args):]))
-    return _with_sums(func, args, kwargs, known)
+        if not still_pending:  # every pending operand summed already: run as written
+            if other_tag:
+                raise _zones._Fallback
+            return func(*args, **kwargs)
+    rule = _rules().get(func)
+    if rule is None:
+        raise _zones._Fallback
+    return rule(func, args, kwargs)
 
 
 def _nested_rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -121,6 +121,9 @@ class ShardedCall:
 
     plan: Any
     group: _comm.ProcessGroup
+    # The engine's tag per (output split, dimension), built once: a layer hands out the same split every call.
+    _tags: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False,
+                                                          compare=False)
 
     @property
     def rank(self) -> int:
@@ -155,7 +158,15 @@ class ShardedCall:
         a ``sharding.layout`` ``Split`` or ``Packed``, or the ``ParamLayout`` of the weight whose
         split it follows (a packed layout gives a packed output: this rank's slices side by side).
         """
-        tag = _as_tag(split, y.dim() - 1, self.group)
+        key = (id(split), y.dim())
+        hit = self._tags.get(key)
+        if hit is not None and hit[0] is split:
+            tag = hit[1]
+        else:
+            tag = _as_tag(split, y.dim() - 1, self.group)
+            if len(self._tags) >= 16:  # a forward that builds its split anew each call: no use keeping them
+                self._tags.clear()
+            self._tags[key] = (split, tag)
         if _zones.in_zone():
             return _zones.tag(y, tag)
         _zones.tag(y, tag)

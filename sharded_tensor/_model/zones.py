@@ -92,7 +92,7 @@ __all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "GLOBAL_SIZES",
            "split_of", "tag", "in_zone", "shared_copy",
            "ZoneForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_zones", "check_head_boundaries",
-           "entering_layer", "zone_calls"]
+           "entering_layer", "as_pending", "zone_calls"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,10 +340,41 @@ class _PendingTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         with torch._C.DisableTorchFunctionSubclass():
-            return _as_pending(_dispatch(func, args, kwargs or {}))
+            try:
+                metadata = _KINDS.get(func) is _METADATA_KIND
+            except TypeError:  # an unhashable op
+                metadata = False
+            if metadata:  # shape, dtype, ...: a pending sum's are its addends'
+                return func(*args, **(kwargs or {}))
+            if not kwargs and _pending_only(args) and _KINDS.get(func) is _OP_KIND:
+                # What ``_dispatch`` decides for it, without its general walk: the pending sums' rule.
+                try:
+                    return as_pending(TAG_KINDS[Partial][0](func, args, {}))
+                except _Fallback:
+                    return as_pending(_gathered(func, args, {}))
+            return as_pending(_dispatch(func, args, kwargs or {}))
 
 
-def _as_pending(value: Any) -> Any:
+def _pending_only(args: tuple[Any, ...]) -> bool:
+    """Whether ``args`` hold a pending sum, no other tag, no split parameter and no nested containers."""
+    found = False
+    for v in args:
+        if isinstance(v, Tensor):
+            attrs = v.__dict__
+            if attrs:
+                if _OWNED in attrs:
+                    return False
+                t = attrs.get(_TAG)
+                if type(t) is Partial:
+                    found = True
+                elif t is not None:
+                    return False
+        elif isinstance(v, (list, tuple, dict)):
+            return False
+    return found
+
+
+def as_pending(value: Any) -> Any:
     """``value`` with its tensors tagged ``Partial`` made ``_PendingTensor``s (their attributes kept)."""
     if isinstance(value, Tensor):
         found = value.__dict__
@@ -353,7 +384,7 @@ def _as_pending(value: Any) -> Any:
             return pending
         return value
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(_as_pending(v) for v in value)
+        return type(value)(as_pending(v) for v in value)
     return value
 
 
@@ -1284,7 +1315,8 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if kind is _METADATA_KIND:
         found = getattr(args[0], _TAG, None) if args and isinstance(args[0], Tensor) else None
         if found is not None and type(found) in GLOBAL_SIZES:
-            _intervene(f"{_describe(func)} read the global sizes of a {type(found).__name__} tensor")
+            if _STATE.recorders:
+                _intervene(f"{_describe(func)} read the global sizes of a {type(found).__name__} tensor")
             return GLOBAL_SIZES[type(found)](func, args, kwargs)
         return func(*args, **kwargs)  # shape, dtype, device, ...: no values read
     flat = _shallow_tensors(args, kwargs)
@@ -1410,7 +1442,8 @@ def _gathered(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
                f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
         raise RuntimeError(msg)
-    _intervene(f"{_describe(func)} ran on gathered inputs")
+    if _STATE.recorders:
+        _intervene(f"{_describe(func)} ran on gathered inputs")
     if not any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values())):
         # The usual call (a norm's ``x.pow(2)`` summing a pending sum): no pytree needed.
         args = tuple(to_replicated(x) if isinstance(x, Tensor) and hasattr(x, _TAG) else x for x in args)
@@ -1554,24 +1587,12 @@ def _exit(out: Any) -> Any:
 
 
 def entering_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A sharded layer is called: in a replayed zone call its inputs get their recorded tags; in a checked
-    zone call that records, they are recorded."""
-    state = _STATE
-    if state.replay is None and not state.recorders:
+    """A sharded layer is called in a checked zone call that records: its inputs' tags are recorded."""
+    if not _STATE.recorders:
         return
     inputs = _replay.layer_inputs(args, kwargs)
-    if state.replay is not None:
-        state.replay.layer(module, inputs)
-    for recording in state.recorders:
+    for recording in _STATE.recorders:
         recording.layer(module, inputs)
-
-
-def leaving_layer(out: Any) -> Any:
-    """A sharded layer's output: in a replayed call that follows pending sums, its pending sum as one."""
-    replay = _STATE.replay
-    if replay is not None and replay.plan.pending:
-        return _as_pending(out)
-    return out
 
 
 def zone_calls(model: torch.nn.Module) -> dict[str, dict[str, Any]]:

@@ -7,11 +7,18 @@ engine; the next calls of the signature replay it plainly. Checked here: a repla
 checked call's values, forward and backward, bit for bit (and both equal the unsharded model);
 a new sequence length, grad mode or keyword re-checks; a zone the engine intervened in (a view
 to a fixed size) stays checked; a replay that takes another path raises.
+
+Then zones nested in a zone that stays checked: the demo's TinyLM, whose first layer leaves its
+output split on the hidden size (the model's zone intervenes), around residual blocks that are
+zones of their own. Such a block runs under the enclosing engine, which adds the residual to the
+pending sum of its row-parallel ``down`` on one rank only; a plain replay of the block's code would
+add it on every rank. So every call of every zone is checked, and every call equals the first and
+the unsharded model, on every rank, forward and backward.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -198,3 +205,181 @@ def test_replay_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_replay.ENV, "yes")
     with pytest.raises(ValueError, match=r"SHARDKIT_ENGINE_REPLAY='yes' is neither 1 nor 0"):
         _replay.enabled()
+
+
+# -- blocks nested in a model whose own zone stays checked -----------------------------------------
+
+VOCAB, INPUTS, LAYERS, CALLS = 16, 6, 3, 3
+# Uneven, and unlike each other, so that only a block's up and down match (the zones are the blocks,
+# "blocks" and the whole model, as ``optimize`` finds them).
+WIDTHS = {"hidden": ((0, 3), (3, 5)), "ffn": ((0, 5), (5, 7)), "vocab": ((0, 9), (9, 7))}
+NESTED = "a zone nested in a checked one runs under that zone's engine"
+GATHERED = "layer_norm() ran on gathered inputs"
+
+
+class _MLPBlock(nn.Module):
+    """The demo's pre-norm residual block: the row-parallel ``down``'s pending sum meets the residual."""
+
+    def __init__(self, ffn: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.up = nn.Linear(HIDDEN, ffn)
+        self.down = nn.Linear(ffn, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class _TinyLM(nn.Module):
+    """The demo's TinyLM: a first layer (an embedding, or a Linear so the input has a gradient), blocks, norm, head."""
+
+    def __init__(self, first: str, hidden: int, ffn: int, vocab: int) -> None:
+        super().__init__()
+        self.first = nn.Embedding(VOCAB, hidden) if first == "embedding" else nn.Linear(INPUTS, hidden)
+        self.blocks = nn.ModuleList(_MLPBlock(ffn) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _splits(first: str) -> dict[str, tuple[int, str]]:
+    """The split parameters: name -> (dimension, ``WIDTHS`` key), as the demo's first spec splits them."""
+    found = {"first.weight": (1, "hidden")} if first == "embedding" else {
+        "first.weight": (0, "hidden"), "first.bias": (0, "hidden")}
+    for i in range(LAYERS):
+        found.update({f"blocks.{i}.up.weight": (0, "ffn"), f"blocks.{i}.up.bias": (0, "ffn"),
+                      f"blocks.{i}.down.weight": (1, "ffn")})  # down's bias whole: added once to the sum
+    found.update({"head.weight": (0, "vocab"), "head.bias": (0, "vocab")})
+    return found
+
+
+def _local(rank: int, first: str, name: str, value: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s part of the unsharded parameter (or gradient) ``name``."""
+    split = _splits(first).get(name)
+    if split is None:
+        return value
+    dim, width = split
+    start, length = WIDTHS[width][rank]
+    return value.narrow(dim, start, length)
+
+
+def _reference_lm(first: str) -> _TinyLM:
+    torch.manual_seed(0)
+    model = _TinyLM(first, HIDDEN, FFN, VOCAB).double()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def _sharded_lm(rank: int, whole: _TinyLM, first: str) -> _TinyLM:
+    """Rank ``rank``'s model cut from ``whole``, its layers' plans installed and its zones found by ``optimize``.
+
+    Built before the ranks start: ``optimize`` traces the modules with ``torch.fx``, which patches
+    ``nn.Module.__call__`` process-wide while it traces.
+    """
+    model = _TinyLM(first, WIDTHS["hidden"][rank][1], WIDTHS["ffn"][rank][1], WIDTHS["vocab"][rank][1]).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(_local(rank, first, name, whole.get_parameter(name)))
+    linear = _parallel.ShardedLinear()
+
+    def plan(mode: Literal["out", "in"], width: str, bias: Literal["local", "replicated"]) -> _parallel.Plan:
+        return _parallel.Plan(linear, _parallel.LinearPlan(mode, WIDTHS[width], bias, None, 0 if mode == "out" else 1))
+
+    if first == "embedding":  # split on the embedding dimension: its output leaves split on the hidden size
+        _parallel.install(model.first, _parallel.Plan(_parallel.ShardedEmbedding(),
+                                                      _parallel.EmbeddingPlan("dim", WIDTHS["hidden"], 1)))
+    else:
+        _parallel.install(model.first, plan("out", "hidden", "local"))
+    for block in model.blocks:
+        assert isinstance(block, _MLPBlock)
+        _parallel.install(block.up, plan("out", "ffn", "local"))
+        _parallel.install(block.down, plan("in", "ffn", "replicated"))
+    _parallel.install(model.head, plan("out", "vocab", "local"))
+    zones = _parallel.optimize(model, {})()
+    assert sorted(zones) == ["", "blocks", *(f"blocks.{i}" for i in range(LAYERS))]
+    return model
+
+
+def _lm_inputs(first: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (2, 5), generator=gen) if first == "embedding" else \
+        torch.randn(2, 5, INPUTS, generator=gen, dtype=torch.float64)
+    return x, torch.randint(0, VOCAB, (2, 5), generator=gen)
+
+
+def _lm_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Logits, loss, and the gradients of every parameter and (when it has one) of the input."""
+    model.zero_grad()
+    x = x.clone().requires_grad_() if x.is_floating_point() else x
+    logits = model(x)
+    loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    loss.backward()
+    found = {"logits": logits.detach(), "loss": loss.detach()}
+    if x.is_floating_point():
+        assert x.grad is not None
+        found["input"] = x.grad
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        found[name] = p.grad.clone()
+    return found
+
+
+# The sharded model adds each block's ``down`` over the ranks' features in another order than one
+# matmul adds them (and sums a pending residual where the unsharded model adds it in), so its float64
+# values differ from the unsharded ones in the last bits (below 1e-15 here). 1e-12 allows for that,
+# and is 11 orders of magnitude below what a residual added on every rank costs (0.36 in the logits).
+TOL = 1e-12
+
+
+@pytest.mark.parametrize("first", ["embedding", "linear"])
+def test_blocks_nested_in_a_checked_zone_are_checked_on_every_call_and_exact(first: str) -> None:
+    x, target = _lm_inputs(first)
+    whole = _reference_lm(first)
+    want = _lm_step(whole, x, target)
+    models = [_sharded_lm(rank, whole, first) for rank in range(WORLD)]
+
+    def rank_fn(rank: int) -> list[dict[str, torch.Tensor]]:
+        model = models[rank]
+        got = [_lm_step(model, x, target) for _ in range(CALLS)]
+        for call, values in enumerate(got):
+            assert values.keys() == want.keys()
+            for name, value in values.items():
+                assert torch.equal(value, got[0][name]), (
+                    f"rank {rank}, call {call + 1} of {CALLS}: {name} differs from the first (checked) call's by "
+                    f"{(value - got[0][name]).abs().max().item():.3g}")
+                diff = (value - _local(rank, first, name, want[name])).abs().max().item()
+                assert diff <= TOL, (f"rank {rank}, call {call + 1} of {CALLS}: {name} differs from the unsharded "
+                                     f"model's by {diff:.3g}")
+        # Every call of every zone is checked, none replayed. The model's own zone intervenes (the
+        # first block's norm gathers the activation the first layer leaves split on the hidden size), so
+        # does the first block (that norm is its own; its residual, still split, meets the pending sum of
+        # ``down`` and both are gathered). The second block gets a whole residual and hands out the
+        # pending sum ``residual + down(...)``: the engine intervened only in ops on pending sums, so it
+        # stays checked only because it is nested. The third gets that pending sum, which no signature
+        # holds: it is never recorded.
+        assert _zones.zone_calls(model) == {
+            "": {"checked": CALLS, "replayed": 0, "not_replayed_because": [GATHERED]},
+            "blocks": {"checked": 0, "replayed": 0, "not_replayed_because": []},  # a ModuleList is not called
+            "blocks.0": {"checked": CALLS, "replayed": 0, "not_replayed_because": [GATHERED]},
+            "blocks.1": {"checked": CALLS, "replayed": 0, "not_replayed_because": [NESTED]},
+            "blocks.2": {"checked": CALLS, "replayed": 0, "not_replayed_because": []},
+        }, f"rank {rank}: {_zones.zone_calls(model)}"
+        return got
+
+    with _simulated(WORLD) as ranks:
+        results = ranks.run(rank_fn)
+    whole_on_every_rank = [name for name in want if name not in _splits(first)]  # outputs, loss, whole parameters
+    for rank, calls in enumerate(results):
+        for call, values in enumerate(calls):
+            for name in whole_on_every_rank:
+                assert torch.equal(values[name], results[0][0][name]), \
+                    f"{name}: rank {rank}'s call {call + 1} differs from rank 0's first call"
