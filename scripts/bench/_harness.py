@@ -243,6 +243,37 @@ def measured(fn: Callable[[], Any]) -> tuple[Any, float, float, int]:
     return result, elapsed, cpu, peak
 
 
+def load_and_touch(load: Callable[[], Any]) -> tuple[Any, float, int, float, int]:
+    """``(model, seconds, peak growth, touch seconds, peak growth touched)`` of ``load()`` on this rank.
+
+    Starts after a barrier, with the peak reset. ``load`` is timed alone, then every parameter
+    is read once: a parameter that is a view of a file's mapped pages pays for its pages there,
+    so the touched figures compare the whole cost of having the weights in memory.
+    """
+    dist.barrier()
+    before = reset_peak()
+    start = time.perf_counter()
+    model = load()
+    elapsed = time.perf_counter() - start
+    peak = proc_status("VmHWM") - before
+    start = time.perf_counter()
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).sum()
+    touched = time.perf_counter() - start
+    return model, elapsed, peak, touched, proc_status("VmHWM") - before
+
+
+def logits_sample(model: Any) -> list[list[float]]:
+    """A corner of a language model's logits on a fixed 16-token prompt (gathered whole if split),
+    to check that every way loaded the same weights."""
+    x = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(x).logits
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return logits[0, :4, :8].tolist()  # type: ignore[no-any-return]
+
+
 def local_param_bytes(model: Any) -> int:
     """Bytes of the parameters this rank holds (a DTensor's local tensor for DTensors)."""
     total = 0

@@ -34,7 +34,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +41,10 @@ sys.path.append(str(Path(__file__).resolve().parent))  # after the repository ro
 from _harness import (  # noqa: E402
     ROOT,
     llama_tp_names,
+    load_and_touch,
     local_param_bytes,
+    logits_sample,
     machine,
-    proc_status,
-    reset_peak,
     run_fresh,
 )
 
@@ -141,28 +140,10 @@ def _rank(rank: int, world: int, way: str, folder: str, quick: bool) -> dict[str
 
     import checkpoint  # noqa: F401
     import sharded_tensor  # noqa: F401
+    model, elapsed, peak, touched, _ = load_and_touch(lambda: _load(way, Path(folder), world, quick))
     dist.barrier()
-    before = reset_peak()
-    start = time.perf_counter()
-    model = _load(way, Path(folder), world, quick)
-    elapsed = time.perf_counter() - start
-    peak = proc_status("VmHWM") - before
-    # Then read every parameter once: a mapped parameter pays for its pages here, so
-    # "with first touch" compares the whole cost of having the weights in memory.
-    start = time.perf_counter()
-    with torch.no_grad():
-        for p in model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            local.sum()
-    touched = time.perf_counter() - start
-    dist.barrier()
-    x = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = model(x).logits
-        if hasattr(logits, "full_tensor"):
-            logits = logits.full_tensor()
     return {"seconds": elapsed, "touch_seconds": touched, "peak_growth": peak, "local_bytes": local_param_bytes(model),
-            "logits": logits[0, :4, :8].tolist()}
+            "logits": logits_sample(model)}
 
 
 def main() -> None:

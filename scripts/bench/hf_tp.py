@@ -55,7 +55,9 @@ sys.path.append(str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     ROOT,
     MiB,
+    load_and_touch,
     local_param_bytes,
+    logits_sample,
     machine,
     proc_status,
     reset_peak,
@@ -240,28 +242,12 @@ def _load_rank(rank: int, world: int, way: str, folder: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     _quiet(rank)
-    dist.barrier()
-    before = reset_peak()
-    start = time.perf_counter()
-    model = _load(way, Path(folder), world)
-    elapsed = time.perf_counter() - start
-    peak = proc_status("VmHWM") - before
-    # Then read every parameter once: transformers (and shardkit with mmap=True) leave
-    # parameters that are views of the files' mapped pages, which are read here.
-    start = time.perf_counter()
-    with torch.no_grad():
-        for p in model.parameters():
-            (p.to_local() if hasattr(p, "to_local") else p).sum()
-    touched = time.perf_counter() - start
-    peak_touched = proc_status("VmHWM") - before
+    model, elapsed, peak, touched, peak_touched = load_and_touch(lambda: _load(way, Path(folder), world))
     slowest = torch.tensor([elapsed, elapsed + touched], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    x = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = _full(model(x).logits)
     return {"seconds": float(slowest[0]), "seconds_touched": float(slowest[1]), "peak_growth": peak,
             "peak_growth_touched": peak_touched, "local_bytes": local_param_bytes(model),
-            "logits": logits[0, :4, :8].tolist()}
+            "logits": logits_sample(model)}
 
 
 def _step_rank(rank: int, world: int, folder: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
