@@ -142,18 +142,23 @@ def _tokens(step: int) -> torch.Tensor:
     return torch.randint(0, 40, (LLAMA_BATCH, 9), generator=torch.Generator().manual_seed(300 + step))
 
 
-def _llama_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole batch: the losses and the parameters after training."""
-    model = _llama()
-    optim = _optim(model)
+def _train_llama(model: nn.Module, optim: torch.optim.Optimizer, rows: slice = slice(None)) -> list[float]:
+    """``LLAMA_STEPS`` steps on ``rows`` of each step's batch (all of it by default); the losses."""
     losses = []
     for step in range(LLAMA_STEPS):
-        x = _tokens(step)
+        x = _tokens(step)[rows]
         optim.zero_grad()
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         optim.step()
         losses.append(loss.item())
+    return losses
+
+
+def _llama_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole batch: the losses and the parameters after training."""
+    model = _llama()
+    losses = _train_llama(model, _optim(model))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -170,14 +175,7 @@ def _llama_two_by_two(rank: int, world: int, dst: str) -> dict[str, object]:
     fully_shard_llama(model)
     optim = _optim(model)
     rows = slice(rank // 2 * 2, rank // 2 * 2 + 2)  # each data-parallel rank: half the batch
-    losses = []
-    for step in range(LLAMA_STEPS):
-        x = _tokens(step)[rows]
-        optim.zero_grad()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
+    losses = _train_llama(model, optim, rows)
     state = st.get_state_dict(model, optim)
     checkpoint.save(state, dst)
     q = state["model"]["model.layers.0.self_attn.q_proj.weight"]
