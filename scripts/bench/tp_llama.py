@@ -29,7 +29,10 @@ its own calls), the median step time of the slowest rank with its range, the CPU
 a step (both ranks; steadier than wall time on a loaded machine), the bytes each rank writes
 during a step (its sockets' traffic: 0 for local), the ratios between every pair of sides,
 and the first and last losses of the three real sides, which must agree (``loss_spread``:
-the largest difference between them).
+the largest difference between them). The figures are checked before they are trusted: if
+the real sides' losses differ by more than 1e-4 of the loss, a real side wrote no bytes in a
+step, or local wrote some, the report lists it under ``problems`` and the bench exits with
+an error after printing it.
 
     python scripts/bench/tp_llama.py                  # hidden 1024, 4 layers, 16 heads, seq 256, batch 4
     python scripts/bench/tp_llama.py --hidden 256 --seq 64 --steps 3   # a quick look
@@ -40,7 +43,8 @@ the largest difference between them).
 With ``--compile`` the models are wrapped in ``torch.compile`` (inductor) after sharding; one
 untimed step per side compiles forward and backward (its time is reported as
 ``compile_seconds``), and the graph breaks dynamo recorded on each side are reported. The
-collectives are not counted then: the compiled graphs run them outside the counters.
+collectives are not counted then: the compiled graphs run them outside the counters (the
+bytes written per step still show each side's traffic).
 
 ``--plan full`` splits the embedding and ``lm_head`` on the vocabulary and computes the loss
 on the split logits, each side at its best: shardkit ``st.tensor_parallel_spec`` with the
@@ -62,7 +66,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
+# After the repository root: bench/checkpoint.py is not the package.
+sys.path.append(str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _harness import launch, llama_tp_names, machine, wire_bytes  # noqa: E402
 
@@ -246,7 +251,7 @@ def _plain(base: Any, config: Any, rank: int, world: int, layers: int, plan: str
     local.num_attention_heads //= world
     local.num_key_value_heads //= world
     local.intermediate_size //= world
-    model = LlamaForCausalLM(local)
+    model = LlamaForCausalLM(local) if collectives else _local_llama(local)
     cols, rows = llama_tp_names(layers)
     state = {}
     for name, value in base.state_dict().items():
@@ -271,6 +276,25 @@ def _plain(base: Any, config: Any, rank: int, world: int, layers: int, plan: str
         with torch.no_grad():
             model.lm_head.weight.copy_(state["lm_head.weight"].chunk(world, 0)[rank])
     return model
+
+
+def _local_llama(config: Any) -> Any:
+    """The local floor's model: a Llama whose forward is a code object of its own.
+
+    ``torch.compile`` caches graphs on the code of the forward it enters, and dynamo does not
+    guard on the hooks of submodules (``skip_nnmodule_hook_guards``): were the local model a
+    plain ``LlamaForCausalLM``, the compiled plain model (the same class and shapes, only its
+    layers' hooks differ) would run the local model's graph, without its all-reduces. The
+    class name ends in ``ForCausalLM``: transformers picks the loss from it (a name it does not
+    recognise logs a warning, a graph break under dynamo).
+    """
+    from transformers import LlamaForCausalLM
+
+    class LocalLlamaForCausalLM(LlamaForCausalLM):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return super().forward(*args, **kwargs)
+
+    return LocalLlamaForCausalLM(config)
 
 
 def _loss(side: str, plan: str, model: Any, batch: torch.Tensor) -> torch.Tensor:
@@ -481,7 +505,28 @@ def main() -> None:
     }
     if args.local_floor:
         report["local_floor"] = _local_floor(slowest, cpu, r0["losses"][LOCAL], GOAL[args.compile])
+    report["problems"] = _problems(report)
     print(json.dumps(report, indent=2))
+    if report["problems"]:
+        raise SystemExit("tp_llama: the sides did not run as planned, the figures above are not valid:\n  "
+                         + "\n  ".join(report["problems"]))
+
+
+def _problems(report: dict[str, Any]) -> list[str]:
+    """What would make the figures wrong: a side missing its collectives, or the real sides' losses apart."""
+    problems = []
+    for side, written in report["bytes_written_per_step"].items():
+        if side == LOCAL and any(written):
+            problems.append(f"the local side wrote {written} bytes per step (rank by rank); it must send nothing")
+        if side != LOCAL and not all(written):
+            problems.append(f"{side} wrote {written} bytes per step (rank by rank); its all-reduces did not run")
+    # Equal on the three real sides up to float rounding (seen: 1e-6 after 6 AdamW steps).
+    tolerance = 1e-4 * abs(report["first_loss"]["plain"])
+    for key, spread in report["loss_spread"].items():
+        if spread > tolerance:
+            losses = report[f"{key}_loss"]
+            problems.append(f"{key} losses differ by {spread:.3g} > {tolerance:.3g} between the real sides: {losses}")
+    return problems
 
 
 def _local_floor(slowest: dict[str, list[float]], cpu: dict[str, list[float]], losses: list[float],
