@@ -272,14 +272,7 @@ def _rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
             return _nested_rule(func, args, kwargs)
     if known is not None:
         args, kwargs = tuple(known[:len(args)]), dict(zip(kwargs, known[len(args):]))
-        if not still_pending:  # every pending operand summed already: run as written
-            if other_tag:
-                raise _zones._Fallback
-            return func(*args, **kwargs)
-    rule = _rules().get(func)
-    if rule is None:
-        raise _zones._Fallback
-    return rule(func, args, kwargs)
+    return _with_sums(func, args, kwargs, known is not None and not still_pending, other_tag)
 
 
 def _nested_rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -287,17 +280,19 @@ def _nested_rule(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     flat, spec = tree_flatten((args, kwargs))
     known = [_known_sum(x) for x in flat]
     if not any(k is not x for k, x in zip(known, flat)):
-        return _with_sums(func, args, kwargs, None)
+        return _with_sums(func, args, kwargs, False, False)
     args, kwargs = tree_unflatten(known, spec)
-    return _with_sums(func, args, kwargs, known)
+    tags = [_tag_of(x) for x in known]
+    return _with_sums(func, args, kwargs, not any(isinstance(t, Partial) for t in tags),
+                      any(t is not None for t in tags))
 
 
-def _with_sums(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               known: list[Any] | None) -> Any:
-    """``func`` on arguments whose pending sums already taken are in (``known``: the operands, or
-    ``None`` if none was): run as written once no operand is pending, else by its rule."""
-    if known is not None and not any(isinstance(_tag_of(x), Partial) for x in known):
-        if any(_tag_of(x) is not None for x in known):
+def _with_sums(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], all_summed: bool,
+               other_tag: bool) -> Any:
+    """``func`` on arguments whose pending sums already taken are in: run as written once every pending
+    operand is summed (``all_summed``; a tag of another kind then sums first), else by its rule."""
+    if all_summed:
+        if other_tag:
             raise _zones._Fallback
         return func(*args, **kwargs)
     rule = _rules().get(func)
