@@ -396,10 +396,13 @@ class _ShardedForward:
             with torch._C.DisableTorchFunctionSubclass():  # the layer computes plainly on pending sums
                 out = self._forward(self._call, self._module, *args, **kwargs)
             return _zones.as_pending(out)
-        if state.recorders:  # a checked zone call recording: its inputs' tags
-            _zones.entering_layer(self._module, args, kwargs)
         if not state.depth:  # outside any zone: nothing to step out of
             return self._forward(self._call, self._module, *args, **kwargs)
+        if state.recorders:  # a checked zone call recording: its inputs' tags, the pending sums it makes
+            _zones.entering_layer(self._module, args, kwargs)
+            with _zones.outside_propagation():
+                out = self._forward(self._call, self._module, *args, **kwargs)
+            return _zones.leaving_layer(out, args, kwargs)
         with _zones.outside_propagation():
             return self._forward(self._call, self._module, *args, **kwargs)
 

@@ -53,7 +53,7 @@ from .signatures import aten_name, bind
 __all__ = ["Partial", "pending", "add_once"]
 
 Partial = _zones.Partial
-_SUM = "_shardkit_sum"  # (version of the addend when summed, the sum)
+_SUM = _zones._SUM  # (version of the addend when summed, the sum)
 
 
 def pending(tensor: torch.Tensor, group: _comm.ProcessGroup) -> torch.Tensor:
@@ -78,6 +78,8 @@ def _summed(tensor: torch.Tensor, tag: Partial) -> torch.Tensor:
     with _zones.outside_propagation():
         total = reduce_from_ranks(tensor, tag.group)
     setattr(tensor, _SUM, (tensor._version, total))
+    if _zones._STATE.recorders:
+        _zones.summed_pending(tensor)
     return total
 
 

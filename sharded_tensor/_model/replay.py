@@ -167,6 +167,9 @@ class Plan:
     layers: tuple[LayerCall, ...]
     outputs: tuple[OutputLeaf, ...]
     pending: bool = False  # pending sums met whole tensors or were summed: ops on them go through the engine
+    # The pending sums made in the call (by a sharded layer or an op on pending sums, counted in order)
+    # whose first use was their sum: a replay sums them where they are made and hands out the sum.
+    sum_first: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -176,9 +179,23 @@ class Recording:
     reason: str | None = None
     pending: bool = False  # ops on pending sums only went through the engine's pending rules
     layers: list[LayerCall] = field(default_factory=list)
+    # Per pending sum made, in order: how it was first used ("summed", "consumed"), or "unused" yet.
+    made: list[str] = field(default_factory=list)
+    _made_at: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
 
     def layer(self, module: torch.nn.Module, inputs: list[Tensor]) -> None:
         self.layers.append(LayerCall(module, tuple(_tag_of(x) for x in inputs), tuple(x.shape for x in inputs)))
+
+    def made_pending(self, tensor: Tensor) -> None:
+        """A new pending sum, ``tensor``, was made (by a sharded layer or an op on pending sums)."""
+        self._made_at[id(tensor)] = (tensor, len(self.made))
+        self.made.append("unused")
+
+    def first_use(self, tensor: Tensor, how: str) -> None:
+        """``tensor`` was used (``"summed"``, or ``"consumed"`` by anything else); only its first use counts."""
+        found = self._made_at.get(id(tensor))
+        if found is not None and found[0] is tensor and self.made[found[1]] == "unused":
+            self.made[found[1]] = how
 
     def plan(self, out: Any, outermost: bool) -> Plan | str:
         """The plan of this call given its output ``out``, or why it is not replayable.
@@ -196,16 +213,20 @@ class Recording:
             return "it returns objects other than tensors, plain values and containers of them"
         outputs = tuple(OutputLeaf(Tensor, _tag_of(x), x.shape, x.dtype) if isinstance(x, Tensor)
                         else OutputLeaf(type(x)) for x in leaves)
-        return Plan(tuple(self.layers), outputs, self.pending)
+        # A pending sum handed out of the zone is summed by its exit: it must leave a replay pending too.
+        handed_out = any(isinstance(leaf.tag, layout.Partial) for leaf in outputs)
+        sum_first = frozenset() if handed_out else frozenset(i for i, how in enumerate(self.made) if how == "summed")
+        return Plan(tuple(self.layers), outputs, self.pending or bool(sum_first), sum_first)
 
 
 class Cursor:
     """A replay in progress: the next sharded layer call expected."""
 
-    __slots__ = ("plan", "root", "next")
+    __slots__ = ("plan", "root", "next", "made")
 
     def __init__(self, plan: Plan, root: torch.nn.Module) -> None:
         self.plan, self.root, self.next = plan, root, 0
+        self.made = 0  # pending sums made so far (as counted by ``Recording.made``)
 
     def _mismatch(self, what: str) -> ReplayMismatch:
         zone = f"{type(self.root).__name__} ({type(self.root).__module__})"

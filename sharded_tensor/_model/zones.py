@@ -92,7 +92,7 @@ __all__ = ["Split", "Packed", "Partial", "Strided", "TAG_KINDS", "GLOBAL_SIZES",
            "split_of", "tag", "in_zone", "shared_copy",
            "ZoneForward", "loss_parallel",
            "to_replicated", "outside_propagation", "Endpoint", "find_zones", "check_head_boundaries",
-           "entering_layer", "as_pending", "zone_calls"]
+           "entering_layer", "leaving_layer", "as_pending", "summed_pending", "zone_calls"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,10 +375,18 @@ def _pending_only(args: tuple[Any, ...]) -> bool:
 
 
 def as_pending(value: Any) -> Any:
-    """``value`` with its tensors tagged ``Partial`` made ``_PendingTensor``s (their attributes kept)."""
+    """A replayed call's result (of a sharded layer, or of an op on pending sums): each new pending sum
+    in it made a ``_PendingTensor`` (its attributes kept), or summed where it is made if the checked
+    call's first use of it was its sum (``Plan.sum_first``): then nothing of it needs the engine."""
     if isinstance(value, Tensor):
         found = value.__dict__
         if found and type(found.get(_TAG)) is Partial and type(value) is not _PendingTensor:
+            cursor = _STATE.replay
+            if cursor is not None:
+                made = cursor.made
+                cursor.made = made + 1
+                if made in cursor.plan.sum_first:
+                    return TAG_KINDS[Partial][1](value, found[_TAG])
             pending = value.as_subclass(_PendingTensor)
             pending.__dict__.update(found)
             return pending
@@ -386,6 +394,44 @@ def as_pending(value: Any) -> Any:
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
         return type(value)(as_pending(v) for v in value)
     return value
+
+
+# -- what a recorded call does with the pending sums it makes (``replay.Recording.made``) ----------
+
+def _unsummed_pending(x: Tensor) -> bool:
+    """Whether ``x`` is a pending sum whose sum was not taken (or was, before ``x`` was written to)."""
+    attrs = x.__dict__
+    if not attrs or type(attrs.get(_TAG)) is not Partial:
+        return False
+    cached = attrs.get(_SUM)
+    return cached is None or cached[0] != x._version
+
+
+_SUM = "_shardkit_sum"  # ``pending``'s cache of a pending tensor's sum: (its version when summed, the sum)
+
+
+def _made_pending(value: Any, inputs: list[Tensor]) -> None:
+    """Record the new pending sums in ``value`` (walked as ``as_pending`` walks it) made in a recorded call."""
+    if not _STATE.recorders:
+        return
+    if isinstance(value, Tensor):
+        if type(getattr(value, _TAG, None)) is Partial and not any(value is x for x in inputs):
+            for recording in _STATE.recorders:
+                recording.made_pending(value)
+    elif isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        for v in value:
+            _made_pending(v, inputs)
+
+
+def _first_use(tensors: list[Tensor], how: str) -> None:
+    for recording in _STATE.recorders:
+        for x in tensors:
+            recording.first_use(x, how)
+
+
+def summed_pending(tensor: Tensor) -> None:
+    """``pending`` took the sum of ``tensor`` (its first use, if nothing used it before)."""
+    _first_use([tensor], "summed")
 
 
 # -- rules ----------------------------------------------------------------------------------------
@@ -1348,11 +1394,19 @@ def _pending_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: 
     does in it marks the call as replaying pending sums, not as unreplayable; unless its
     output holds another tag than a pending sum, which a replay would not give it.
     """
+    flat = _shallow_tensors(args, kwargs)
+    if flat is None:
+        flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
+    unsummed = list({id(x): x for x in flat if _unsummed_pending(x)}.values())
+    if len(unsummed) > 1:  # combined with another before (or while) summed: a replay must keep them pending
+        _first_use(unsummed, "consumed")
     _STATE.pending_op = True
     try:
         out = _tagged_op(func, args, kwargs, kind, tags)
     finally:
         _STATE.pending_op = False
+    _first_use([x for x in unsummed if x is not out and _unsummed_pending(x)], "consumed")
+    _made_pending(out, flat)
     leaves: list[Any] = []
     if not _replay.output_leaves(out, leaves) or any(
             isinstance(x, Tensor) and x.__dict__ and x.__dict__.get(_TAG) is not None
@@ -1587,12 +1641,20 @@ def _exit(out: Any) -> Any:
 
 
 def entering_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A sharded layer is called in a checked zone call that records: its inputs' tags are recorded."""
+    """A sharded layer is called in a checked zone call that records: its inputs' tags are recorded
+    (and a pending sum among them is used by the layer: a replay hands it to the layer pending)."""
     if not _STATE.recorders:
         return
     inputs = _replay.layer_inputs(args, kwargs)
     for recording in _STATE.recorders:
         recording.layer(module, inputs)
+    _first_use([x for x in inputs if _unsummed_pending(x)], "consumed")
+
+
+def leaving_layer(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A sharded layer's output in a checked zone call that records: the pending sums it makes are recorded."""
+    _made_pending(out, _replay.layer_inputs(args, kwargs))
+    return out
 
 
 def zone_calls(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
