@@ -187,9 +187,14 @@ class Recording:
         self.layers.append(LayerCall(module, tuple(_tag_of(x) for x in inputs), tuple(x.shape for x in inputs)))
 
     def made_pending(self, tensor: Tensor) -> None:
-        """A new pending sum, ``tensor``, was made (by a sharded layer or an op on pending sums)."""
+        """A new pending sum, ``tensor``, was made (by a sharded layer or an op on pending sums).
+
+        A replay then hands out its pending sums as ``_PendingTensor``s: whatever the zone does with
+        one (adds a whole tensor to it, on one rank only) goes through the engine as it did here.
+        """
         self._made_at[id(tensor)] = (tensor, len(self.made))
         self.made.append("unused")
+        self.pending = True
 
     def first_use(self, tensor: Tensor, how: str) -> None:
         """``tensor`` was used (``"summed"``, or ``"consumed"`` by anything else); only its first use counts."""

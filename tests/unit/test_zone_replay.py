@@ -532,18 +532,7 @@ def engine_ops(monkeypatch: pytest.MonkeyPatch) -> threading.local:
     return seen
 
 
-# A known engine bug (xfail below): a zone that hands out ``x + down(h)`` and takes no sum inside replays with
-# ``Plan.pending`` false. ``_tagged_op`` does not call ``_intervene`` while ``_pending_op`` runs, so the pending
-# rule's own rewrite (``x`` added on rank 0 only, ``add_once``) never sets ``Recording.pending``; only a fallback
-# to gathered inputs does (a norm's, in the other cases). The replay then runs ``x + down(h)`` plainly, adding
-# ``x`` on every rank, and the exit's all-reduce hands out the checked output plus ``x``.
-RETURNED_BUG = ("replay adds the residual on every rank: its output is the checked call's + x (max difference 2.61, "
-                "loss 2.52; gradients equal), as Plan.pending is False")
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=RETURNED_BUG))
-    if case == "returned" else case for case in SUM_FIRST_CASES])
+@pytest.mark.parametrize("case", list(SUM_FIRST_CASES))
 def test_a_pending_sum_first_summed_is_summed_where_a_replay_makes_it(case: str, engine_ops: threading.local) -> None:
     sum_first, replay_ops, forward_all_reduces = SUM_FIRST_CASES[case]
     x, upstream = _inputs(5)
