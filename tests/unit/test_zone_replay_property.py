@@ -1,0 +1,297 @@
+"""Random zone bodies replayed on 2 simulated ranks: every call equals the checked one bit for bit.
+
+Hypothesis draws a small zone body: 2 to 6 steps over a residual stream ``x`` (float64, hidden
+size 5 or 6) around an MLP split as tensor parallelism splits it (``up`` on its output features,
+``down1`` and ``down2`` on their input features, over uneven slices), so each ``down`` hands out
+a pending sum that the next steps add to the stream, subtract, scale, combine, normalize, gate,
+view and reshape and transpose (and back), drop out with ``p=0``, keep and add again later; the
+body returns ``x``, ``(x, norm(x))`` or a dict. Each body runs unsharded, and as a zone on each of
+2 ranks (threads of one process, ``test_split_rules._simulated``) three times: the first call of
+the signature is checked, the next ones replay it when the engine allows. On every rank and call,
+the outputs (every leaf), a scalar loss made from them and the gradients of the input and of every
+parameter equal the checked call's bit for bit and the unsharded module's (this rank's slice of
+it) within ``TOL``; whole values are equal on both ranks; and the zone either replayed every call
+after the first or says why not (``zones.zone_calls``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hs  # noqa: E402
+
+from sharded_tensor._model import parallel as _parallel  # noqa: E402
+from sharded_tensor._model import zones as _zones  # noqa: E402
+from tests._examples import examples  # noqa: E402
+from tests.unit.test_split_rules import _simulated  # noqa: E402
+
+WORLD, CALLS, BATCH, EPS = 2, 3, 2, 1e-6
+# The split parameters: name -> dimension (each split over the FFN's slices). The downs' biases stay
+# whole: each is added once to its layer's pending sum.
+SPLITS = {"up.weight": 0, "up.bias": 0, "down1.weight": 1, "down2.weight": 1}
+# The sharded module adds each ``down``'s products over the ranks' features in another order than one
+# matmul adds them, and adds a whole tensor to a pending sum's addend on one rank where the unsharded
+# module adds it to the whole sum, so its float64 values differ from the unsharded ones in the last
+# bits (below 1e-13 relative in 2000 bodies drawn). 1e-12 of each value's size (and at least 1e-12)
+# allows for that, and is 11 orders of magnitude below what a whole tensor added on every rank costs.
+TOL = 1e-12
+
+Step = tuple[Any, ...]
+
+
+class _Body(nn.Module):
+    """A zone body: ``steps`` over the residual stream ``x``, then ``x`` returned as ``returns`` says.
+
+    State: ``x``; ``h``, the MLP's hidden activation (made from ``x`` when a step needs it and none
+    is made yet); ``ps``, the pending sums made so far (a step made of ``down`` uses the latest,
+    or makes one); ``y``, a kept stream (the input until a ``keep``).
+    """
+
+    gate: torch.Tensor
+
+    def __init__(self, steps: tuple[Step, ...], returns: str, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.steps, self.returns = steps, returns
+        self.norm = nn.LayerNorm(hidden)
+        self.rms_weight = nn.Parameter(torch.ones(hidden))
+        self.up = nn.Linear(hidden, ffn)
+        self.down1 = nn.Linear(ffn, hidden)
+        self.down2 = nn.Linear(ffn, hidden)
+        self.register_buffer("gate", torch.ones(hidden))  # a whole tensor that needs no gradient
+
+    def rms_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Llama's RMSNorm, as transformers writes it."""
+        dtype = x.dtype
+        x = x.to(torch.float64)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + EPS)
+        return self.rms_weight * x.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = x
+        h: torch.Tensor | None = None
+        ps: list[torch.Tensor] = []
+
+        def hidden() -> torch.Tensor:
+            nonlocal h
+            if h is None:
+                h = F.silu(self.up(self.norm(x)))
+            return h
+
+        def made(k: int) -> torch.Tensor:
+            ps.append((self.down1 if k == 1 else self.down2)(hidden()))
+            return ps[-1]
+
+        def latest(k: int) -> torch.Tensor:
+            return made(k) if k or not ps else ps[-1]
+
+        for step in self.steps:
+            kind = step[0]
+            if kind == "up":
+                h = F.silu(self.up(self.norm(x)))
+            elif kind == "down":
+                made(step[1])
+            elif kind == "add":
+                x = x + latest(step[1])
+            elif kind == "radd":
+                x = latest(step[1]) + x
+            elif kind == "sub":
+                x = x - latest(step[1])
+            elif kind == "rsub":
+                x = latest(step[1]) - x
+            elif kind == "iadd":  # in place, on a copy (the stream may be the input, a leaf)
+                p = latest(step[1])
+                x = x * 1.0
+                x += p
+            elif kind == "scale":
+                x = latest(0) * step[1]
+            elif kind == "div":
+                x = -latest(0) / step[1]
+            elif kind == "add-number":
+                x = 1.0 - (x + 2)
+            elif kind == "up-raw":  # the column-parallel layer fed the stream as it is (a pending sum, or not)
+                h = F.silu(self.up(x))
+            elif kind == "sum2":
+                while len(ps) < 2:
+                    made(len(ps) + 1)
+                x = ps[-2] + ps[-1]
+            elif kind == "gate":
+                x = x * self.gate
+            elif kind == "gate-param":  # a scale that needs a gradient
+                x = self.rms_weight * x
+            elif kind == "layer-norm":
+                x = self.norm(x)
+            elif kind == "rms-norm":
+                x = self.rms_norm(x)
+            elif kind == "dropout":
+                x = F.dropout(x, 0.0)
+            elif kind == "keep":
+                y = x
+            elif kind == "residual":
+                x = x + y
+            else:
+                assert kind == "round-trip", kind
+                x = self.round_trip(x, step[1], step[2])
+        if self.returns == "x":
+            return x
+        if self.returns == "tuple":
+            return x, self.norm(x)
+        assert self.returns == "dict", self.returns
+        return {"x": x, "kept": y}
+
+    def round_trip(self, x: torch.Tensor, how: str, between: str) -> torch.Tensor:
+        """``x`` viewed, reshaped or transposed, ``between`` applied, and brought back to its shape."""
+        b, s, d = x.shape
+        if how == "transpose":
+            t = x.transpose(0, 1)
+        elif how == "view":
+            t = x.view(b * s, d)
+        else:
+            t = x.reshape(-1, d)
+        if between == "scale":
+            t = t * 0.5
+        elif between == "dropout":
+            t = F.dropout(t, 0.0)
+        if how == "transpose":
+            return t.transpose(0, 1)
+        if how == "view":
+            return t.view(b, s, d)
+        return t.reshape(b, s, d)
+
+
+_DOWN = hs.sampled_from([0, 1, 2])  # 0: the latest pending sum (a new one from down1 if none); 1, 2: a new one
+_STEPS = hs.one_of(
+    hs.just(("up",)),
+    hs.tuples(hs.just("down"), hs.sampled_from([1, 2])),
+    hs.tuples(hs.sampled_from(["add", "radd", "sub", "rsub", "iadd"]), _DOWN),
+    hs.tuples(hs.sampled_from(["scale", "div"]), hs.sampled_from([0.5, -2.0, 3])),
+    hs.tuples(hs.sampled_from(["up-raw", "sum2", "gate", "gate-param", "add-number", "layer-norm", "rms-norm",
+                               "dropout", "keep", "residual"])),
+    hs.tuples(hs.just("round-trip"), hs.sampled_from(["view", "reshape", "transpose"]),
+              hs.sampled_from(["none", "scale", "dropout"])),
+)
+
+
+@hs.composite
+def _bodies(draw: Any) -> dict[str, Any]:
+    lengths = draw(hs.lists(hs.integers(1, 5), min_size=WORLD, max_size=WORLD, unique=True))  # uneven
+    return {"steps": tuple(draw(hs.lists(_STEPS, min_size=2, max_size=6))),
+            "returns": draw(hs.sampled_from(["x", "tuple", "dict"])),
+            "hidden": draw(hs.sampled_from([5, 6])), "seq": draw(hs.integers(1, 4)),
+            "slices": ((0, lengths[0]), (lengths[0], lengths[1])), "seed": draw(hs.integers(0, 2**16))}
+
+
+def _reference(body: dict[str, Any]) -> _Body:
+    ffn = sum(length for _, length in body["slices"])
+    gen = torch.Generator().manual_seed(body["seed"])
+    whole = _Body(body["steps"], body["returns"], body["hidden"], ffn).double()
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
+        whole.norm.weight.add_(1.0)
+        whole.rms_weight.add_(1.0)
+        whole.gate.copy_(torch.rand(whole.gate.shape, generator=gen, dtype=torch.float64) + 0.5)
+    return whole
+
+
+def _local(rank: int, slices: tuple[tuple[int, int], ...], name: str, value: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s part of the unsharded parameter (or gradient) ``name``."""
+    dim = SPLITS.get(name)
+    if dim is None:
+        return value
+    start, length = slices[rank]
+    return value.narrow(dim, start, length)
+
+
+def _sharded(rank: int, whole: _Body, slices: tuple[tuple[int, int], ...]) -> _Body:
+    """Rank ``rank``'s zone cut from ``whole``: its slices of the split layers, their plans installed."""
+    block = _Body(whole.steps, whole.returns, whole.norm.normalized_shape[0], slices[rank][1]).double()
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.copy_(_local(rank, slices, name, whole.get_parameter(name)))
+        block.gate.copy_(whole.gate)
+    linear = _parallel.ShardedLinear()
+    for name in ("up", "down1", "down2"):
+        dim = SPLITS[f"{name}.weight"]
+        mode: Literal["out", "in"] = "out" if dim == 0 else "in"
+        _parallel.install(block.get_submodule(name), _parallel.Plan(linear, _parallel.LinearPlan(
+            mode, slices, "local" if mode == "out" else "replicated", None, dim)))
+    block.__dict__["forward"] = _zones.ZoneForward(type(block).forward.__get__(block))  # as shard_model does
+    return block
+
+
+def _leaves(out: Any) -> dict[str, torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return {"out": out}
+    if isinstance(out, tuple):
+        return {f"out[{i}]": v for i, v in enumerate(out)}
+    return {f"out[{k!r}]": v for k, v in out.items()}
+
+
+def _step(module: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+    """Every output leaf, a loss made from them, and the gradients of the input and of every parameter that has one."""
+    module.zero_grad()
+    x = x.clone().requires_grad_()
+    leaves = _leaves(module(x))
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((v * torch.randn(v.shape, generator=gen, dtype=torch.float64)).sum() for v in leaves.values())
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    assert x.grad is not None
+    found = {name: v.detach().clone() for name, v in leaves.items()}
+    found.update({"loss": loss.detach(), "input": x.grad})
+    found.update({name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None})
+    return found
+
+
+def _check_body(body: dict[str, Any]) -> None:
+    """Run ``body`` unsharded and as a zone on 2 simulated ranks, ``CALLS`` times; assert as the module says."""
+    slices, seed = body["slices"], body["seed"]
+    x = torch.randn(BATCH, body["seq"], body["hidden"], generator=torch.Generator().manual_seed(seed),
+                    dtype=torch.float64)
+    whole = _reference(body)
+    want = _step(whole, x, seed)
+    blocks = [_sharded(rank, whole, slices) for rank in range(WORLD)]  # before the ranks start: one generator
+
+    def rank_fn(rank: int) -> list[dict[str, torch.Tensor]]:
+        block = blocks[rank]
+        calls = [_step(block, x, seed) for _ in range(CALLS)]
+        for call, values in enumerate(calls):
+            where = f"rank {rank}, call {call + 1} of {CALLS}"
+            assert values.keys() == want.keys(), f"{where}: {sorted(values)} != {sorted(want)}"
+            for name, value in values.items():
+                first = calls[0][name]
+                assert torch.equal(value, first), (f"{where}: {name} differs from the first (checked) call's by "
+                                                   f"{(value - first).abs().max().item():.3g}")
+                local = _local(rank, slices, name, want[name])
+                diff = (value - local).abs().max().item()
+                assert ((value - local).abs() <= TOL * (1 + local.abs())).all(), (
+                    f"{where}: {name} differs from the unsharded module's by {diff:.3g}")
+        counts = _zones.zone_calls(block)[""]
+        if counts["replayed"]:
+            assert counts == {"checked": 1, "replayed": CALLS - 1, "not_replayed_because": []}, f"rank {rank}: {counts}"
+        else:
+            assert counts["checked"] == CALLS and counts["not_replayed_because"], f"rank {rank}: {counts}"
+        return calls
+
+    with _simulated(WORLD) as ranks:
+        results = ranks.run(rank_fn)
+    whole_on_every_rank = [name for name in want if name not in SPLITS]  # outputs, loss, input, whole parameters
+    for rank, calls in enumerate(results):
+        for call, values in enumerate(calls):
+            for name in whole_on_every_rank:
+                assert torch.equal(values[name], results[0][0][name]), \
+                    f"{name}: rank {rank}'s call {call + 1} differs from rank 0's first call"
+
+
+@settings(max_examples=examples(100), deadline=None, derandomize=True)
+@given(body=_bodies())
+def test_a_random_zone_body_replays_its_checked_call_bit_for_bit(body: dict[str, Any]) -> None:
+    _check_body(body)
