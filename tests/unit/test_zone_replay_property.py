@@ -28,6 +28,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
 from sharded_tensor._model import parallel as _parallel  # noqa: E402
+from sharded_tensor._model import replay as _replay  # noqa: E402
 from sharded_tensor._model import zones as _zones  # noqa: E402
 from tests._examples import examples  # noqa: E402
 from tests.unit.test_split_rules import _simulated  # noqa: E402
@@ -251,14 +252,37 @@ def _step(module: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tens
     return found
 
 
+def _outputs(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every output leaf of a call with no gradients."""
+    with torch.no_grad():
+        return {name: v.clone() for name, v in _leaves(module(x.clone())).items()}
+
+
 def _check_body(body: dict[str, Any]) -> None:
-    """Run ``body`` unsharded and as a zone on 2 simulated ranks, ``CALLS`` times; assert as the module says."""
+    """Run ``body`` unsharded and as a zone on 2 simulated ranks; assert as the module says.
+
+    Per rank: ``CALLS`` calls with gradients on the same input (the first checked); one more on other
+    values (a replay must not keep anything of the call it replays but the path); then ``CALLS`` calls
+    with no gradients (another signature: checked, then replayed).
+    """
     slices, seed = body["slices"], body["seed"]
-    x = torch.randn(BATCH, body["seq"], body["hidden"], generator=torch.Generator().manual_seed(seed),
-                    dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    x, other = (torch.randn(BATCH, body["seq"], body["hidden"], generator=gen, dtype=torch.float64) for _ in range(2))
     whole = _reference(body)
-    want = _step(whole, x, seed)
+    want, want_other = _step(whole, x, seed), _step(whole, other, seed)
     blocks = [_sharded(rank, whole, slices) for rank in range(WORLD)]  # before the ranks start: one generator
+
+    def close(where: str, found: dict[str, torch.Tensor], unsharded: dict[str, torch.Tensor], rank: int) -> None:
+        assert found.keys() <= unsharded.keys(), f"{where}: {sorted(found)} is not in {sorted(unsharded)}"
+        for name, value in found.items():
+            local = _local(rank, slices, name, unsharded[name])
+            assert ((value - local).abs() <= TOL * (1 + local.abs())).all(), (
+                f"{where}: {name} differs from the unsharded module's by {(value - local).abs().max().item():.3g}")
+
+    def same(where: str, found: dict[str, torch.Tensor], first: dict[str, torch.Tensor]) -> None:
+        for name, value in found.items():
+            assert torch.equal(value, first[name]), (f"{where}: {name} differs from the first (checked) call's by "
+                                                     f"{(value - first[name]).abs().max().item():.3g}")
 
     def rank_fn(rank: int) -> list[dict[str, torch.Tensor]]:
         block = blocks[rank]
@@ -266,29 +290,37 @@ def _check_body(body: dict[str, Any]) -> None:
         for call, values in enumerate(calls):
             where = f"rank {rank}, call {call + 1} of {CALLS}"
             assert values.keys() == want.keys(), f"{where}: {sorted(values)} != {sorted(want)}"
-            for name, value in values.items():
-                first = calls[0][name]
-                assert torch.equal(value, first), (f"{where}: {name} differs from the first (checked) call's by "
-                                                   f"{(value - first).abs().max().item():.3g}")
-                local = _local(rank, slices, name, want[name])
-                diff = (value - local).abs().max().item()
-                assert ((value - local).abs() <= TOL * (1 + local.abs())).all(), (
-                    f"{where}: {name} differs from the unsharded module's by {diff:.3g}")
+            same(where, values, calls[0])
+            close(where, values, want, rank)
+        values = _step(block, other, seed)
+        assert values.keys() == want_other.keys(), f"rank {rank}, other values: {sorted(values)}"
+        close(f"rank {rank}, a call on other values", values, want_other, rank)
+        calls.append(values)
+        no_grad = [_outputs(block, x) for _ in range(CALLS)]
+        for call, values in enumerate(no_grad):
+            where = f"rank {rank}, call {call + 1} of {CALLS} with no gradients"
+            same(where, values, no_grad[0])
+            close(where, values, want, rank)
+        calls.extend(no_grad)
+        # Per signature (grad mode: CALLS + 1 calls with gradients, CALLS without): a plan, replayed by every
+        # call after the first, or the reason it stays checked, every call checked.
+        plans = block.__dict__["forward"]._plans
+        assert len(plans) == 2, f"rank {rank}: {plans}"
+        replayed = sum(CALLS if key[0] else CALLS - 1 for key, plan in plans.items() if isinstance(plan, _replay.Plan))
+        reasons = sorted({plan for plan in plans.values() if isinstance(plan, str)})
         counts = _zones.zone_calls(block)[""]
-        if counts["replayed"]:
-            assert counts == {"checked": 1, "replayed": CALLS - 1, "not_replayed_because": []}, f"rank {rank}: {counts}"
-        else:
-            assert counts["checked"] == CALLS and counts["not_replayed_because"], f"rank {rank}: {counts}"
+        assert counts == {"checked": 2 * CALLS + 1 - replayed, "replayed": replayed, "not_replayed_because": reasons}, \
+            f"rank {rank}: {counts}, plans {plans}"
         return calls
 
     with _simulated(WORLD) as ranks:
         results = ranks.run(rank_fn)
-    whole_on_every_rank = [name for name in want if name not in SPLITS]  # outputs, loss, input, whole parameters
     for rank, calls in enumerate(results):
         for call, values in enumerate(calls):
-            for name in whole_on_every_rank:
-                assert torch.equal(values[name], results[0][0][name]), \
-                    f"{name}: rank {rank}'s call {call + 1} differs from rank 0's first call"
+            for name, value in values.items():
+                if name not in SPLITS:  # outputs, loss, input, whole parameters
+                    assert torch.equal(value, results[0][call][name]), \
+                        f"{name}: rank {rank}'s call {call + 1} differs from rank 0's"
 
 
 @settings(max_examples=examples(100), deadline=None, derandomize=True)
