@@ -117,6 +117,8 @@ class _Body(nn.Module):
                 x = -latest(0) / step[1]
             elif kind == "add-number":
                 x = 1.0 - (x + 2)
+            elif kind == "h-mean":  # a reduction over the split features: the engine all-reduces (no replay)
+                x = x + hidden().mean(-1, keepdim=True)
             elif kind == "up-raw":  # the column-parallel layer fed the stream as it is (a pending sum, or not)
                 h = F.silu(self.up(x))
             elif kind == "sum2":
@@ -173,7 +175,7 @@ _STEPS = hs.one_of(
     hs.tuples(hs.just("down"), hs.sampled_from([1, 2])),
     hs.tuples(hs.sampled_from(["add", "radd", "sub", "rsub", "iadd"]), _DOWN),
     hs.tuples(hs.sampled_from(["scale", "div"]), hs.sampled_from([0.5, -2.0, 3])),
-    hs.tuples(hs.sampled_from(["up-raw", "sum2", "gate", "gate-param", "add-number", "layer-norm", "rms-norm",
+    hs.tuples(hs.sampled_from(["up-raw", "h-mean", "sum2", "gate", "gate-param", "add-number", "layer-norm", "rms-norm",
                                "dropout", "keep", "residual"])),
     hs.tuples(hs.just("round-trip"), hs.sampled_from(["view", "reshape", "transpose"]),
               hs.sampled_from(["none", "scale", "dropout"])),
@@ -186,6 +188,7 @@ def _bodies(draw: Any) -> dict[str, Any]:
     return {"steps": tuple(draw(hs.lists(_STEPS, min_size=2, max_size=6))),
             "returns": draw(hs.sampled_from(["x", "tuple", "dict"])),
             "hidden": draw(hs.sampled_from([5, 6])), "seq": draw(hs.integers(1, 4)),
+            "input_grad": draw(hs.booleans()),
             "slices": ((0, lengths[0]), (lengths[0], lengths[1])), "seed": draw(hs.integers(0, 2**16))}
 
 
@@ -236,18 +239,22 @@ def _leaves(out: Any) -> dict[str, torch.Tensor]:
     return {f"out[{k!r}]": v for k, v in out.items()}
 
 
-def _step(module: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
-    """Every output leaf, a loss made from them, and the gradients of the input and of every parameter that has one."""
+def _step(module: nn.Module, x: torch.Tensor, seed: int, input_grad: bool) -> dict[str, torch.Tensor]:
+    """Every output leaf, a loss made from them, and the gradients of the input (if ``input_grad``) and of every
+    parameter that has one."""
     module.zero_grad()
-    x = x.clone().requires_grad_()
+    x = x.clone().requires_grad_(input_grad)
     leaves = _leaves(module(x))
     gen = torch.Generator().manual_seed(seed)
     loss = sum((v * torch.randn(v.shape, generator=gen, dtype=torch.float64)).sum() for v in leaves.values())
     assert isinstance(loss, torch.Tensor)
-    loss.backward()
-    assert x.grad is not None
+    if loss.requires_grad:  # not when the body returns its input untouched, which needs no gradient
+        loss.backward()
     found = {name: v.detach().clone() for name, v in leaves.items()}
-    found.update({"loss": loss.detach(), "input": x.grad})
+    found["loss"] = loss.detach()
+    if input_grad:
+        assert x.grad is not None
+        found["input"] = x.grad
     found.update({name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None})
     return found
 
@@ -265,11 +272,11 @@ def _check_body(body: dict[str, Any]) -> None:
     values (a replay must not keep anything of the call it replays but the path); then ``CALLS`` calls
     with no gradients (another signature: checked, then replayed).
     """
-    slices, seed = body["slices"], body["seed"]
+    slices, seed, grad = body["slices"], body["seed"], body["input_grad"]
     gen = torch.Generator().manual_seed(seed)
     x, other = (torch.randn(BATCH, body["seq"], body["hidden"], generator=gen, dtype=torch.float64) for _ in range(2))
     whole = _reference(body)
-    want, want_other = _step(whole, x, seed), _step(whole, other, seed)
+    want, want_other = _step(whole, x, seed, grad), _step(whole, other, seed, grad)
     blocks = [_sharded(rank, whole, slices) for rank in range(WORLD)]  # before the ranks start: one generator
 
     def close(where: str, found: dict[str, torch.Tensor], unsharded: dict[str, torch.Tensor], rank: int) -> None:
@@ -286,13 +293,13 @@ def _check_body(body: dict[str, Any]) -> None:
 
     def rank_fn(rank: int) -> list[dict[str, torch.Tensor]]:
         block = blocks[rank]
-        calls = [_step(block, x, seed) for _ in range(CALLS)]
+        calls = [_step(block, x, seed, grad) for _ in range(CALLS)]
         for call, values in enumerate(calls):
             where = f"rank {rank}, call {call + 1} of {CALLS}"
             assert values.keys() == want.keys(), f"{where}: {sorted(values)} != {sorted(want)}"
             same(where, values, calls[0])
             close(where, values, want, rank)
-        values = _step(block, other, seed)
+        values = _step(block, other, seed, grad)
         assert values.keys() == want_other.keys(), f"rank {rank}, other values: {sorted(values)}"
         close(f"rank {rank}, a call on other values", values, want_other, rank)
         calls.append(values)
