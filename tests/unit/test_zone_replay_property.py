@@ -105,6 +105,8 @@ class _Body(nn.Module):
                 x = latest(step[1]) + x
             elif kind == "sub":
                 x = x - latest(step[1])
+            elif kind == "add-alpha":
+                x = torch.add(x, latest(step[1]), alpha=-0.5)
             elif kind == "rsub":
                 x = latest(step[1]) - x
             elif kind == "iadd":  # in place, on a copy (the stream may be the input, a leaf)
@@ -119,6 +121,8 @@ class _Body(nn.Module):
                 x = 1.0 - (x + 2)
             elif kind == "h-mean":  # a reduction over the split features: the engine all-reduces (no replay)
                 x = x + hidden().mean(-1, keepdim=True)
+            elif kind == "split-cat":  # cut on the sequence and put back together
+                x = torch.cat([x[:, :1], x[:, 1:]], dim=1)
             elif kind == "up-raw":  # the column-parallel layer fed the stream as it is (a pending sum, or not)
                 h = F.silu(self.up(x))
             elif kind == "sum2":
@@ -147,38 +151,41 @@ class _Body(nn.Module):
         if self.returns == "tuple":
             return x, self.norm(x)
         assert self.returns == "dict", self.returns
-        return {"x": x, "kept": y}
+        return {"x": x, "kept": y, "eps": EPS, "none": None}
 
     def round_trip(self, x: torch.Tensor, how: str, between: str) -> torch.Tensor:
-        """``x`` viewed, reshaped or transposed, ``between`` applied, and brought back to its shape."""
+        """``x`` viewed, reshaped, flattened, transposed, permuted or unsqueezed, ``between`` applied, and brought
+        back to its shape."""
         b, s, d = x.shape
-        if how == "transpose":
-            t = x.transpose(0, 1)
-        elif how == "view":
-            t = x.view(b * s, d)
-        else:
-            t = x.reshape(-1, d)
+        there: dict[str, Any] = {
+            "view": lambda t: t.view(b * s, d), "reshape": lambda t: t.reshape(-1, d),
+            "flatten": lambda t: t.flatten(0, 1), "transpose": lambda t: t.transpose(0, 1),
+            "permute": lambda t: t.permute(2, 0, 1), "unsqueeze": lambda t: t.unsqueeze(0)}
+        back: dict[str, Any] = {
+            "view": lambda t: t.view(b, s, d), "reshape": lambda t: t.reshape(b, s, d),
+            "flatten": lambda t: t.unflatten(0, (b, s)), "transpose": lambda t: t.transpose(0, 1),
+            "permute": lambda t: t.permute(1, 2, 0), "unsqueeze": lambda t: t.squeeze(0)}
+        t = there[how](x)
         if between == "scale":
             t = t * 0.5
         elif between == "dropout":
             t = F.dropout(t, 0.0)
-        if how == "transpose":
-            return t.transpose(0, 1)
-        if how == "view":
-            return t.view(b, s, d)
-        return t.reshape(b, s, d)
+        elif between == "index":
+            t = t[..., :]
+        return back[how](t)  # type: ignore[no-any-return]
 
 
 _DOWN = hs.sampled_from([0, 1, 2])  # 0: the latest pending sum (a new one from down1 if none); 1, 2: a new one
 _STEPS = hs.one_of(
     hs.just(("up",)),
     hs.tuples(hs.just("down"), hs.sampled_from([1, 2])),
-    hs.tuples(hs.sampled_from(["add", "radd", "sub", "rsub", "iadd"]), _DOWN),
+    hs.tuples(hs.sampled_from(["add", "radd", "sub", "rsub", "iadd", "add-alpha"]), _DOWN),
     hs.tuples(hs.sampled_from(["scale", "div"]), hs.sampled_from([0.5, -2.0, 3])),
-    hs.tuples(hs.sampled_from(["up-raw", "h-mean", "sum2", "gate", "gate-param", "add-number", "layer-norm", "rms-norm",
-                               "dropout", "keep", "residual"])),
-    hs.tuples(hs.just("round-trip"), hs.sampled_from(["view", "reshape", "transpose"]),
-              hs.sampled_from(["none", "scale", "dropout"])),
+    hs.tuples(hs.sampled_from(["up-raw", "h-mean", "split-cat", "sum2", "gate", "gate-param", "add-number",
+                               "layer-norm", "rms-norm", "dropout", "keep", "residual"])),
+    hs.tuples(hs.just("round-trip"),
+              hs.sampled_from(["view", "reshape", "flatten", "transpose", "permute", "unsqueeze"]),
+              hs.sampled_from(["none", "scale", "dropout", "index"])),
 )
 
 
@@ -236,7 +243,8 @@ def _leaves(out: Any) -> dict[str, torch.Tensor]:
         return {"out": out}
     if isinstance(out, tuple):
         return {f"out[{i}]": v for i, v in enumerate(out)}
-    return {f"out[{k!r}]": v for k, v in out.items()}
+    assert out["eps"] == EPS and out["none"] is None, out
+    return {f"out[{k!r}]": v for k, v in out.items() if isinstance(v, torch.Tensor)}
 
 
 def _step(module: nn.Module, x: torch.Tensor, seed: int, input_grad: bool) -> dict[str, torch.Tensor]:
