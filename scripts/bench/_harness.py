@@ -338,7 +338,7 @@ def summarize_fresh(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "seconds": round(statistics.median(walls), 2),
         "seconds_all_runs": [round(w, 2) for w in walls],
         # CPU time of each rank: less sensitive than wall time to other load on the machine.
-        "cpu_seconds": [round(c, 2) for c in cpus],
+        "cpu_seconds": [round(c, 4) for c in cpus],
         "peak_growth_mib": [round(p / MiB) for p in peaks],
         "shard_mib": [round(r["shard_bytes"] / MiB) for r in ranks],
         "goal_mib": [round((1.2 * r["shard_bytes"] + 200 * MiB) / MiB) for r in ranks],
@@ -349,15 +349,19 @@ def summarize_fresh(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def vs_torch(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+def vs_torch(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Every way's wall time and mean CPU time over ``torch_parallelize_module``'s (``summarize_fresh``
     results by way); empty without that way."""
     if "torch_parallelize_module" not in results:
         return {}
     torch_seconds = results["torch_parallelize_module"]["seconds"]
     torch_cpu = statistics.mean(results["torch_parallelize_module"]["cpu_seconds"])
-    return {m: {"wall": round(r["seconds"] / torch_seconds, 2),
-                "cpu": round(statistics.mean(r["cpu_seconds"]) / torch_cpu, 2)} for m, r in results.items()}
+
+    def ratio(value: float, base: float) -> float | None:
+        return round(value / base, 2) if base > 0 else None  # a model too small to time: no ratio
+
+    return {m: {"wall": ratio(r["seconds"], torch_seconds), "cpu": ratio(statistics.mean(r["cpu_seconds"]), torch_cpu)}
+            for m, r in results.items()}
 
 
 def finish_fresh_report(report: dict[str, Any], runs: dict[str, list[dict[str, Any]]],

@@ -17,7 +17,8 @@ features, the rest replicated):
   ``reduce_from_ranks``): the same local ops and communication, run without the engine.
   Its loss must equal the engine's bit for bit, or the comparison is not of one computation.
 * ``floor``: the plain model under a ``TorchFunctionMode`` that only calls each op: what
-  Python's dispatch to any mode costs, which the engine cannot go below.
+  Python's dispatch to any mode costs, which a checked call cannot go below (a replay runs
+  no mode: only its sharded layers and the ops on pending sums it keeps cost it anything).
 
 The four run alternately, ``--iters`` forwards per measurement, ``--repeat`` times, with
 gradients enabled (as in training) and under ``no_grad``. Per op: ``(engine - plain) / ops``
@@ -61,7 +62,7 @@ _REPLAY_ENV = "SHARDKIT_ENGINE_REPLAY"
 
 
 class _PassThrough(TorchFunctionMode):
-    """A mode that only calls each op: what any ``TorchFunctionMode`` costs, the floor for the engine."""
+    """A mode that only calls each op: what any ``TorchFunctionMode`` costs, the floor for a checked call."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         return func(*args, **(kwargs or {}))

@@ -1400,12 +1400,16 @@ def _pending_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: 
     unsummed = list({id(x): x for x in flat if _unsummed_pending(x)}.values())
     if len(unsummed) > 1:  # combined with another before (or while) summed: a replay must keep them pending
         _first_use(unsummed, "consumed")
+    versions = [x._version for x in unsummed]
     _STATE.pending_op = True
     try:
         out = _tagged_op(func, args, kwargs, kind, tags)
     finally:
         _STATE.pending_op = False
-    _first_use([x for x in unsummed if x is not out and _unsummed_pending(x)], "consumed")
+    # Not a use: an op that hands back its pending operand untouched (``.to`` its own dtype). Written to in
+    # place, the operand holds new addends, which a sum taken where it was made would not see.
+    _first_use([x for x, version in zip(unsummed, versions)
+                if _unsummed_pending(x) and (x is not out or x._version != version)], "consumed")
     _made_pending(out, flat)
     leaves: list[Any] = []
     if not _replay.output_leaves(out, leaves) or any(

@@ -43,6 +43,9 @@ class Arch:
     all_reduces: int  # forward all-reduces: one per row-parallel projection or statistic over split features
     inputs: str = "padded"  # "padded" (tokens and an attention mask), "seq2seq" or "pixels"
     register: Callable[[], None] | None = None  # a module registration the model needs, as a user writes it
+    # Backward all-reduces of a decoder beyond its forward ones: a whole parameter each rank applies to its own
+    # heads only (Qwen3's and Gemma3's per-head q_norm and k_norm) has its gradient summed over the ranks.
+    extra_backward_all_reduces: int = 0
 
 
 # --- layouts -----------------------------------------------------------------------------------
@@ -301,9 +304,10 @@ ARCHS = [
     Arch("llama_eager", "GQA, attention as matmul + softmax (eager)", "decoders", _llama_eager, _llama_like, L2),
     Arch("mistral", "GQA, sliding window", "decoders", _mistral, _llama_like, L2),
     Arch("qwen2", "GQA, q/k/v bias", "decoders", _qwen2, _llama_like, L2),
-    Arch("qwen3", "GQA, qk-norm per head", "decoders", _qwen3, _llama_like, L2),
+    Arch("qwen3", "GQA, qk-norm per head", "decoders", _qwen3, _llama_like, L2, extra_backward_all_reduces=2 * LAYERS),
     Arch("gemma2", "GQA, sliding window, logit soft-capping", "decoders", _gemma2, _llama_like, L2),
-    Arch("gemma3", "GQA, qk-norm per head, sliding window", "decoders", _gemma3, _llama_like, L2),
+    Arch("gemma3", "GQA, qk-norm per head, sliding window", "decoders", _gemma3, _llama_like, L2,
+         extra_backward_all_reduces=2 * LAYERS),
     Arch("cohere", "GQA, parallel attention+MLP, LayerNorm", "decoders", _cohere, _llama_like, PARALLEL),
     # The norm across all heads needs one statistic (a sum of squares) summed over the ranks: 2 more
     # all-reduces per layer, for q and for k.

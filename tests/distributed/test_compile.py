@@ -53,7 +53,7 @@ BACKEND = os.environ.get("SHARDKIT_COMPILE_BACKEND", "aot_eager")
 FORWARD_TOL = 1e-6  # relative to the logits' largest magnitude; measured differences are at most ~2e-7
 # Architectures of the matrix compiled here: GQA + RoPE + SwiGLU; a fused (packed) Conv1D qkv with
 # tied embeddings. Each costs tens of seconds of tracing on a loaded 2-core machine;
-# SHARDKIT_COMPILE_ARCHS=llama,qwen3,... checks others (all 23 of the matrix pass, see docs/huggingface.md).
+# SHARDKIT_COMPILE_ARCHS=llama,qwen3,... checks others (all 24 of the matrix pass, see docs/huggingface.md).
 ARCHITECTURES = ["llama", "gpt2"]
 # Llama sharded with ``st.tensor_parallel_spec``: its vocabulary-split embedding and lm_head make the
 # whole model one zone, and transformers' loss in the forward runs on the split logits.
@@ -140,7 +140,8 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
         if arch.register is not None:
             arch.register()
         build, spec, x = arch.build, spec_of(arch, world), inputs(arch.inputs, 0)
-        all_reduces = (arch.all_reduces, arch.all_reduces) if arch.group == "decoders" else None
+        all_reduces = (arch.all_reduces, arch.all_reduces + arch.extra_backward_all_reduces) \
+            if arch.group == "decoders" else None
     ref, model = build(), build()
     model.load_state_dict(ref.state_dict())
     st.shard_model(model, spec, src_rank=0)

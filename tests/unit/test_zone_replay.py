@@ -450,6 +450,10 @@ class _SumFirst(nn.Module):
             return self.norm(x + self.mid(self.down(h)))
         if case == "into-column-parallel":
             return self.norm(x + self.down3(F.silu(self.up2(self.down(h)))))
+        if case == "scaled-in-place":
+            p = self.down(h)
+            p.mul_(3.0)
+            return self.norm(p)
         assert case == "used-twice", case
         y = x + self.down(h)
         n = self.norm(y)
@@ -513,6 +517,8 @@ SUM_FIRST_CASES: dict[str, tuple[frozenset[int], list[str], int]] = {
     "into-column-parallel": (frozenset({2}), ["getset_descriptor.__get__", "TensorBase.add"], 2),
     # 0 down(h); 1 y = x + 0, summed by the norm, then added to its output: the add reads the sum.
     "used-twice": (frozenset({1}), ["TensorBase.add"], 1),
+    # 0 down(h), scaled in place (its addends changed: a use), then summed by the norm: nothing summed first.
+    "scaled-in-place": (frozenset(), ["TensorBase.mul_", "layer_norm"], 1),
 }
 
 
