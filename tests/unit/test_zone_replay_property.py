@@ -116,6 +116,8 @@ class _Body(nn.Module):
             elif kind == "imul":
                 x = x * 1.0 if x is stream else x
                 x *= step[1]
+            elif kind == "mul-p":  # a product with a pending sum: not linear in it
+                x = x * latest(step[1])
             elif kind == "add-alpha":
                 x = torch.add(x, latest(step[1]), alpha=-0.5)
             elif kind == "rsub":
@@ -146,6 +148,8 @@ class _Body(nn.Module):
                 while len(ps) < 2:
                     made(len(ps) + 1)
                 x = ps[-2] + ps[-1]
+            elif kind == "center":
+                x = x - x.mean(-1, keepdim=True)
             elif kind == "gate":
                 x = x * self.gate
             elif kind == "gate-param":  # a scale that needs a gradient
@@ -189,25 +193,27 @@ class _Body(nn.Module):
             t = F.dropout(t, 0.0)
         elif between == "index":
             t = t[..., :]
+        elif between == "clone":
+            t = t.clone()
         return back[how](t)  # type: ignore[no-any-return]
 
 
 _DOWN = hs.sampled_from([0, 1, 2])  # 0: the latest pending sum (a new one from down1 if none); 1, 2: a new one
 # Not drawn, until the test named passes (then add it back to its kinds below):
-# - "mean-iadd" (a stream whose sum was taken, written to in place): when the stream is a pending sum, the
-#   checked call raises (``test_a_pending_sum_summed_then_added_to_in_place``);
+# - "mean-iadd" and "iadd-alias" (a stream written to in place, after a mean or a norm took its sum): when the
+#   stream is a pending sum, the checked call raises (``test_a_pending_sum_summed_then_added_to_in_place``);
 # - "up-raw" (``up`` fed the stream as it is): when the stream is a pending sum whose first use was its sum
 #   (a norm), a replay feeds ``up`` twice the sum (``test_a_pending_sum_summed_first_then_fed_to_a_layer``).
 _STEPS = hs.one_of(
     hs.just(("up",)),
     hs.tuples(hs.just("down"), hs.sampled_from([1, 2])),
-    hs.tuples(hs.sampled_from(["add", "radd", "sub", "rsub", "iadd", "iadd-alias", "add-alpha"]), _DOWN),
+    hs.tuples(hs.sampled_from(["add", "radd", "sub", "rsub", "iadd", "add-alpha", "mul-p"]), _DOWN),
     hs.tuples(hs.sampled_from(["scale", "div", "imul"]), hs.sampled_from([0.5, -2.0, 3])),
-    hs.tuples(hs.sampled_from(["h-mean", "split-cat", "sum2", "gate", "gate-param", "add-number",
+    hs.tuples(hs.sampled_from(["h-mean", "split-cat", "center", "sum2", "gate", "gate-param", "add-number",
                                "layer-norm", "rms-norm", "dropout", "keep", "residual"])),
     hs.tuples(hs.just("round-trip"),
               hs.sampled_from(["view", "reshape", "flatten", "transpose", "permute", "unsqueeze"]),
-              hs.sampled_from(["none", "scale", "dropout", "index"])),
+              hs.sampled_from(["none", "scale", "dropout", "index", "clone"])),
 )
 
 
@@ -387,8 +393,8 @@ class _SummedThenAddedTo(_Body):
     "AttributeError: 'Partial' object has no attribute 'dim'. pending._rule hands _add the kept "
     "sum of y in place of y, _add refuses a whole tensor updated in place (_Fallback), and zones._gathered, "
     "refusing an in-place op on a tagged tensor, formats its message with split.dim / split.size, which a "
-    "Partial tag lacks. Found by the property test above with the step 'mean-iadd' (shrunk: "
-    "(('add', 0), ('mean-iadd', 0)), returns 'x')."))
+    "Partial tag lacks. Found by the property test above with the steps 'mean-iadd' (shrunk: "
+    "(('add', 0), ('mean-iadd', 0)), returns 'x') and 'iadd-alias' ((('add', 0), ('up',), ('iadd-alias', 0)))."))
 def test_a_pending_sum_summed_then_added_to_in_place() -> None:
     _check_body({"steps": (), "returns": "x", "hidden": 5, "seq": 3, "input_grad": True,
                  "slices": ((0, 4), (4, 3)), "seed": 1}, _SummedThenAddedTo)
