@@ -251,9 +251,7 @@ class Cursor:
             x = args[0]
             if want.module is module and len(want.shapes) == 1 and x.shape == want.shapes[0]:
                 self.next += 1
-                tag = want.tags[0]
-                if tag is not None or x.__dict__:
-                    set_tag(x, tag)
+                _retag_input(x, want.tags[0])
                 return
         inputs = layer_inputs(args, kwargs)
         if want.module is not module or len(inputs) != len(want.shapes) or any(
@@ -264,8 +262,7 @@ class Cursor:
                 f"{type(want.module).__name__} with {[tuple(s) for s in want.shapes]}")
         self.next += 1
         for x, tag in zip(inputs, want.tags):
-            if tag is not None or x.__dict__:
-                set_tag(x, tag)
+            _retag_input(x, tag)
 
     def finish(self, out: Any) -> None:
         """Check the layer calls are all made and the outputs are as recorded; tag the outputs."""
@@ -273,6 +270,19 @@ class Cursor:
             raise self._mismatch(f"made {self.next} sharded layer calls where the checked call made "
                                  f"{len(self.plan.layers)}")
         retag_outputs(out, self.plan.outputs, self._mismatch)
+
+
+def _retag_input(x: Tensor, tag: Any) -> None:
+    """Give a replayed sharded layer's input ``x`` the tag it had in the checked call.
+
+    Except a pending sum's: a replay hands every pending sum out tagged already, or, where the
+    checked call summed it first, as its plain sum, which the checked call's layer read too (the
+    sum it took is kept); tagged again, the sum would be summed once more.
+    """
+    if isinstance(tag, layout.Partial):
+        return
+    if tag is not None or x.__dict__:
+        set_tag(x, tag)
 
 
 def retag_outputs(out: Any, outputs: tuple[OutputLeaf, ...], mismatch: Any) -> None:

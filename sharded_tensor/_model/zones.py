@@ -1496,9 +1496,20 @@ def _gathered(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(written, Tensor) and hasattr(written, _TAG):  # a gathered copy would take the write
         owner = written
         split = getattr(owner, _TAG)
-        msg = (f"in-place op {getattr(func, '__name__', func)!r} on an activation split across ranks along "
-               f"dimension {split.dim} (shape {tuple(owner.shape)} here, {split.size} in full) cannot be run "
-               f"slice by slice; keep the layers that produce it whole, or make the op out-of-place.")
+        name = getattr(func, '__name__', func)
+        if isinstance(split, Partial):
+            msg = (f"in-place op {name!r} on a pending sum (the output of a layer split on its input features, "
+                   f"shape {tuple(owner.shape)}, of which each rank holds one addend until it is summed) cannot be "
+                   f"run on the addends, nor on their sum in their place; make the op out-of-place "
+                   f"(y = y + z instead of y += z).")
+        elif isinstance(split, Split):
+            msg = (f"in-place op {name!r} on an activation split across ranks along dimension {split.dim} "
+                   f"(shape {tuple(owner.shape)} here, {split.size} in full) cannot be run slice by slice; keep the "
+                   f"layers that produce it whole, or make the op out-of-place.")
+        else:
+            msg = (f"in-place op {name!r} on an activation split across ranks as {type(split).__name__} "
+                   f"(shape {tuple(owner.shape)} here) cannot be run on this rank's slices; keep the layers that "
+                   f"produce it whole, or make the op out-of-place.")
         raise RuntimeError(msg)
     if _STATE.recorders:
         _intervene(f"{_describe(func)} ran on gathered inputs")
