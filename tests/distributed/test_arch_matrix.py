@@ -19,8 +19,10 @@ features; everything else whole), from rank 0's weights. On every rank:
 The model runs as a zone (``zones.ZoneForward``): its first call of an input signature runs
 under the engine, later calls of the signature replay it plainly where the engine ran every op
 as written (pending sums aside: they go through the engine in a replay too). So the first
-forward and the last (no gradients: another signature) are checked and the 3 training steps
-are replays, whose numbers the checks above cover; an architecture whose code the engine
+forward and the last (no gradients: another signature) are checked; the first forward run
+again on the same batch is a replay, whose logits and gradients must equal the checked call's
+bit for bit; and the 3 training steps are replays, whose numbers the checks above cover; an
+architecture whose code the engine
 rewrites (a view to a fixed number of heads, a packed split, a weight kept whole and summed
 over the ranks) stays checked on every call, for the reason listed in ``CHECKED_EVERY_CALL``.
 
@@ -74,6 +76,14 @@ def _check(arch: Arch, rank: int, world: int) -> dict[str, Any]:
     want = ref(**x).logits
     out["logits"] = max_diff(got, want)
     loss(got).backward()
+    first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # The same call again (a replay where the engine allows): the same numbers, bit for bit.
+    model.zero_grad()
+    again = model(**x).logits
+    loss(again).backward()
+    out["again"] = {"logits": torch.equal(again, got), "grads": sorted(
+        n for n, p in model.named_parameters() if (p.grad is None) != (n not in first)
+        or (p.grad is not None and not torch.equal(p.grad, first[n])))}
     loss(want).backward()
     out["grads"] = full_mismatches(full_grads(model, rank), {n: p.grad for n, p in ref.named_parameters()})
 
@@ -198,13 +208,14 @@ def test_sharded_equals_unsharded(group_runs, name):
         assert out["params"] == {}, f"rank {rank}: parameters after {STEPS} SGD steps differ: {out['params']}"
         assert out["trained_logits"] < 1e-5, f"rank {rank}: trained logits differ by {out['trained_logits']:.2e}"
         assert out["forward_comm"] == {"all_reduce": arch.all_reduces}, f"rank {rank}: {out['forward_comm']}"
+        assert out["again"] == {"logits": True, "grads": []}, f"rank {rank}: the same call again: {out['again']}"
         model_zone = out["zones"][""]
         if name in CHECKED_EVERY_CALL:
-            assert model_zone["replayed"] == 0 and model_zone["checked"] == STEPS + 2, f"rank {rank}: {model_zone}"
+            assert model_zone["replayed"] == 0 and model_zone["checked"] == STEPS + 3, f"rank {rank}: {model_zone}"
             reasons = model_zone["not_replayed_because"]
             assert any(r.startswith(CHECKED_EVERY_CALL[name]) for r in reasons), f"rank {rank}: {reasons}"
-        else:  # the first forward and the no_grad one checked, the training steps replayed
-            assert model_zone == {"checked": 2, "replayed": STEPS, "not_replayed_because": []}, f"rank {rank}"
+        else:  # the first forward and the no_grad one checked; the same call again and the training steps replayed
+            assert model_zone == {"checked": 2, "replayed": STEPS + 1, "not_replayed_because": []}, f"rank {rank}"
 
 
 @pytest.mark.parametrize("name", [_param(a, IMPORT_XFAIL) for a in ARCHS])
