@@ -53,6 +53,8 @@ ENV = "SHARDKIT_ENGINE_REPLAY"
 
 # The same attribute as ``zones._TAG`` (a tag lives on the tensor object itself).
 _TAG = "_shardkit_split"
+# A pending sum made in a recorded call: its number in each recording that counts it.
+_MADE = "_shardkit_made"
 
 _PLAIN_VALUES = (bool, int, float, str, torch.dtype, torch.device)
 
@@ -181,7 +183,9 @@ class Recording:
     layers: list[LayerCall] = field(default_factory=list)
     # Per pending sum made, in order: how it was first used ("summed", "consumed"), or "unused" yet.
     made: list[str] = field(default_factory=list)
-    _made_at: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
+    # What this recording's numbers on the pending sums' tensors are filed under. A tensor holds its
+    # number itself (``_MADE``): the recording keeps no tensor alive, its memory is the forward's own.
+    _key: object = field(default_factory=object)
 
     def layer(self, module: torch.nn.Module, inputs: list[Tensor]) -> None:
         self.layers.append(LayerCall(module, tuple(_tag_of(x) for x in inputs), tuple(x.shape for x in inputs)))
@@ -192,15 +196,20 @@ class Recording:
         A replay then hands out its pending sums as ``_PendingTensor``s: whatever the zone does with
         one (adds a whole tensor to it, on one rank only) goes through the engine as it did here.
         """
-        self._made_at[id(tensor)] = (tensor, len(self.made))
+        numbers = tensor.__dict__.get(_MADE)
+        if numbers is None:
+            numbers = {}
+            setattr(tensor, _MADE, numbers)
+        numbers[self._key] = len(self.made)
         self.made.append("unused")
         self.pending = True
 
     def first_use(self, tensor: Tensor, how: str) -> None:
         """``tensor`` was used (``"summed"``, or ``"consumed"`` by anything else); only its first use counts."""
-        found = self._made_at.get(id(tensor))
-        if found is not None and found[0] is tensor and self.made[found[1]] == "unused":
-            self.made[found[1]] = how
+        numbers = tensor.__dict__.get(_MADE)
+        i = numbers.get(self._key) if numbers else None
+        if i is not None and self.made[i] == "unused":
+            self.made[i] = how
 
     def plan(self, out: Any, outermost: bool) -> Plan | str:
         """The plan of this call given its output ``out``, or why it is not replayable.
