@@ -179,7 +179,7 @@ class Recording:
     """What a checked zone call saw: the first intervention (why it cannot replay), its sharded layer calls."""
 
     reason: str | None = None
-    pending: bool = False  # ops on pending sums only went through the engine's pending rules
+    pending: bool = False  # pending sums were made: a replay hands them out as ``_PendingTensor``s
     layers: list[LayerCall] = field(default_factory=list)
     # Per pending sum made, in order: how it was first used ("summed", "consumed"), or "unused" yet.
     made: list[str] = field(default_factory=list)
@@ -230,7 +230,7 @@ class Recording:
         # A pending sum handed out of the zone is summed by its exit: it must leave a replay pending too.
         handed_out = any(isinstance(leaf.tag, layout.Partial) for leaf in outputs)
         sum_first = frozenset() if handed_out else frozenset(i for i, how in enumerate(self.made) if how == "summed")
-        return Plan(tuple(self.layers), outputs, self.pending or bool(sum_first), sum_first)
+        return Plan(tuple(self.layers), outputs, self.pending, sum_first)
 
 
 class Cursor:

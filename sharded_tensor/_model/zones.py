@@ -317,12 +317,12 @@ def _whole(tensor: Any, group: _comm.ProcessGroup) -> Any:
 
 def _intervene(reason: str) -> None:
     """The engine ran an op otherwise than the caller wrote it: the zone calls being checked cannot replay
-    (unless the op was on pending sums only, which a replay hands to the engine too: ``_PendingTensor``)."""
-    pending = _STATE.pending_op
+    (unless the op was on pending sums only, which a replay hands to the engine too: ``_PendingTensor``;
+    the recording knows of them from the pending sums made, ``Recording.made_pending``)."""
+    if _STATE.pending_op:
+        return
     for recording in _STATE.recorders:
-        if pending:
-            recording.pending = True
-        elif recording.reason is None:
+        if recording.reason is None:
             recording.reason = reason
 
 
@@ -1383,20 +1383,19 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not tagged:
         return func(*args, **kwargs)
     if pending_only and _STATE.recorders and not _STATE.pending_op:
-        return _pending_op(func, args, kwargs, kind, tags)
+        return _pending_op(func, args, kwargs, kind, tags, flat)
     return _tagged_op(func, args, kwargs, kind, tags)
 
 
-def _pending_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str, tags: list[Any]) -> Any:
-    """``_tagged_op`` of an op whose tagged inputs are all pending sums, in a recorded call.
+def _pending_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str, tags: list[Any],
+                flat: list[Tensor]) -> Any:
+    """``_tagged_op`` of an op whose tagged inputs (among ``flat``, its tensors) are all pending sums, in a
+    recorded call.
 
     A replay runs such an op through the engine too (``_PendingTensor``), so what the engine
-    does in it marks the call as replaying pending sums, not as unreplayable; unless its
-    output holds another tag than a pending sum, which a replay would not give it.
+    does in it does not make the call unreplayable; unless its output holds another tag than a
+    pending sum, which a replay would not give it.
     """
-    flat = _shallow_tensors(args, kwargs)
-    if flat is None:
-        flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
     unsummed = list({id(x): x for x in flat if _unsummed_pending(x)}.values())
     if len(unsummed) > 1:  # combined with another before (or while) summed: a replay must keep them pending
         _first_use(unsummed, "consumed")
