@@ -19,7 +19,7 @@ from ._model.training import (
     get_state_dict,
     set_state_dict,
 )
-from ._model.zones import loss_parallel
+from ._model.engine.zone import loss_parallel
 from ._tensor import Shard, ShardedTensor
 from ._visualize import visualize_sharding
 

@@ -44,7 +44,7 @@ from torch import nn
 from _shardkit import comm as _comm
 
 from . import registry as _registry
-from .functional import Intervals, copy_to_ranks
+from .engine.placements import Intervals, copy_to_ranks
 
 __all__ = ["ExpertsPlan", "ShardedExperts", "is_fused_experts", "register_experts_of", "combine_bytes"]
 

@@ -20,7 +20,7 @@ import torch
 from sharding import ShardedTensorMetadata
 from sharding.layout import Box, Packed, Replicated, Split
 
-from .functional import Intervals
+from .engine.placements import Intervals
 
 __all__ = ["ParamLayout", "classify", "split_placement"]
 

@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 
 import checkpoint  # noqa: E402
 import sharded_tensor as st  # noqa: E402
-from sharded_tensor._model.zones import split_of  # noqa: E402
+from sharded_tensor._model.engine.placements import placement_of as split_of  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
 from tests.distributed._grads import local_grad_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402

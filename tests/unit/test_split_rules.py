@@ -25,8 +25,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
 from _shardkit import comm as _comm  # noqa: E402
-from sharded_tensor._model import parallel as _parallel  # noqa: E402, F401 - every tag kind registered
-from sharded_tensor._model import zones as _zones  # noqa: E402
+from sharded_tensor._model.engine import placements  # noqa: E402
+from sharded_tensor._model.engine.placements import Packed, Partial, Split, tag, to_whole  # noqa: E402
+from sharded_tensor._model.engine.zone import zone  # noqa: E402
 from tests._examples import examples  # noqa: E402
 
 
@@ -202,11 +203,11 @@ def test_rule_on_slices_equals_op_on_the_whole(case):
         start, length = intervals[rank]
         local = x.narrow(dim, start, length).clone().requires_grad_()
         weight = w.clone().requires_grad_()
-        tagged = _zones.tag(local.view_as(local), _zones.Split(dim, intervals))
-        with _zones._zone():
+        tagged = tag(local.view_as(local), Split(dim, intervals))
+        with zone():
             out = op(tagged, weight, p)
         gathers = getattr(ranks.local, "all_gathers", 0)
-        out = _zones.to_replicated(out)  # as a zone's outputs leave it
+        out = to_whole(out)  # as a zone's outputs leave it
         (out * upstream).sum().backward()
         return out.detach(), local.grad, weight.grad, gathers
 
@@ -277,7 +278,6 @@ def _pending_cases(draw: Any) -> dict[str, Any]:
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(case=_pending_cases())
 def test_pending_sum_on_addends_equals_op_on_the_sum(case):
-    from sharded_tensor._model import pending
 
     op, all_reduces = PENDING_OPS[case["name"]]
     gen = torch.Generator().manual_seed(case["seed"])
@@ -292,8 +292,8 @@ def test_pending_sum_on_addends_equals_op_on_the_sum(case):
     def rank_fn(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
         local = addends[rank].clone().requires_grad_()
         weight = w.clone().requires_grad_()
-        with _zones._zone():
-            out = _zones.to_replicated(op(pending.pending(local.view_as(local), None), weight))
+        with zone():
+            out = to_whole(op(tag(local.view_as(local), Partial()), weight))
         count = ranks.local.all_reduces
         (out * upstream).sum().backward()
         return out.detach(), local.grad, weight.grad, count
@@ -331,10 +331,10 @@ def test_packed_slices_taken_apart_by_indexing_are_exact_without_gathers():
     def rank_fn(rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
         local = torch.cat([x.narrow(-1, s, n) for s, n in pieces[rank]], -1).requires_grad_()
         weight = w.clone().requires_grad_()
-        with _zones._zone():
-            out = op(_zones.tag(local.view_as(local), _zones.Packed(2, pieces)), weight)
+        with zone():
+            out = op(tag(local.view_as(local), Packed(2, pieces)), weight)
         gathers = getattr(ranks.local, "all_gathers", 0)
-        out = _zones.to_replicated(out)
+        out = to_whole(out)
         (out * upstream).sum().backward()
         return out.detach(), local.grad, weight.grad, gathers
 

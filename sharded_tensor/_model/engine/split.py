@@ -1,0 +1,718 @@
+"""Rules for split activations (``Split``) and packed ones (``Packed``).
+
+A Linear split on its output features hands out this rank's slice of its output, tagged
+``Split``; the model's own code then runs on that slice. Each rule below proves an op acts
+slice by slice and says where the split lands:
+
+* element-wise ops with broadcasting (a whole operand is cut to this rank's slice, or, when
+  it broadcasts along the split, used whole by every rank through ``copy_to_ranks``); dropout
+  draws the whole mask on every rank, as the unsharded op would, and keeps this rank's slice;
+* reshapes that keep the split the outermost dimension of its group (sizes read first as the
+  unsharded program reads them, against the whole tensor; a merge with outer dimensions gives
+  a strided split, see ``strided``), transposes, ``expand``, indexing that leaves the split
+  dimension whole, complex views;
+* ops along another dimension (softmax, cumsum, concatenation, splitting), reductions over
+  other dimensions, and a sum or mean across the split (local sums, one all-reduce);
+* batched matmuls, ``linear`` and normalizations with the split on a batch dimension,
+  ``scaled_dot_product_attention`` over split heads (grouped key/value heads included);
+* writes of split values into a buffer split alike (a key/value cache).
+
+A ``Packed`` activation (a fused q/k/v projection's output) is taken apart by ``split``,
+``chunk`` or indexing at its slices' boundaries, into ordinary splits; any other op gathers
+it. Any op without a rule, or a call a rule cannot prove, runs on gathered tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import shapes as _shapes
+from . import state as _state
+from .placements import Packed, Split, Strided, placement_of, reduce_from_ranks, shared_copy
+from .rules import Call, Decision, Each, Fallback, declare, in_place, norm_dim, pointwise_names
+
+__all__ = ["elementwise", "whole_operand", "LocalSize", "local_sizes", "reshape"]
+
+
+def _split_of(x: Any) -> Split | None:
+    found = placement_of(x)
+    return found if type(found) is Split else None
+
+
+def _first_split(call: Call) -> tuple[Tensor, Split]:
+    x = call.args[0] if call.args else None
+    split = _split_of(x)
+    if split is None:
+        raise Fallback
+    return x, split  # type: ignore[return-value]
+
+
+def whole_operand(call: Call, t: Tensor, group: Any) -> tuple[tuple[int, Any], ...]:
+    """The move of a whole operand that every rank combines, whole, with its own slice.
+
+    Each rank's gradient for it then covers only that rank's slice, so its backward sums the
+    gradients over the ranks (``copy_to_ranks``, shared by every use in the zone call); no move
+    when it needs no gradient.
+    """
+    if isinstance(t, Tensor) and t.requires_grad and call.grad and placement_of(t) is None:
+        return ((call.index(t), functools.partial(shared_copy, group=group)),)
+    return ()
+
+
+def _cut(call: Call, t: Tensor, dim: int, split: Split) -> tuple[int, Any]:
+    """The move of a whole operand cut to this rank's slice along ``dim`` (its gradient gathered back)."""
+    return call.index(t), functools.partial(split.cut, dim=dim)
+
+
+# -- element-wise -----------------------------------------------------------------------------------
+
+def elementwise(call: Call) -> Decision:
+    """Ops that act element by element, with broadcasting (add, mul, silu, where, ...)."""
+    tensors = [(i, t) for i, t in enumerate(call.leaves) if isinstance(t, Tensor)]
+    if call.name in ("to", "type_as") and call.args:
+        tensors = tensors[:1]  # ``x.to(other)`` reads other's dtype and device, not its values
+    out_ndim = max(t.dim() for _, t in tensors)
+    found: Split | None = None
+    for _, t in tensors:
+        placement = placement_of(t)
+        if placement is None:
+            continue
+        if type(placement) is not Split:
+            raise Fallback
+        aligned = placement if out_ndim == t.dim() else placement.moved(out_ndim - t.dim() + placement.dim)
+        if found is not None and aligned != found:
+            raise Fallback
+        found = aligned
+    assert found is not None
+    first = call.args[0] if call.args else None
+    if isinstance(first, Tensor) and placement_of(first) is None and in_place(call.func):
+        raise Fallback  # a whole tensor updated in place must receive whole values
+    moves: list[tuple[int, Any]] = []
+    local: dict[int, Tensor] = {}
+    length = found.length()
+    for i, t in tensors:
+        if placement_of(t) is not None:
+            continue
+        local_dim = found.dim - (out_ndim - t.dim())
+        if local_dim < 0 or t.shape[local_dim] == 1:
+            moves.extend(whole_operand(call, t, found.group))  # broadcast against every rank's slice
+            continue
+        if t.shape[local_dim] != found.size:
+            raise Fallback
+        moves.append(_cut(call, t, local_dim, found))
+        shape = list(t.shape)
+        shape[local_dim] = length
+        local[i] = torch.empty(shape, dtype=t.dtype, device="meta")
+    out = call.meta_out(local)
+    if out is not None and not (isinstance(out, Tensor) and out.dim() == out_ndim):
+        raise Fallback  # not one tensor of the broadcast shape: an op that only looks element-wise
+    return Decision(tuple(moves), out=found)
+
+
+def _dropout(call: Call) -> Decision:
+    """Dropout on a split activation: the whole mask drawn on every rank, this rank's slice of it applied.
+
+    The unsharded op draws one Bernoulli mask of the whole tensor's shape from the generator;
+    drawing the same on every rank (the same generator state, as tensor-parallel ranks seed
+    alike) gives each rank its slice of that very mask, so the values equal the unsharded
+    model's and the generator advances as it would.
+    """
+    x, split = _first_split(call)
+    bound = call.bound()
+    p = bound.get("p", 0.5)
+    train = bound.get("train", bound.get("training", True))
+    if bound.get("inplace", False) or not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
+        raise Fallback
+    if p == 0 or not train:
+        return Decision(out=split)  # the identity
+    return Decision(run=functools.partial(_masked, split=split, p=float(p)), out=split)
+
+
+def _masked(x: Tensor, *args: Any, split: Split, p: float, **kwargs: Any) -> Tensor:
+    """``x`` times this rank's slice of a whole dropout mask, laid out in memory as ``x`` is (as
+    ``torch.empty_like`` lays out the unsharded op's mask, whose memory order the draw follows)."""
+    if p == 1:
+        return x * torch.zeros((), dtype=x.dtype, device=x.device)
+    whole = list(x.shape)
+    whole[split.dim] = split.size
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    noise = torch.empty([whole[d] for d in order], dtype=x.dtype, device=x.device)
+    noise = noise.permute([order.index(d) for d in range(len(order))])
+    noise.bernoulli_(1 - p)
+    noise.div_(1 - p)
+    start, length = split.intervals[_state.rank(split.group)]
+    return x * noise.narrow(split.dim, start, length)
+
+
+# -- shapes -----------------------------------------------------------------------------------------
+
+_VIEWS = {"view", "view_as", "unflatten", "squeeze", "unsqueeze"}  # the others may copy: reshape, flatten
+
+
+def _to_shape(x: Tensor, *args: Any, shape: tuple[int, ...], view: bool, **kwargs: Any) -> Tensor:
+    return x.view(shape) if view else x.reshape(shape)
+
+
+def _meta(x: Tensor, shape: Sequence[int]) -> Tensor:
+    return torch.empty(tuple(shape), dtype=x.dtype, device="meta")
+
+
+class LocalSize(int):
+    """A size read off a split activation's own shape (``x.shape`` gives this rank's sizes).
+
+    Given to a reshape, such a size means what it measured: this rank's extent, not the whole
+    tensor's. Arithmetic on it gives a plain ``int``.
+    """
+
+    __slots__ = ()
+
+
+def local_sizes(value: Any) -> Any:
+    """``value`` (a shape or size read off a split activation) with its sizes marked :class:`LocalSize`."""
+    if type(value) is int:
+        return LocalSize(value)
+    if isinstance(value, torch.Size):
+        return torch.Size([LocalSize(v) if type(v) is int else v for v in value])
+    return value
+
+
+def reshape(call: Call) -> Decision:
+    """view / reshape / flatten / unflatten / (un)squeeze / view_as, on this rank's slice.
+
+    Sizes read off the slice's own shape (:class:`LocalSize`, as in ``x.reshape(*x.shape[:-1],
+    -1, 2)``) are this rank's: the call is read against the local slice. Other sizes are read
+    first as the unsharded program reads them, against the whole tensor (``view(b, s,
+    num_heads, 3, head_dim)`` with a fixed ``num_heads``), then against the local slice. A split
+    merged with dimensions outside it (``reshape(batch * heads, ...)``, by ``view`` or
+    ``reshape``) gives a strided split.
+    """
+    x, split = _first_split(call)
+    view = call.name in _VIEWS
+    readings = (_read_locally, _read_whole)
+    if not any(type(v) is LocalSize for v in call.leaves[1:]):
+        readings = readings[::-1]
+    for reading in readings:
+        found = reading(call, x, split, view)
+        if found is not None:
+            return found
+    raise Fallback
+
+
+def _read_whole(call: Call, x: Tensor, split: Split, view: bool) -> Decision | None:
+    whole = list(x.shape)
+    whole[split.dim] = split.size
+    out = call.meta_out({0: _meta(x, whole)})
+    if not isinstance(out, Tensor):
+        return None
+    shape = list(out.shape)
+    if call.name in ("view", "reshape"):
+        merge = _shapes.merged(whole, shape, split.dim)
+        if merge is not None:
+            dim, blocks, inner = merge
+            intervals = tuple((s * inner, n * inner) for s, n in split.intervals)
+            local = list(shape)
+            local[dim] = blocks * x.shape[split.dim] * inner
+            return Decision(run=functools.partial(_to_shape, shape=tuple(local), view=view),
+                            out=Strided(dim, intervals, blocks, split.group))
+    found = _shapes.moved(whole, shape, split)
+    if found is None:
+        return None
+    local = list(shape)
+    local[found.dim] = found.length()
+    if math.prod(local) != x.numel():
+        return None
+    return Decision(run=functools.partial(_to_shape, shape=tuple(local), view=view), out=found)
+
+
+def _read_locally(call: Call, x: Tensor, split: Split, view: bool) -> Decision | None:
+    out = call.meta_out()
+    if not isinstance(out, Tensor):
+        return None
+    found = _shapes.moved(list(x.shape), list(out.shape), split)
+    if found is None:
+        return None
+    return Decision(run=functools.partial(_to_shape, shape=tuple(out.shape), view=view), out=found)
+
+
+def _transpose(call: Call) -> Decision:
+    x, split = _first_split(call)
+    ndim = x.dim()
+    order = list(range(ndim))
+    if call.name == "t":
+        order = order[::-1]
+    else:
+        bound = call.bound()
+        if call.name == "permute":
+            order = [norm_dim(d, ndim) for d in bound["dims"]]
+        else:  # transpose, swapdims (dim0, dim1), swapaxes (axis0, axis1)
+            d0 = norm_dim(bound["dim0"] if "dim0" in bound else bound["axis0"], ndim)
+            d1 = norm_dim(bound["dim1"] if "dim1" in bound else bound["axis1"], ndim)
+            order[d0], order[d1] = order[d1], order[d0]
+    return Decision(out=split.moved(order.index(split.dim)))
+
+
+def _getter(call: Call) -> Decision:
+    """``x.T``, ``x.mT`` (the split moves), ``x.real``, ``x.imag`` (it stays)."""
+    x, split = _first_split(call)
+    attr = getattr(getattr(call.func, "__self__", None), "__name__", "")
+    if attr in ("real", "imag"):
+        return Decision(out=split)
+    order = list(range(x.dim()))
+    if attr in ("T", "H"):
+        order = order[::-1]
+    elif attr in ("mT", "mH"):
+        order[-1], order[-2] = order[-2], order[-1]
+    else:
+        raise Fallback
+    return Decision(out=split.moved(order.index(split.dim)))
+
+
+def _complex_view(call: Call) -> Decision:
+    """``view_as_complex`` (the last dimension of size 2 folds into the dtype) and ``view_as_real``
+    (it unfolds): slice by slice when the split is on another dimension."""
+    x, split = _first_split(call)
+    if split.dim >= x.dim() - (1 if call.name == "view_as_complex" else 0):
+        raise Fallback
+    return Decision(out=split)
+
+
+def _index_positions(x: Tensor, index: Any) -> tuple[list[Any], int] | None:
+    """``index`` with the ellipsis expanded to full slices, and how many dimensions of ``x`` it uses."""
+    index = index if isinstance(index, tuple) else (index,)
+    used = sum(1 for i in index if i is not None and i is not Ellipsis)
+    expanded: list[Any] = []
+    for i in index:
+        if i is Ellipsis:
+            expanded.extend([slice(None)] * (x.dim() - used))
+        else:
+            expanded.append(i)
+    expanded.extend([slice(None)] * (x.dim() - sum(1 for i in expanded if i is not None)))
+    return expanded, used
+
+
+def _indexed(x: Tensor, index: Any, split: Split) -> Split:
+    """Where the split lands after basic indexing that leaves the split dimension whole; ``Fallback`` otherwise."""
+    items = index if isinstance(index, tuple) else (index,)
+    listed = [i for i in items if isinstance(i, (list, Tensor))]
+    if listed:  # one list of positions keeps its place among slices (qkv[:, :, :, [-2]])
+        picked = listed[0]
+        if len(listed) > 1 or any(isinstance(i, int) for i in items) or not (
+                (isinstance(picked, list) and all(type(p) is int for p in picked))
+                or (isinstance(picked, Tensor) and picked.dim() == 1 and placement_of(picked) is None
+                    and not picked.is_floating_point() and picked.dtype != torch.bool)):
+            raise Fallback
+    elif any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in items):
+        raise Fallback
+    found = _index_positions(x, index)
+    assert found is not None
+    src = out_dim = 0
+    for i in found[0]:
+        if i is None:
+            out_dim += 1
+            continue
+        if src == split.dim:
+            if not (isinstance(i, slice) and i == slice(None)):
+                raise Fallback
+            return split.moved(out_dim)
+        if not isinstance(i, int):
+            out_dim += 1
+        src += 1
+    raise Fallback
+
+
+def _getitem(call: Call) -> Decision:
+    """Basic indexing that leaves the split dimension whole (``x[..., :half]``, ``x[:, None]``)."""
+    x, split = _first_split(call)
+    return Decision(out=_indexed(x, call.args[1], split))
+
+
+def _expand_to(x: Tensor, *args: Any, sizes: tuple[int, ...], **kwargs: Any) -> Tensor:
+    return x.expand(sizes)
+
+
+def _expand(call: Call) -> Decision:
+    """expand / broadcast_to / expand_as with the split dimension kept: given its local or its whole size."""
+    x, split = _first_split(call)
+    bound = call.bound()
+    other = bound.get("other")
+    if isinstance(other, Tensor):
+        if placement_of(other) is not None:
+            raise Fallback
+        sizes = list(other.shape)
+    else:
+        sizes = list(bound["size"])
+    new = len(sizes) - x.dim()
+    at = new + split.dim
+    if new < 0 or sizes[at] not in (-1, x.shape[split.dim], split.size):
+        raise Fallback
+    sizes[at] = x.shape[split.dim]
+    return Decision(run=functools.partial(_expand_to, sizes=tuple(sizes)), out=split.moved(at))
+
+
+# -- along a dimension ------------------------------------------------------------------------------
+
+def _concatenated(call: Call) -> Decision:
+    """cat / stack along another dimension than the split; a whole operand is cut to this rank's slice."""
+    bound = call.bound()
+    dim = bound.get("dim", 0)
+    # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
+    tensors = [t for t in bound["tensors"] if not (call.name != "stack" and t.dim() == 1 and t.numel() == 0)]
+    placements = {placement_of(t) for t in tensors} - {None}
+    if len(placements) != 1 or not isinstance(dim, int):
+        raise Fallback
+    split = placements.pop()
+    if type(split) is not Split or any(t.dim() != tensors[0].dim() for t in tensors):
+        raise Fallback
+    ndim = tensors[0].dim()
+    if call.name == "stack":
+        d = norm_dim(dim, ndim + 1)
+        out = split.moved(split.dim + (1 if d <= split.dim else 0))
+    elif norm_dim(dim, ndim) == split.dim:
+        raise Fallback
+    else:
+        out = split
+    moves = []
+    for t in tensors:
+        if placement_of(t) is None:
+            if t.shape[split.dim] != split.size:
+                raise Fallback
+            moves.append(_cut(call, t, split.dim, split))
+    return Decision(tuple(moves), out=out)
+
+
+def _along_dim(call: Call) -> Decision:
+    """Ops that work along one dimension (softmax, cumsum, split, chunk, unbind): fine along any other."""
+    if call.name in ("cat", "concat", "concatenate", "stack"):
+        return _concatenated(call)
+    x, split = _first_split(call)
+    dim = call.bound().get("dim")
+    if not isinstance(dim, int) or norm_dim(dim, x.dim()) == split.dim:
+        raise Fallback  # along the split, or softmax's legacy implicit dimension
+    if call.name in ("split", "chunk", "unbind", "tensor_split"):
+        moved = split.moved(split.dim - 1) if call.name == "unbind" and norm_dim(dim, x.dim()) < split.dim else split
+        return Decision(out=Each(moved))
+    return Decision(out=split)
+
+
+def _roll(call: Call) -> Decision:
+    """``roll`` along dimensions other than the split."""
+    x, split = _first_split(call)
+    dims = call.bound().get("dims")
+    dims = (dims,) if isinstance(dims, int) else dims
+    if not dims or not all(isinstance(d, int) for d in dims) or split.dim in {norm_dim(d, x.dim()) for d in dims}:
+        raise Fallback
+    return Decision(out=split)
+
+
+# -- writes -----------------------------------------------------------------------------------------
+
+def _setitem(call: Call) -> Decision:
+    """``buffer[key] = value`` where ``key`` leaves the buffer's split whole; a whole value is cut to the slice."""
+    if len(call.args) != 3 or call.kwargs or _split_of(call.args[0]) is None:
+        raise Fallback
+    buffer, index, value = call.args
+    target = _indexed(buffer, index, _split_of(buffer))  # type: ignore[arg-type]
+    if not isinstance(value, Tensor):
+        return Decision()  # a number written everywhere
+    held = placement_of(value)
+    if held is not None:
+        if held != target or value.dim() > buffer.dim():
+            raise Fallback
+        return Decision()
+    local_dim = target.dim - (buffer.dim() - value.dim())  # the view has at most the buffer's dimensions
+    if local_dim < 0 or value.shape[local_dim] == 1:
+        return Decision()
+    if value.shape[local_dim] != target.size:
+        raise Fallback
+    return Decision((_cut(call, value, local_dim, target),))
+
+
+def _write_split(call: Call) -> Decision:
+    """``buffer.index_copy_(dim, index, source)`` (along another dimension than the split) and
+    ``buffer.copy_(source)`` (same shape) of a split source into a buffer.
+
+    A buffer tagged with the source's split takes its slice as is. An untagged buffer whose
+    extent along the split is this rank's slice, not the whole, can only have been sized from
+    split tensors' shapes (which read local): a static key/value cache allocated from the first
+    keys. The whole tensor would not fit in it, so the unsharded program cannot mean that: it
+    takes this rank's slice and holds the split from then on.
+    """
+    bound = call.bound()
+    dest = bound.get("self")
+    if call.name == "copy_":
+        source, dim, index = bound.get("src"), None, None
+    else:
+        source, dim, index = bound.get("source"), bound.get("dim"), bound.get("index")
+    split = _split_of(source)
+    if (split is None or not isinstance(dest, Tensor) or not isinstance(source, Tensor)
+            or placement_of(index) is not None or dest.dim() != source.dim()
+            or (dim is None and dest.shape != source.shape)
+            or (dim is not None and (not isinstance(dim, int) or norm_dim(dim, dest.dim()) == split.dim))):
+        raise Fallback
+    held = placement_of(dest)
+    if held is None:
+        local = source.shape[split.dim]
+        if dest.shape[split.dim] != local or local == split.size:
+            raise Fallback
+    elif held != split:
+        raise Fallback
+    return Decision(out=split, written=((call.index(dest), split),))
+
+
+# -- reductions and products ------------------------------------------------------------------------
+
+def _sum_across(x: Tensor, *args: Any, dims: tuple[int, ...], keepdim: bool, split: Split, count: int,
+                **kwargs: Any) -> Tensor:
+    """A sum (or, with ``count``, a mean) over dimensions including the split one: local sums, one all-reduce.
+
+    The result is whole on every rank; the all-reduce's adjoint is the identity, since its
+    gradient is complete on every rank and each element of every slice enters the sum once.
+    """
+    total = reduce_from_ranks(x.sum(dims, keepdim=keepdim), split.group)
+    return total / count if count else total
+
+
+def _reduce(call: Call) -> Decision:
+    """sum / mean / amax / amin / var / std / logsumexp over dimensions other than the split one."""
+    x, split = _first_split(call)
+    bound = call.bound()
+    dims = bound.get("dim")
+    if dims is None or isinstance(dims, Tensor) or (isinstance(dims, (list, tuple)) and not dims):
+        raise Fallback  # every dimension (an empty list means every dimension too)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    normed = sorted(norm_dim(d, x.dim()) for d in dims)
+    keepdim = bool(bound.get("keepdim", False))
+    if split.dim in normed:
+        if call.name not in ("sum", "mean") or bound.get("dtype") is not None or not x.is_floating_point():
+            raise Fallback  # amax, var, std, logsumexp: not a plain sum of the slices
+        count = math.prod(split.size if d == split.dim else x.shape[d] for d in normed) if call.name == "mean" else 0
+        return Decision(run=functools.partial(_sum_across, dims=tuple(normed), keepdim=keepdim, split=split,
+                                              count=count))
+    if not isinstance(call.meta_out(), Tensor):
+        raise Fallback
+    shift = 0 if keepdim else sum(1 for d in normed if d < split.dim)
+    return Decision(out=split.moved(split.dim - shift))
+
+
+def _matmul(call: Call) -> Decision:
+    """Batched matmul with the split on a batch dimension, a row of the left or a column of the right."""
+    if call.kwargs or len(call.args) < 2:
+        raise Fallback
+    a, b = call.args[0], call.args[1]
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.dim() < 2 or b.dim() < 2:
+        raise Fallback
+    sa, sb = placement_of(a), placement_of(b)
+    if (sa is not None and type(sa) is not Split) or (sb is not None and type(sb) is not Split):
+        raise Fallback
+    nd = max(a.dim(), b.dim())
+
+    def batch_dim(t: Tensor, s: Split) -> int:
+        if s.dim >= t.dim() - 2:
+            raise Fallback
+        return nd - t.dim() + s.dim
+
+    found: Split | None = None
+    if sa is not None:
+        if sa.dim == a.dim() - 1:
+            raise Fallback  # contraction dimension: a partial sum
+        found = sa.moved(nd - 2) if sa.dim == a.dim() - 2 else sa.moved(batch_dim(a, sa))
+    if sb is not None:
+        if sb.dim == b.dim() - 2:
+            raise Fallback
+        mine = sb.moved(nd - 1) if sb.dim == b.dim() - 1 else sb.moved(batch_dim(b, sb))
+        if found is not None and found != mine:
+            raise Fallback
+        found = mine
+    assert found is not None
+    moves: list[tuple[int, Any]] = []
+    if found.dim < nd - 2:  # a batch split: the other operand broadcasts along it, or takes its slice
+        for t, s in ((a, sa), (b, sb)):
+            if s is None:
+                local = found.dim - (nd - t.dim())
+                if local >= 0 and t.shape[local] != 1:
+                    if t.shape[local] != found.size:
+                        raise Fallback
+                    moves.append(_cut(call, t, local, found))
+                else:
+                    moves.extend(whole_operand(call, t, found.group))
+    elif (found.dim == nd - 2 and sb is not None) or (found.dim == nd - 1 and sa is not None):
+        raise Fallback
+    else:  # rows of a split, or columns of b: the other operand is used whole by every rank
+        for t in (a, b):
+            moves.extend(whole_operand(call, t, found.group))
+    return Decision(tuple(moves), out=found)
+
+
+def _whole_others(call: Call, x: Tensor, split: Split) -> tuple[tuple[int, Any], ...]:
+    """The moves of every tensor argument but ``x``: each used whole by every rank."""
+    moves: list[tuple[int, Any]] = []
+    for t in call.tensors():
+        if t is not x:
+            if placement_of(t) is not None:
+                raise Fallback
+            moves.extend(whole_operand(call, t, split.group))
+    return tuple(moves)
+
+
+def _linear(call: Call) -> Decision:
+    """``F.linear`` of an input split on a batch dimension: every rank its rows, the weight whole."""
+    x = call.bound()["self"]
+    split = _split_of(x)
+    if split is None or split.dim == x.dim() - 1:
+        raise Fallback
+    return Decision(_whole_others(call, x, split), out=split)
+
+
+def _norm_last(call: Call) -> Decision:
+    """layer_norm / rms_norm: normalize over the last dimensions, which must not be split."""
+    x, split = _first_split(call)
+    shape = call.bound()["normalized_shape"]
+    count = 1 if isinstance(shape, int) else len(shape)
+    if split.dim >= x.dim() - count:
+        raise Fallback
+    return Decision(_whole_others(call, x, split), out=split)
+
+
+def _sdpa(call: Call) -> Decision:
+    """scaled_dot_product_attention with q, k and v split on the same head (batch) dimension.
+
+    Grouped key/value heads (``enable_gqa``): each rank's query heads read that rank's key/value
+    heads. A mask is cut to this rank's heads or, when it broadcasts over them, used whole.
+    """
+    bound = call.bound()
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    sq, sk, sv = _split_of(q), _split_of(k), _split_of(v)
+    if sq is None or sk is None or sv is None or sk != sv or not sq.dim == sk.dim < q.dim() - 2:
+        raise Fallback
+    ratio = sq.size // sk.size if sk.size else 0
+    if ratio == 0 or sq.size % sk.size or sk.scaled(sq.dim, ratio, 1) != sq:
+        raise Fallback
+    if ratio > 1 and not bound["enable_gqa"]:
+        raise Fallback
+    mask = bound["attn_mask"]
+    moves: tuple[tuple[int, Any], ...] = ()
+    if isinstance(mask, Tensor):
+        if placement_of(mask) is not None:
+            raise Fallback
+        local = sq.dim - (q.dim() - mask.dim())
+        if local >= 0 and mask.shape[local] != 1:
+            if mask.shape[local] != sq.size:
+                raise Fallback
+            moves = (_cut(call, mask, local, sq),)
+        else:
+            moves = whole_operand(call, mask, sq.group)
+    return Decision(moves, out=sq)
+
+
+# -- packed activations -----------------------------------------------------------------------------
+
+def _packed_parts(x: Tensor, *args: Any, sizes: tuple[int, ...], dim: int, **kwargs: Any) -> tuple[Tensor, ...]:
+    return x.split(list(sizes), dim)
+
+
+def _packed_narrow(x: Tensor, *args: Any, dim: int, start: int, length: int, **kwargs: Any) -> Tensor:
+    return x.narrow(dim, start, length)
+
+
+def _packed(call: Call) -> Decision:
+    """``split``/``chunk`` of a packed tensor at its slices' boundaries (one ordinary split per part),
+    or ``qkv[..., low:high]`` (one slice of each rank's)."""
+    x = call.args[0] if call.args else None
+    packed = placement_of(x)
+    if type(packed) is not Packed or not isinstance(x, Tensor):
+        raise Fallback
+    rank = _state.rank(packed.group)
+    if call.name == "getitem":
+        return _packed_getitem(x, call.args[1], packed, rank)
+    named = call.bound()
+    dim = named.get("dim", 0)
+    total = packed.size
+    if not isinstance(dim, int) or norm_dim(dim, x.dim()) != packed.dim:
+        raise Fallback
+    if call.name == "chunk":
+        step = -(-total // named["chunks"])
+        bounds = [(i, min(i + step, total)) for i in range(0, total, step)]
+    else:
+        sizes = named["split_size"]
+        if isinstance(sizes, int):
+            bounds = [(i, min(i + sizes, total)) for i in range(0, total, sizes)]
+        else:
+            edges = [0]
+            for n in sizes:
+                edges.append(edges[-1] + n)
+            bounds = list(zip(edges, edges[1:]))
+    per_part: list[list[tuple[int, int]]] = [[] for _ in bounds]
+    for slices in packed.pieces:
+        for j, (low, high) in enumerate(bounds):
+            inside = [(s, n) for s, n in slices if low <= s and s + n <= high]
+            if sum(n for a, n in slices if a < high and a + n > low) != sum(n for _, n in inside) or len(inside) != 1:
+                raise Fallback  # a slice straddles a boundary, or a part holds several slices
+            per_part[j].append((inside[0][0] - low, inside[0][1]))
+    splits = tuple(Split(packed.dim, tuple(part), packed.group) for part in per_part)
+    return Decision(run=functools.partial(_packed_parts, sizes=tuple(part[rank][1] for part in per_part),
+                                          dim=packed.dim), out=splits)
+
+
+def _packed_getitem(x: Tensor, index: Any, packed: Packed, rank: int) -> Decision:
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(1 for i in index if i is Ellipsis) > 1 or any(not (i is Ellipsis or isinstance(i, slice)) for i in index):
+        raise Fallback
+    before = index.index(Ellipsis) if Ellipsis in index else len(index)
+    positions = list(range(before)) + [x.dim() - (len(index) - j) for j in range(before + 1, len(index))]
+    picked = None
+    for position, i in zip(positions, (i for i in index if i is not Ellipsis)):
+        if i == slice(None):
+            continue
+        if position != packed.dim or picked is not None:
+            raise Fallback
+        picked = i
+    if picked is None or picked.step not in (None, 1):
+        raise Fallback
+    low, high, _ = picked.indices(packed.size)
+    part, offset = [], 0
+    for r, slices in enumerate(packed.pieces):
+        inside = [(s, n) for s, n in slices if low <= s and s + n <= high]
+        if len(inside) != 1 or sum(n for s, n in slices if s < high and s + n > low) != inside[0][1]:
+            raise Fallback  # a slice straddles a boundary, or the part holds several of a rank's slices
+        part.append((inside[0][0] - low, inside[0][1]))
+        if r == rank:
+            offset = sum(n for s, n in slices if s < inside[0][0])
+    return Decision(run=functools.partial(_packed_narrow, dim=packed.dim, start=offset, length=part[rank][1]),
+                    out=Split(packed.dim, tuple(part), packed.group))
+
+
+_ELEMENTWISE = {
+    # Elementwise for shardkit's purpose though ATen does not tag them pointwise (composites, casts, copies).
+    "where", "masked_fill", "masked_fill_", "true_divide", "rsub", "hardswish", "logsigmoid", "softsign",
+    "tanhshrink", "float", "half", "bfloat16", "double", "to", "type_as", "contiguous", "detach",
+    "requires_grad_", "fill_", "zero_", "__rsub__", "__radd__", "__rmul__", "__rtruediv__", "__rdiv__",
+    "__rpow__", "__add__", "__sub__", "__mul__", "__truediv__", "__div__", "__neg__", "__pow__", "__iadd__",
+    "__isub__", "__imul__", "__itruediv__", "__and__", "__or__", "__xor__", "__invert__", "__eq__", "__ne__",
+    "__lt__", "__le__", "__gt__", "__ge__", "__abs__", "__mod__", "polar", "complex",
+}
+
+declare(lambda: _ELEMENTWISE | pointwise_names(), Split, elementwise)
+declare(("dropout",), Split, _dropout)
+declare(("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"), Split, reshape)
+declare(("transpose", "swapaxes", "swapdims", "permute", "t"), Split, _transpose)
+declare(("T", "mT", "H", "mH", "real", "imag"), Split, _getter)
+declare(("view_as_complex", "view_as_real"), Split, _complex_view)
+declare(("__getitem__",), Split, _getitem)
+declare(("expand", "expand_as", "broadcast_to"), Split, _expand)
+declare(("softmax", "log_softmax", "cumsum", "cat", "concat", "concatenate", "stack", "split", "chunk", "unbind",
+         "tensor_split"), Split, _along_dim)
+declare(("sum", "mean", "amax", "amin", "var", "std", "logsumexp"), Split, _reduce)
+declare(("matmul", "__matmul__", "bmm"), Split, _matmul)
+declare(("linear",), Split, _linear)
+declare(("layer_norm", "rms_norm"), Split, _norm_last)
+declare(("scaled_dot_product_attention",), Split, _sdpa)
+declare(("index_copy_", "copy_"), Split, _write_split)
+declare(("__setitem__",), Split, _setitem)
+declare(("roll",), Split, _roll)
+declare(("split", "chunk", "__getitem__"), Packed, _packed)

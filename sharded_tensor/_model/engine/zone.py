@@ -1,0 +1,187 @@
+"""Zones: the modules whose forward runs on placed activations, and how a call of one runs.
+
+A zone's root module gets :class:`ZoneForward` as its forward. The outermost zone call on a
+thread pushes :class:`dispatch.ZoneMode` (every op of the call, nested modules and nested
+zones included, then goes through the engine), and hands out its outputs whole: each placed
+tensor among them gathered or summed (a pending sum only, under :func:`loss_parallel`). A
+sharded layer's own forward runs outside the mode, on its local tensors
+(:func:`outside_propagation`).
+
+Under ``torch.compile`` a zone is one opaque call for dynamo (:func:`_traced_zone`): AOTAutograd
+runs the same engine on fake tensors, so the graph holds only the local ops and collectives the
+rules chose, and their backward. The compiled graph is the fast path; eager runs every call
+through the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .dispatch import ZoneMode
+from .placements import Partial, placement_of, to_whole
+from .state import STATE, outside_zone_mode
+
+__all__ = ["ZoneForward", "loss_parallel", "outside_propagation", "in_zone", "zone", "ties"]
+
+
+def in_zone() -> bool:
+    """Whether sharded layers should hand out and accept placed activations."""
+    return STATE.depth > 0
+
+
+def outside_propagation() -> contextlib.AbstractContextManager[None]:
+    """Run a sharded layer's own forward on its local tensors, unseen by the zone mode."""
+    return outside_zone_mode()  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def zone() -> Iterator[None]:
+    """Open a zone call: the mode on for the outermost one, a frame of shared copies for each."""
+    if not STATE.depth:
+        STATE.ranks = {}  # groups may change between calls, never during one
+    STATE.depth += 1
+    STATE.copies.append({})
+    try:
+        if STATE.depth == 1:
+            with ZoneMode():
+                yield
+        else:
+            yield
+    finally:
+        STATE.copies.pop()
+        STATE.depth -= 1
+
+
+def _whole(x: Any) -> Any:
+    return to_whole(x) if isinstance(x, torch.Tensor) else x
+
+
+def _whole_if_pending(x: Any) -> Any:
+    return to_whole(x) if isinstance(x, torch.Tensor) and type(placement_of(x)) is Partial else x
+
+
+def _exit(out: Any) -> Any:
+    """An outermost zone's outputs as it hands them out: whole (pending sums only under ``loss_parallel``).
+
+    Outputs are walked as ``torch.utils._pytree`` walks them (transformers registers its
+    ``ModelOutput``); any other object (a key/value cache) is handed out as it is, placed
+    tensors and all, for the next call of the zone to read.
+    """
+    return tree_map(_whole_if_pending if STATE.keep_split_outputs else _whole, out)
+
+
+class ZoneForward:
+    """``forward`` of a zone's root module: the module's own forward, run on placed activations."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self._original = original
+        functools.update_wrapper(self, original)  # inspect.signature(model.forward) keeps working
+        self._module: torch.nn.Module = original.__self__  # type: ignore[attr-defined]
+        self._ties = ties(self._module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if STATE.tracing:  # inside a traced zone: as the enclosing one runs
+            return self._original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # Outermost in the compiled region, even inside a zone opened outside it (``loss_parallel``):
+            # dynamo must not trace the engine op by op, it cannot (it reads tensors' ``__dict__``).
+            return _traced_zone(self._module, self._ties, *args, **kwargs)
+        explaining = STATE.explaining
+        if explaining is not None:
+            explaining.enter(self._module)
+        try:
+            if STATE.depth:  # nested: every op already goes through the enclosing zone's mode
+                return self._original(*args, **kwargs)
+            with zone():
+                out = self._original(*args, **kwargs)
+            return _exit(out)
+        finally:
+            if explaining is not None:
+                explaining.leave(self._module)
+
+
+def ties(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Names under which ``module`` holds one parameter or buffer several times (tied embeddings), in order."""
+    names: dict[int, list[str]] = {}
+    held = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, value in held:
+        names.setdefault(id(value), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def _attribute(module: torch.nn.Module, name: str) -> Any:
+    owner, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(owner), attr)
+
+
+@torch._dynamo.nonstrict_trace
+def _traced_zone(module: torch.nn.Module, tied: tuple[tuple[str, ...], ...], *args: Any, **kwargs: Any) -> Any:
+    """A zone's forward under ``torch.compile``: one opaque call for dynamo, traced by AOTAutograd.
+
+    Dynamo does not step into the engine (its placements and rules are plain Python, decided
+    from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
+    local ops and the collectives each rule chose, and their backward.
+
+    AOTAutograd swaps each parameter for its traced value under its first name only; a tied
+    parameter's other names (an ``lm_head`` tied to the embedding) would keep the real tensor,
+    a constant without gradient, so they are pointed at the traced value too.
+    """
+    aliases = {alias: _attribute(module, group[0]) for group in tied for alias in group[1:]}
+    previous = STATE.tracing, STATE.depth
+    STATE.tracing, STATE.depth = True, 0
+    try:
+        with _without_zone_mode(), torch.nn.utils.stateless._reparametrize_module(module, aliases), zone():
+            out = type(module).forward(module, *args, **kwargs)
+        # Outputs leave the graph as plain tensors, where a placed one would lose its placement
+        # (and pass for a whole one): they are made whole, under ``loss_parallel`` too.
+        return tree_map(_whole, out)
+    finally:
+        STATE.tracing, STATE.depth = previous
+
+
+@contextlib.contextmanager
+def _without_zone_mode() -> Iterator[None]:
+    """The torch function mode stack without the zone mode of a zone opened outside the compiled region
+    (``loss_parallel``): the traced zone runs as an outermost one, its ops seen by its own mode only.
+    Tracing may have pushed modes above it, so it is taken out wherever it sits."""
+    modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())][::-1]
+    for mode in modes:
+        if not isinstance(mode, ZoneMode):
+            torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+        for mode in modes:
+            torch._C._push_on_torch_function_stack(mode)
+
+
+@contextlib.contextmanager
+def loss_parallel() -> Iterator[None]:
+    """Keep outputs split inside the ``with`` block: logits of a vocabulary-split ``lm_head`` stay slices.
+
+    Inside the block, a Linear split on its output features (such as an ``lm_head`` split on
+    the vocabulary) returns this rank's slice, and ``F.cross_entropy`` on such logits computes
+    the loss over the whole vocabulary with three all-reduces of one number per row instead of
+    gathering the logits. Any other op on the slices gathers them first, so results do not
+    change; only the communication does. Call ``backward()`` inside or after the block.
+
+    Example:
+        >>> with st.loss_parallel():  # doctest: +SKIP
+        ...     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        >>> loss.backward()  # doctest: +SKIP
+    """
+    previous = STATE.keep_split_outputs
+    STATE.keep_split_outputs = True
+    try:
+        with zone():
+            yield
+    finally:
+        STATE.keep_split_outputs = previous
