@@ -26,7 +26,6 @@ written, except the sizes of a split activation, which are marked as this rank's
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -39,18 +38,20 @@ from . import split as _split
 from . import strided as _strided
 from .placements import SUM, TAG, Packed, Partial, Split, Strided, placement_of
 from .rules import (
+    GENERATION,
     METADATA,
+    RULES,
     Call,
     Decision,
     Each,
     Fallback,
     OpRules,
-    flatten,
-    generation,
+    children,
     in_place,
-    rules_of,
+    is_container,
     table,
-    unflatten,
+    leaves_of,
+    with_leaves,
 )
 from .state import STATE
 
@@ -66,7 +67,6 @@ CACHE_SIZE = 4096
 
 _SIDE_EFFECTS = {"copy_", "__setitem__", "index_put_", "scatter_", "scatter_add_", "masked_scatter_", "index_copy_",
                  "index_add_", "index_fill_", "put_", "resize_", "set_", "uniform_", "normal_"}
-_SIZE_READS = ("shape", "size")
 
 
 def split_label(tensor: Tensor) -> str | None:
@@ -75,28 +75,19 @@ def split_label(tensor: Tensor) -> str | None:
     return label
 
 
-class _Cache:
-    """The decision cache: keys to decisions, least recently used out beyond ``CACHE_SIZE``."""
-
-    __slots__ = ("decisions", "generation", "hits", "misses")
-
-    def __init__(self) -> None:
-        self.decisions: OrderedDict[Any, Decision] = OrderedDict()
-        self.generation = generation()
-        self.hits = self.misses = 0
-
-
-def _cache() -> _Cache:
-    cache: _Cache | None = getattr(STATE, "cache", None)
-    if cache is None or cache.generation != generation():  # a rule registered since: decisions may differ
-        cache = STATE.cache = _Cache()
-    return cache
-
-
 def cache_info() -> dict[str, int]:
-    """This thread's decision cache: ``{"size", "hits", "misses"}``."""
-    cache = _cache()
-    return {"size": len(cache.decisions), "hits": cache.hits, "misses": cache.misses}
+    """This thread's decision cache: ``{"size": decisions kept, "misses": decisions made}``."""
+    cache = STATE.cache
+    if cache is None or cache.generation != GENERATION[0]:
+        return {"size": 0, "misses": 0}
+    return {"size": len(cache), "misses": cache.misses}
+
+
+# Values that are never containers: a call whose arguments are tensors and these is walked on the fast path.
+_SCALARS = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device,
+                      torch.layout, torch.memory_format})
+# What a call may pass that holds no tensor (a slice is a leaf, but not hashable in its key as it is).
+_PLAIN = _SCALARS | {slice}
 
 
 class ZoneMode(TorchFunctionMode):
@@ -107,25 +98,38 @@ class ZoneMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # Most calls touch neither a placed activation nor a split parameter. Both marks are
         # attributes, so a tensor with no attributes of its own (an empty ``__dict__``, the usual
-        # case) carries neither, which one read tells.
+        # case) carries neither, which one read tells. A torch op takes tensors, numbers, and
+        # sequences or dicts of them; a sequence of numbers (a shape, an index) is looked into.
         for v in args:
             if isinstance(v, Tensor):
-                found = v.__dict__
-                if found and (TAG in found or (RECORD in found and split_label(v))):
+                if v.__dict__:
                     return dispatch(func, args, kwargs or {})
-            elif isinstance(v, (list, tuple, dict)):
-                if v:
-                    return dispatch(func, args, kwargs or {})
+            elif type(v) in _CONTAINERS and (type(v) is dict or _marked(v)):
+                return dispatch(func, args, kwargs or {})
         if kwargs:
             for v in kwargs.values():
                 if isinstance(v, Tensor):
-                    found = v.__dict__
-                    if found and (TAG in found or (RECORD in found and split_label(v))):
+                    if v.__dict__:
                         return dispatch(func, args, kwargs)
-                elif isinstance(v, (list, tuple, dict)) and v:
+                elif type(v) in _CONTAINERS and (type(v) is dict or _marked(v)):
                     return dispatch(func, args, kwargs)
             return func(*args, **kwargs)
         return func(*args)
+
+
+_CONTAINERS = frozenset({tuple, list, dict})
+
+
+def _marked(items: tuple[Any, ...] | list[Any]) -> bool:
+    """Whether a sequence argument (a shape, an index, a list of tensors) may hold a placed tensor or a split
+    parameter: one of its tensors has attributes, or it holds another container."""
+    for x in items:
+        if isinstance(x, Tensor):
+            if x.__dict__:
+                return True
+        elif type(x) in _CONTAINERS:
+            return True
+    return False
 
 
 def _refuse_owned(func: Any, owned: Tensor) -> None:
@@ -144,80 +148,228 @@ def _describe(func: Any) -> str:
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, rules: OpRules | None = None) -> Any:
     """Run ``func`` on arguments among which (or near which) is a placed activation or a split parameter.
 
-    ``rules``: the rules to follow instead of ``func``'s own (a ``DFunction``'s).
+    ``rules``: the rules to follow instead of ``func``'s own (a ``DFunction``'s). Inside a zone
+    only (the rule table is built and the decision cache made when the outermost zone opens).
+
+    The key of the usual call (tensors, numbers, flat shapes and indices) is read here; any
+    other call is walked by :class:`_Walk`, which gives the same key.
     """
-    entry = rules_of(func) if rules is None else rules
-    if entry is METADATA:
-        return _metadata(func, args, kwargs)
-    leaves, spec = flatten(args, kwargs)
-    key: list[Any] = [func, torch.is_grad_enabled(), spec if spec is not None else (len(args), *kwargs)]
-    lead: Any = None
-    placed = False
-    summed: dict[int, Any] | None = None
-    hashable = True
-    for i, v in enumerate(leaves):
+    if rules is None:
+        try:
+            entry = RULES.get(func)
+        except TypeError:  # an unhashable op
+            entry = None
+        if entry is METADATA:
+            return _metadata(func, args, kwargs)
+    else:
+        entry = rules
+    key: list[Any] = [func, _grad_enabled(), len(args)]
+    lead = None
+    if kwargs:
+        key.append(tuple(kwargs))
+        values: tuple[Any, ...] = (*args, *kwargs.values())
+    else:
+        values = args
+    for v in values:
         if isinstance(v, Tensor):
             attrs = v.__dict__
-            placement = None
             if attrs:
                 placement = attrs.get(TAG)
-                if RECORD in attrs and split_label(v):
-                    _refuse_owned(func, v)
-                if type(placement) is Partial:
-                    known = attrs.get(SUM)
-                    if known is not None and known[0] == v._version:  # summed already: stands as its sum
-                        if summed is None:
-                            summed = {}
-                        summed[i] = v = known[1]
-                        placement = None
-            if placement is not None:
-                placed = True
-                if lead is None or (type(lead) is Split and type(placement) is not Split):
+                if placement is None:
+                    if RECORD in attrs and split_label(v):  # a split parameter: refused, or a compiled graph's op
+                        return _dispatch_walked(func, args, kwargs, entry)
+                elif type(placement) is Partial and SUM in attrs:  # maybe summed already: it may stand as its sum
+                    return _dispatch_walked(func, args, kwargs, entry)
+                elif lead is None or type(lead) is Split:
                     lead = placement
-            key.append((placement, v.shape, v.dtype, v.requires_grad))
-        elif isinstance(v, slice):
-            key.append((slice, v.start, v.stop, v.step))
+                key += (placement, v.shape, v.dtype, v.requires_grad)
+            else:
+                key += (None, v.shape, v.dtype, v.requires_grad)
+        elif type(v) in _SCALARS:
+            key += (type(v), v)
         else:
-            key.append((type(v), v))
-    if summed is not None:
-        leaves = [summed.get(i, v) for i, v in enumerate(leaves)]
-        args, kwargs = unflatten(leaves, spec, len(args), tuple(kwargs))
-    if not placed:
+            part = _sequence_part(v)
+            if part is None:
+                return _dispatch_walked(func, args, kwargs, entry)
+            key.append(part)
+    if lead is None:
         return func(*args, **kwargs)
-    decision = None
-    if not STATE.tracing:  # a trace decides on symbolic sizes: nothing of it is kept
-        cache = _cache()
-        frozen = tuple(key)
-        try:
-            decision = cache.decisions.get(frozen)
-        except TypeError:  # an unhashable argument: decided every time
-            hashable = False
-        if decision is not None:
-            cache.hits += 1
-            cache.decisions.move_to_end(frozen)
+    cache = STATE.cache
+    frozen = tuple(key)
+    try:
+        decision = cache.hot.get(frozen)
+    except TypeError:  # an unhashable argument: decided every time
+        return execute(_decide(func, args, kwargs, entry, lead), func, args, kwargs)
+    if decision is None:
+        decision = cache.cold_or_new(frozen, func, args, kwargs, entry, lead)
+    if decision.plain:  # the usual decision: the op as written, its output placed
+        out = func(*args, **kwargs)
+        if decision.out is not None:
+            out.__dict__[TAG] = decision.out
+        return out
+    return execute(decision, func, args, kwargs)
+
+
+def _sequence_part(v: Any) -> tuple[Any, ...] | None:
+    """The key part of a tuple or list of numbers and slices (a shape, an index), as :class:`_Walk` gives it;
+    ``None`` for anything else."""
+    if type(v) is not tuple and type(v) is not list and type(v) is not torch.Size:
+        return None
+    part: list[Any] = [type(v), len(v)]
+    for x in v:
+        if type(x) in _SCALARS:
+            part += (type(x), x)
+        elif type(x) is slice:
+            part += (slice, x.start, x.stop, x.step)
         else:
-            decision = _decide(func, args, kwargs, leaves, spec, entry, lead)
-            if hashable:
-                cache.misses += 1
-                cache.decisions[frozen] = decision
-                if len(cache.decisions) > CACHE_SIZE:
-                    cache.decisions.popitem(last=False)
-    else:
-        decision = _decide(func, args, kwargs, leaves, spec, entry, lead)
-    return execute(decision, func, args, kwargs, leaves, spec)
+            return None
+    return tuple(part)
+
+
+def _dispatch_walked(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], entry: OpRules | None) -> Any:
+    """``dispatch`` of any call: its arguments walked by :class:`_Walk`."""
+    walk = _Walk([func, _grad_enabled(), len(args)])
+    walk.walk(args, walk.key)
+    if kwargs:
+        walk.key.append(tuple(kwargs))
+        walk.walk(kwargs.values(), walk.key)
+    lead, owned = walk.lead, walk.owned
+    if owned is not None and (lead is not None or type(func) is not torch._ops.OpOverload):
+        # (An operator on unplaced tensors may be a compiled graph's, a model compiled and called inside
+        # ``loss_parallel``, run on the split parameters themselves: one of the local ops and collectives
+        # the rules chose while tracing, not a use of a split parameter to refuse.)
+        _refuse_owned(func, owned)
+    if walk.summed:
+        args, kwargs = with_leaves(args, kwargs, walk.leaves)
+    if lead is None:
+        return func(*args, **kwargs)
+    cache = STATE.cache
+    key = tuple(walk.key)
+    try:
+        decision = cache.hot.get(key)
+    except TypeError:  # an unhashable argument: decided every time
+        return execute(_decide(func, args, kwargs, entry, lead), func, args, kwargs)
+    if decision is None:
+        decision = cache.cold_or_new(key, func, args, kwargs, entry, lead)
+    return execute(decision, func, args, kwargs)
+
+
+_grad_enabled = torch.is_grad_enabled
+
+
+class _Walk:
+    """The one walk of an op's arguments: the leaves (``rules.leaves_of``'s, in its order), the key, and the
+    placement that picks the rule.
+
+    A tensor's part of the key is its placement, local shape, dtype and ``requires_grad``; a
+    container's, its type, its size or keys, and its items' parts; a slice's, its bounds; any
+    other value's, its type and itself (a ``True`` is not a ``1``). The parts lie flat in the
+    key, but a container's, which is one tuple: a tensor's first item is a placement or ``None``,
+    another value's a type. A pending sum whose sum was taken stands as that sum.
+    """
+
+    __slots__ = ("key", "leaves", "lead", "owned", "summed")
+
+    def __init__(self, key: list[Any]) -> None:
+        self.key = key
+        self.leaves: list[Any] = []
+        self.lead: Any = None  # what picks the rule: the first placement that is not a Split, else a Split
+        self.owned: Tensor | None = None  # a split parameter among the arguments
+        self.summed = False
+
+    def walk(self, values: Any, key: list[Any]) -> None:
+        leaves = self.leaves
+        for v in values:
+            if isinstance(v, Tensor):
+                attrs = v.__dict__
+                placement = None
+                if attrs:
+                    placement = attrs.get(TAG)
+                    if placement is not None:
+                        if type(placement) is Partial:
+                            known = attrs.get(SUM)
+                            if known is not None and known[0] == v._version:  # summed already: stands as its sum
+                                v = known[1]
+                                placement = None
+                                self.summed = True
+                        if placement is not None and (self.lead is None or type(self.lead) is Split):
+                            self.lead = placement
+                    elif RECORD in attrs and split_label(v):
+                        self.owned = v
+                leaves.append(v)
+                key += (placement, v.shape, v.dtype, v.requires_grad)
+            elif type(v) in _SCALARS:
+                leaves.append(v)
+                key += (type(v), v)
+            elif type(v) is slice:
+                leaves.append(v)
+                key += (slice, v.start, v.stop, v.step)
+            elif is_container(v):
+                inner: list[Any] = [type(v), tuple(v) if isinstance(v, dict) else len(v)]
+                self.walk(children(v), inner)
+                key.append(tuple(inner))
+            else:
+                leaves.append(v)
+                key += (type(v), v)
+
+
+class _Cache:
+    """The decision cache: keys to decisions, bounded by ``CACHE_SIZE``, least recently used out.
+
+    Recency is kept by generations: decisions live in ``hot`` (used since the last turn) or
+    ``cold`` (used in the turn before); a hit in ``cold`` moves to ``hot``; when ``hot`` holds
+    half the bound, it becomes ``cold`` and what was cold goes. A hit in ``hot`` costs the
+    dispatcher one lookup.
+    """
+
+    __slots__ = ("hot", "cold", "generation", "misses")
+
+    def __init__(self) -> None:
+        self.hot: dict[Any, Decision] = {}
+        self.cold: dict[Any, Decision] = {}
+        self.generation = GENERATION[0]
+        self.misses = 0
+
+    def cold_or_new(self, key: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], entry: OpRules | None,
+                    lead: Any) -> Decision:
+        """The decision for ``key`` not in ``hot``: moved from ``cold``, or decided now."""
+        decision = self.cold.pop(key, None)
+        if decision is None:
+            self.misses += 1
+            decision = _decide(func, args, kwargs, entry, lead)
+        if len(self.hot) >= CACHE_SIZE // 2:
+            self.cold, self.hot = self.hot, {}
+        self.hot[key] = decision
+        return decision
+
+    def __len__(self) -> int:
+        return len(self.hot) + len(self.cold)
+
+
+def fresh_cache(tracing: bool = False) -> Any:
+    """The cache a zone call starts with: the thread's own, made anew after a rule was registered; or,
+    for a trace (which decides on symbolic sizes), one that lives for the trace only."""
+    if tracing:
+        return _Cache()
+    cache = STATE.cache
+    if cache is None or cache.generation != GENERATION[0]:
+        cache = STATE.cache = _Cache()
+    return cache
 
 
 def _metadata(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A read of what a tensor is (shape, dtype, device, ...): as written; sizes marked or read whole."""
-    placement = placement_of(args[0]) if args else None
-    if placement is not None:
-        owner = getattr(getattr(func, "__self__", None), "__name__", "")
-        name = owner if owner == "shape" else getattr(func, "__name__", "")
-        if type(placement) is Strided:
-            return _strided.global_sizes(func, args, kwargs)
-        if name in _SIZE_READS and type(placement) in (Split, Packed):
-            return _split.local_sizes(func(*args, **kwargs))
+    placement = args[0].__dict__.get(TAG) if args and isinstance(args[0], Tensor) else None
+    if placement is None:
+        return func(*args, **kwargs)
+    if type(placement) is Strided:
+        return _strided.global_sizes(func, args, kwargs)
+    if func in _SIZE_READS and type(placement) is not Partial:
+        return _split.local_sizes(func(*args, **kwargs))
     return func(*args, **kwargs)
+
+
+_SIZE_READS = frozenset({torch.Tensor.shape.__get__, torch.Tensor.size})
 
 
 def _meta_leaf(x: Any) -> Any:
@@ -233,16 +385,16 @@ def _meta_leaf(x: Any) -> Any:
     return meta
 
 
-def _decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], spec: Any,
-            entry: OpRules | None, lead: Any) -> Decision:
+def _decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], entry: OpRules | None, lead: Any) -> Decision:
     """The decision for a call not seen before: its rule's, or the fallback."""
+    leaves = leaves_of(args, kwargs)
     rule = entry.by_kind.get(type(lead)) if entry is not None else None
     why = f"no rule for {_describe(func)} on a {type(lead).__name__} activation"
     if rule is not None:
         metas = [_meta_leaf(x) for x in leaves]
-        margs, mkwargs = unflatten(metas, spec, len(args), tuple(kwargs))
+        margs, mkwargs = with_leaves(args, kwargs, metas)
         try:
-            return rule(Call(func, margs, mkwargs, metas, spec, torch.is_grad_enabled()))
+            return rule(Call(func, margs, mkwargs, metas, torch.is_grad_enabled()))
         except Fallback:
             why = f"{_describe(func)} on a {type(lead).__name__} activation: its rule does not apply to this call"
     return _fallback(func, args, kwargs, leaves, why)
@@ -278,33 +430,33 @@ def _refuse_in_place(*args: Any, name: str, shape: tuple[int, ...], placement: A
     raise RuntimeError(msg)
 
 
-def _place(out: Any, placement: Any) -> None:
-    if isinstance(out, Tensor):
-        out.__dict__[TAG] = placement
-    elif isinstance(out, (tuple, list)):
+def _place(out: Any, placement: Each | tuple[Any, ...]) -> None:
+    """Place each tensor of a tuple or list output: all alike (``Each``), or one placement per element."""
+    if type(placement) is Each:
         for o in out:
             if isinstance(o, Tensor):
-                o.__dict__[TAG] = placement
+                o.__dict__[TAG] = placement.placement
+    else:
+        for o, p in zip(out, placement):
+            if p is not None:
+                o.__dict__[TAG] = p
 
 
-def execute(decision: Decision, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
-            spec: Any) -> Any:
-    """Run ``decision`` on the real arguments (flattened as ``leaves``)."""
+def execute(decision: Decision, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``decision`` on the real arguments."""
+    leaves: list[Any] = []
+    if decision.moves or decision.written:
+        leaves = leaves_of(args, kwargs)
     if decision.moves:
-        leaves = list(leaves)
         for i, move in decision.moves:
             leaves[i] = move(leaves[i])
-        args, kwargs = unflatten(leaves, spec, len(args), tuple(kwargs))
+        args, kwargs = with_leaves(args, kwargs, leaves)
     run = decision.run
     out = func(*args, **kwargs) if run is None else run(*args, **kwargs)
     placement = decision.out
     if placement is not None:
-        if type(placement) is Each:
-            _place(out, placement.placement)
-        elif type(placement) is tuple:
-            for o, p in zip(out, placement):
-                if p is not None:
-                    o.__dict__[TAG] = p
+        if type(placement) is Each or type(placement) is tuple:
+            _place(out, placement)
         else:
             out.__dict__[TAG] = placement
     for i, p in decision.written:

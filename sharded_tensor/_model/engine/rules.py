@@ -42,13 +42,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES
 
 from .placements import Packed, Partial, Placement, Split, Strided
 from .signatures import aten_name, bind
 
-__all__ = ["Fallback", "Decision", "Call", "Each", "flatten", "unflatten", "OpRules", "RULES", "LayoutRuleName", "KINDS", "declare",
-           "register", "rules_of", "table", "generation", "op_objects", "in_place", "norm_dim", "METADATA", "VALUE_GETTERS",
+__all__ = ["Fallback", "Decision", "Call", "Each", "is_container", "children", "leaves_of", "with_leaves", "OpRules", "RULES", "LayoutRuleName", "KINDS", "declare",
+           "register", "rules_of", "table", "GENERATION", "generation", "op_objects", "in_place", "norm_dim", "METADATA", "VALUE_GETTERS",
            "pointwise_names"]
 
 KINDS: tuple[type, ...] = (Split, Packed, Partial, Strided)
@@ -67,6 +67,66 @@ class Each:
     """Every tensor of a tuple or list output gets ``placement``."""
 
     placement: Placement
+
+
+def is_container(value: Any) -> bool:
+    """Whether the engine walks into ``value``: ``torch.utils._pytree``'s containers (lists, tuples, named
+    tuples, dicts, and any other type registered with it)."""
+    return isinstance(value, (list, tuple, dict)) or type(value) in SUPPORTED_NODES
+
+
+def children(value: Any) -> list[Any]:
+    """The items of a container (as :func:`is_container` knows them), in order."""
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return list(SUPPORTED_NODES[type(value)].flatten_fn(value)[0])
+
+
+def leaves_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The leaves of an op's arguments: every value of ``(args, kwargs)`` that is not a container, in order.
+
+    The one walk of an op's arguments (the dispatcher's key walk follows the same order):
+    containers are what ``torch.utils._pytree`` takes apart; a dict's values come in its order.
+    """
+    found: list[Any] = []
+
+    def walk(value: Any) -> None:
+        if is_container(value):
+            for child in children(value):
+                walk(child)
+        else:
+            found.append(value)
+
+    for v in args:
+        walk(v)
+    for v in kwargs.values():
+        walk(v)
+    return found
+
+
+def with_leaves(args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with their leaves (as :func:`leaves_of` lists them) replaced by ``leaves``."""
+    it = iter(leaves)
+
+    def build(value: Any) -> Any:
+        if not is_container(value):
+            return next(it)
+        if type(value) is tuple or type(value) is list:
+            return type(value)([build(x) for x in value])
+        if isinstance(value, dict):
+            out = {k: build(v) for k, v in value.items()}
+            return out if type(value) is dict else type(value)(out)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*[build(x) for x in value])
+        if isinstance(value, (list, tuple)):
+            return type(value)([build(x) for x in value])
+        node = SUPPORTED_NODES[type(value)]
+        items, context = node.flatten_fn(value)
+        return node.unflatten_fn([build(x) for x in items], context)
+
+    return tuple(build(a) for a in args), {k: build(v) for k, v in kwargs.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +151,14 @@ class Decision:
     out: Any = None
     written: tuple[tuple[int, Placement], ...] = ()
     gathered: str | None = None
+    plain: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The usual decision, which the dispatcher runs without the general path: the op as written,
+        # its one output placed (or left whole).
+        plain = not self.moves and self.run is None and not self.written and self.gathered is None \
+            and type(self.out) is not Each and type(self.out) is not tuple
+        object.__setattr__(self, "plain", plain)
 
 
 @dataclass
@@ -99,21 +167,21 @@ class Call:
 
     Each tensor among the arguments is a meta tensor with the local shape, dtype and
     ``requires_grad`` of the real one, tagged with the same placement; everything else is as
-    given. ``leaves`` lists the arguments flattened (tensors and other values, in the order
-    ``torch.utils._pytree`` walks ``(args, kwargs)``): a move names an argument by its index there.
+    given. ``leaves`` lists the arguments' leaves (:func:`leaves_of`): a move names an argument
+    by its index there.
     """
 
     func: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     leaves: list[Any]
-    spec: Any  # the pytree spec of ``(args, kwargs)``; ``None`` when no argument is a container
     grad: bool
 
     def rebuilt(self, replaced: dict[int, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` with the leaves at the indices of ``replaced`` replaced."""
-        leaves = [replaced.get(i, x) for i, x in enumerate(self.leaves)]
-        return unflatten(leaves, self.spec, len(self.args), tuple(self.kwargs))
+        if not replaced:
+            return self.args, self.kwargs
+        return with_leaves(self.args, self.kwargs, [replaced.get(i, x) for i, x in enumerate(self.leaves)])
 
     def meta_out(self, replaced: dict[int, Any] | None = None) -> Any:
         """The op run on the meta arguments (leaves replaced as given); ``None`` if it cannot run on meta."""
@@ -138,9 +206,7 @@ class Call:
 
     def arg_index(self, position: int) -> int:
         """The leaf index of positional argument ``position`` (which must not be a container)."""
-        if self.spec is None:
-            return position
-        return len(tree_flatten(self.args[:position])[0])
+        return len(leaves_of(self.args[:position], {}))
 
     def bound(self) -> dict[str, Any]:
         """The arguments by name, bound as torch binds them (``signatures``); ``Fallback`` if nothing fits."""
@@ -155,32 +221,6 @@ class Call:
 
 
 Rule = Callable[[Call], Decision]
-
-
-def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """The leaves of ``(args, kwargs)`` and their pytree spec (``None``: no argument is a container).
-
-    The one walk of an op's arguments. Containers are what ``torch.utils._pytree`` takes apart
-    (lists, tuples, dicts, named tuples); without any, the leaves are the arguments themselves,
-    in the order pytree would give them.
-    """
-    for v in args:
-        if isinstance(v, (list, tuple, dict)):
-            return tree_flatten((args, kwargs))
-    if kwargs:
-        for v in kwargs.values():
-            if isinstance(v, (list, tuple, dict)):
-                return tree_flatten((args, kwargs))
-        return [*args, *kwargs.values()], None
-    return list(args), None
-
-
-def unflatten(leaves: list[Any], spec: Any, nargs: int, keys: tuple[str, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` from ``leaves`` (as :func:`flatten` gave them, maybe replaced)."""
-    if spec is not None:
-        args, kwargs = tree_unflatten(leaves, spec)
-        return args, kwargs
-    return tuple(leaves[:nargs]), dict(zip(keys, leaves[nargs:]))
 
 
 @dataclass
@@ -213,12 +253,15 @@ _METADATA_NAMES = {
 Names = Iterable[str] | Callable[[], Iterable[str]]
 _DECLARED: list[tuple[Names, type, Rule]] = []
 _BUILT = False
-_GENERATION = [0]
+BUILT = [False]
+"""``[True]`` once :func:`table` has built the table: then ``RULES`` answers for every op directly."""
+GENERATION = [0]
+"""``[n]``: ``n`` changes whenever a rule is registered (decisions cached before are then stale)."""
 
 
 def generation() -> int:
     """A number that changes whenever a rule is registered (cached decisions are then stale)."""
-    return _GENERATION[0]
+    return GENERATION[0]
 
 
 def declare(names: Names, kind: type, rule: Rule) -> None:
@@ -293,8 +336,9 @@ def table() -> dict[Any, Any]:
                             entry = RULES.setdefault(obj, OpRules())
                             if entry is not METADATA:
                                 entry.by_kind[kind] = rule
-                _GENERATION[0] += 1
+                GENERATION[0] += 1
                 _BUILT = True
+                BUILT[0] = True
     return RULES
 
 
@@ -324,7 +368,7 @@ def register(objects: Sequence[Any], kind: type, rule: Rule, *, replace: bool, l
         if not isinstance(entry, OpRules) or entry is METADATA:
             entry = rules[o] = OpRules()
         entry.by_kind[kind] = rule
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 _IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ifloordiv__", "__imod__",

@@ -177,8 +177,8 @@ def local_sizes(value: Any) -> Any:
     """``value`` (a shape or size read off a split activation) with its sizes marked :class:`LocalSize`."""
     if type(value) is int:
         return LocalSize(value)
-    if isinstance(value, torch.Size):
-        return torch.Size([LocalSize(v) if type(v) is int else v for v in value])
+    if type(value) is torch.Size and not _state.STATE.tracing:  # a trace's sizes may be symbolic
+        return torch.Size(map(LocalSize, value))
     return value
 
 

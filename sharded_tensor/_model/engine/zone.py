@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from .dispatch import ZoneMode
+from .dispatch import ZoneMode, fresh_cache
+from .rules import table
 from .placements import Partial, placement_of, to_whole
 from .state import STATE, outside_zone_mode
 
@@ -45,6 +46,9 @@ def zone() -> Iterator[None]:
     """Open a zone call: the mode on for the outermost one, a frame of shared copies for each."""
     if not STATE.depth:
         STATE.ranks = {}  # groups may change between calls, never during one
+        table()
+        if not STATE.tracing:
+            fresh_cache()
     STATE.depth += 1
     STATE.copies.append({})
     try:
@@ -133,8 +137,8 @@ def _traced_zone(module: torch.nn.Module, tied: tuple[tuple[str, ...], ...], *ar
     a constant without gradient, so they are pointed at the traced value too.
     """
     aliases = {alias: _attribute(module, group[0]) for group in tied for alias in group[1:]}
-    previous = STATE.tracing, STATE.depth
-    STATE.tracing, STATE.depth = True, 0
+    previous = STATE.tracing, STATE.depth, STATE.cache
+    STATE.tracing, STATE.depth, STATE.cache = True, 0, fresh_cache(tracing=True)
     try:
         with _without_zone_mode(), torch.nn.utils.stateless._reparametrize_module(module, aliases), zone():
             out = type(module).forward(module, *args, **kwargs)
@@ -142,7 +146,7 @@ def _traced_zone(module: torch.nn.Module, tied: tuple[tuple[str, ...], ...], *ar
         # (and pass for a whole one): they are made whole, under ``loss_parallel`` too.
         return tree_map(_whole, out)
     finally:
-        STATE.tracing, STATE.depth = previous
+        STATE.tracing, STATE.depth, STATE.cache = previous
 
 
 @contextlib.contextmanager
