@@ -112,6 +112,24 @@ def _record(op: str, nbytes: int) -> None:
     for counter in _active:
         counter.counts[op] += 1
         counter.bytes_by_op[op] += nbytes
+    for observer in _observers:
+        observer(op, nbytes)
+
+
+_observers: list[Callable[[str, int], None]] = []
+
+
+@contextlib.contextmanager
+def observed(observer: Callable[[str, int], None]) -> Iterator[None]:
+    """Call ``observer(operation, bytes this rank sends)`` for every collective inside the block, as
+    ``CommCounter`` counts it (for a report that attributes each to where it happened)."""
+    with _lock:
+        _observers.append(observer)
+    try:
+        yield
+    finally:
+        with _lock:
+            _observers.remove(observer)
 
 
 def _initialized() -> bool:

@@ -45,6 +45,7 @@ from sharding.layout import Packed
 from . import registry as _registry
 from . import zone_plan as _zone_plan
 from .engine.placements import Intervals, copy_to_ranks
+from .engine.state import STATE
 from .engine.zone import ZoneForward, in_zone, outside_propagation
 from .param_layout import ParamLayout, classify, split_placement
 
@@ -338,6 +339,9 @@ class ShardedEmbedding(_registry.ShardedModule):
     def activations(self, plan: EmbeddingPlan) -> tuple[Intervals | None, Intervals | None]:
         return (None, plan.intervals) if plan.mode == "dim" else (None, None)
 
+    def describe(self, plan: EmbeddingPlan) -> str:
+        return "output split" if plan.mode == "dim" else "vocabulary split, its lookups summed"
+
     def empty_dims(self, plan: EmbeddingPlan) -> Mapping[str, int]:
         return {"weight": plan.weight_dim}
 
@@ -387,6 +391,8 @@ class _ShardedForward:
         functools.update_wrapper(self, type(module).forward)  # keeps inspect.signature(module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if STATE.explaining is not None:
+            STATE.explaining.layer(self._module)
         with outside_propagation():
             return self._forward(self._call, self._module, *args, **kwargs)
 

@@ -36,7 +36,7 @@ from . import loss as _loss  # noqa: F401 - declares its rule
 from . import pending as _pending  # noqa: F401 - declares its rules
 from . import split as _split
 from . import strided as _strided
-from .placements import SUM, TAG, Packed, Partial, Split, Strided, placement_of
+from .placements import SUM, TAG, Partial, Split, Strided, placement_of
 from .rules import (
     GENERATION,
     METADATA,
@@ -49,8 +49,8 @@ from .rules import (
     children,
     in_place,
     is_container,
-    table,
     leaves_of,
+    table,
     with_leaves,
 )
 from .state import STATE
@@ -369,7 +369,7 @@ def _metadata(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
-_SIZE_READS = frozenset({torch.Tensor.shape.__get__, torch.Tensor.size})
+_SIZE_READS = frozenset({vars(torch._C.TensorBase)["shape"].__get__, torch.Tensor.size})
 
 
 def _meta_leaf(x: Any) -> Any:
@@ -407,11 +407,12 @@ def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: 
     if written is None and args and (name in _SIDE_EFFECTS or in_place(func)):
         written = args[0]
     placement = placement_of(written)
-    if placement is not None:
+    if placement is not None and isinstance(written, Tensor):
         return Decision(run=functools.partial(_refuse_in_place, name=name or repr(func), shape=tuple(written.shape),
                                               placement=placement), gathered=why)
     moves = tuple((i, p.whole) for i, x in enumerate(leaves) if (p := placement_of(x)) is not None)
-    return Decision(moves, gathered=why)
+    summed = all(type(placement_of(leaves[i])) is Partial for i, _ in moves)
+    return Decision(moves, gathered=why, summed=summed)
 
 
 def _refuse_in_place(*args: Any, name: str, shape: tuple[int, ...], placement: Any, **kwargs: Any) -> Any:
@@ -432,7 +433,7 @@ def _refuse_in_place(*args: Any, name: str, shape: tuple[int, ...], placement: A
 
 def _place(out: Any, placement: Each | tuple[Any, ...]) -> None:
     """Place each tensor of a tuple or list output: all alike (``Each``), or one placement per element."""
-    if type(placement) is Each:
+    if isinstance(placement, Each):
         for o in out:
             if isinstance(o, Tensor):
                 o.__dict__[TAG] = placement.placement
@@ -462,7 +463,7 @@ def execute(decision: Decision, func: Any, args: tuple[Any, ...], kwargs: dict[s
     for i, p in decision.written:
         leaves[i].__dict__[TAG] = p
     if decision.gathered is not None and STATE.explaining is not None:
-        STATE.explaining.gathered(func, decision.gathered)
+        STATE.explaining.fallback(func, decision.gathered, decision.summed)
     return out
 
 

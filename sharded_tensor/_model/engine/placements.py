@@ -31,6 +31,7 @@ it), on the tensor's own device: Gloo on CPU, NCCL on GPUs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,15 +91,29 @@ def _slice(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessG
     return tensor.narrow(dim, start, length).contiguous()
 
 
+def _where(ctx: Any) -> None:
+    """Keep on ``ctx`` where the forward ran, for ``st.explain`` to attribute the backward's collective."""
+    explaining = _state.STATE.explaining
+    ctx.explained = None if explaining is None else (explaining, explaining.current())
+
+
+def _there(ctx: Any) -> Any:
+    """The block in which a backward's collective is attributed to its forward's zone (``st.explain``)."""
+    explained = getattr(ctx, "explained", None)
+    return contextlib.nullcontext() if explained is None else explained[0].at(explained[1])
+
+
 class _CopyToRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, group: _comm.ProcessGroup) -> Tensor:
         ctx.group = group
+        _where(ctx)
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+        with _there(ctx):
+            return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRanks(torch.autograd.Function):
@@ -118,11 +133,13 @@ class _Mirror(torch.autograd.Function):
     def forward(ctx: Any, tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup,
                 there: Callable[..., Tensor], back: Callable[..., Tensor]) -> Tensor:
         ctx.args, ctx.back = (dim, intervals, group), back
+        _where(ctx)
         return there(tensor, dim, intervals, group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return ctx.back(grad, *ctx.args), None, None, None, None, None
+        with _there(ctx):
+            return ctx.back(grad, *ctx.args), None, None, None, None, None
 
 
 def copy_to_ranks(tensor: Tensor, group: _comm.ProcessGroup = None) -> Tensor:
@@ -286,7 +303,8 @@ class Strided(layout.Strided):
 
     def unmerged(self, x: Tensor) -> Tensor:
         """The local ``x`` with its strided dimension unflattened into ``(blocks, this rank's length)``."""
-        return x.unflatten(self.dim, (self.blocks, x.shape[self.dim] // self.blocks))
+        out: Tensor = x.unflatten(self.dim, (self.blocks, x.shape[self.dim] // self.blocks))
+        return out
 
     def whole(self, x: Tensor) -> Tensor:
         """The full tensor: every rank's rows of each block gathered (collective)."""

@@ -141,7 +141,8 @@ def _masked(x: Tensor, *args: Any, split: Split, p: float, **kwargs: Any) -> Ten
         return x * torch.zeros((), dtype=x.dtype, device=x.device)
     whole = list(x.shape)
     whole[split.dim] = split.size
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    strides = x.stride()
+    order = sorted(range(x.dim()), key=lambda d: (-strides[d], d))
     noise = torch.empty([whole[d] for d in order], dtype=x.dtype, device=x.device)
     noise = noise.permute([order.index(d) for d in range(len(order))])
     noise.bernoulli_(1 - p)
@@ -613,7 +614,7 @@ def _sdpa(call: Call) -> Decision:
 # -- packed activations -----------------------------------------------------------------------------
 
 def _packed_parts(x: Tensor, *args: Any, sizes: tuple[int, ...], dim: int, **kwargs: Any) -> tuple[Tensor, ...]:
-    return x.split(list(sizes), dim)
+    return tuple(x.split(list(sizes), dim))
 
 
 def _packed_narrow(x: Tensor, *args: Any, dim: int, start: int, length: int, **kwargs: Any) -> Tensor:

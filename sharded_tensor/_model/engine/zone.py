@@ -24,8 +24,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .dispatch import ZoneMode, fresh_cache
-from .rules import table
 from .placements import Partial, placement_of, to_whole
+from .rules import table
 from .state import STATE, outside_zone_mode
 
 __all__ = ["ZoneForward", "loss_parallel", "outside_propagation", "in_zone", "zone", "ties"]
@@ -38,7 +38,7 @@ def in_zone() -> bool:
 
 def outside_propagation() -> contextlib.AbstractContextManager[None]:
     """Run a sharded layer's own forward on its local tensors, unseen by the zone mode."""
-    return outside_zone_mode()  # type: ignore[return-value]
+    return outside_zone_mode()
 
 
 @contextlib.contextmanager
@@ -63,11 +63,17 @@ def zone() -> Iterator[None]:
 
 
 def _whole(x: Any) -> Any:
-    return to_whole(x) if isinstance(x, torch.Tensor) else x
+    placement = placement_of(x)
+    if placement is None:
+        return x
+    if STATE.explaining is not None:
+        STATE.explaining.fallback(_whole, f"a {type(placement).__name__} output made whole as the zone hands it out",
+                                  type(placement) is Partial)
+    return to_whole(x)
 
 
 def _whole_if_pending(x: Any) -> Any:
-    return to_whole(x) if isinstance(x, torch.Tensor) and type(placement_of(x)) is Partial else x
+    return _whole(x) if type(placement_of(x)) is Partial else x
 
 
 def _exit(out: Any) -> Any:
