@@ -107,7 +107,7 @@ MUTATIONS = [
              ("tests/unit/test_checkpoint_defects.py", "-k", "planted or read_only_when_named")),
     # -- tensor parallelism refusals ------------------------------------------------------------------
     Mutation("shard_model: head-cut refusal past the first projection (k_proj/v_proj, grouped-query)",
-             "sharded_tensor/_model/zones.py",
+             "sharded_tensor/_model/zone_plan.py",
              "        for e in endpoints:\n            if full and not e.name.startswith(full + \".\"):\n",
              "        for e in endpoints[:1]:\n            if full and not e.name.startswith(full + \".\"):\n",
              ("tests/unit/test_zones.py", "-k", "head")),
