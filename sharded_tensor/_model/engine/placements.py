@@ -45,7 +45,8 @@ from sharding import layout
 from . import state as _state
 
 __all__ = ["Intervals", "Split", "Packed", "Partial", "Strided", "Placement", "TAG", "SUM",
-           "tag", "placement_of", "to_whole", "shared_copy", "copy_to_ranks", "reduce_from_ranks", "gather", "scatter"]
+           "SplitSize", "tag", "placement_of", "to_whole", "shared_copy", "copy_to_ranks", "reduce_from_ranks",
+           "gather", "scatter"]
 
 Intervals = tuple[tuple[int, int], ...]
 """``(start, length)`` along one dimension for each group rank (length may be 0)."""
@@ -374,6 +375,31 @@ class _Once(torch.autograd.Function):
 
 Placement = Split | Packed | Strided | Partial
 """A placement of the engine: how the ranks of its group hold an activation."""
+
+
+class SplitSize(int):
+    """The size of a split dimension as the model's code reads it (``x.shape[d]``, ``x.size(d)``): this rank's.
+
+    It carries the split it was read from (``placement``), so that where the code passes it on,
+    the engine knows what it measured: to ``view``/``reshape`` it means this rank's extent; to
+    ``expand`` or a factory (``torch.zeros``, ``x.new_empty``) it makes this rank's slice of the
+    tensor the unsharded program makes; anywhere else (an operand, a size no rule reads) it
+    stands for the whole size. Arithmetic on it gives a plain ``int``.
+    """
+
+    placement: Split
+
+    def __new__(cls, value: int, placement: Split) -> SplitSize:
+        size = int.__new__(cls, value)
+        size.placement = placement
+        return size
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        return int, (int(self),)
+
+    def whole(self) -> int:
+        """The whole tensor's size along the split dimension."""
+        return self.placement.size
 
 
 def tag(x: Tensor, placement: Placement) -> Tensor:

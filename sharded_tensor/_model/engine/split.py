@@ -34,10 +34,10 @@ from torch import Tensor
 
 from . import shapes as _shapes
 from . import state as _state
-from .placements import Packed, Split, Strided, placement_of, reduce_from_ranks, shared_copy
+from .placements import Packed, Split, SplitSize, Strided, placement_of, reduce_from_ranks, shared_copy
 from .rules import Call, Decision, Each, Fallback, declare, in_place, norm_dim, pointwise_names
 
-__all__ = ["elementwise", "whole_operand", "LocalSize", "local_sizes", "reshape"]
+__all__ = ["elementwise", "whole_operand", "sizes_read", "whole_sizes", "reshape"]
 
 
 def _split_of(x: Any) -> Split | None:
@@ -89,11 +89,12 @@ def elementwise(call: Call) -> Decision:
         if found is not None and aligned != found:
             raise Fallback
         found = aligned
-    assert found is not None
+    if found is None:
+        raise Fallback  # only a size read off a split dimension: it stands for the whole size
     first = call.args[0] if call.args else None
     if isinstance(first, Tensor) and placement_of(first) is None and in_place(call.func):
         raise Fallback  # a whole tensor updated in place must receive whole values
-    moves: list[tuple[int, Any]] = []
+    moves: list[tuple[int, Any]] = list(whole_sizes(call))  # a split dimension's size as an operand: the whole
     local: dict[int, Tensor] = {}
     length = found.length()
     for i, t in tensors:
@@ -164,30 +165,33 @@ def _meta(x: Tensor, shape: Sequence[int]) -> Tensor:
     return torch.empty(tuple(shape), dtype=x.dtype, device="meta")
 
 
-class LocalSize(int):
-    """A size read off a split activation's own shape (``x.shape`` gives this rank's sizes).
-
-    Given to a reshape, such a size means what it measured: this rank's extent, not the whole
-    tensor's. Arithmetic on it gives a plain ``int``.
-    """
-
-    __slots__ = ()
-
-
-def local_sizes(value: Any) -> Any:
-    """``value`` (a shape or size read off a split activation) with its sizes marked :class:`LocalSize`."""
+def sizes_read(func: Any, args: tuple[Any, ...], value: Any, split: Split) -> Any:
+    """``x.shape``, ``x.size()`` or ``x.size(d)`` of a split activation as the model's code reads it: this rank's
+    sizes, the split dimension's a :class:`SplitSize` (symbolic sizes of a trace as they are)."""
     if type(value) is int:
-        return LocalSize(value)
-    if type(value) is torch.Size and not _state.STATE.tracing:  # a trace's sizes may be symbolic
-        return torch.Size(map(LocalSize, value))
+        dim = args[1] if len(args) > 1 else None
+        return SplitSize(value, split) if isinstance(dim, int) and norm_dim(dim, args[0].dim()) == split.dim else value
+    if type(value) is torch.Size and split.dim < len(value) and type(value[split.dim]) is int:
+        sizes = list(value)
+        sizes[split.dim] = SplitSize(sizes[split.dim], split)
+        return torch.Size(sizes)
     return value
+
+
+def _whole_size(size: SplitSize) -> int:
+    return size.whole()
+
+
+def whole_sizes(call: Call) -> tuple[tuple[int, Any], ...]:
+    """The moves that make every :class:`SplitSize` among the call's arguments the whole size it stands for."""
+    return tuple((i, _whole_size) for i, v in enumerate(call.leaves) if type(v) is SplitSize)
 
 
 def reshape(call: Call) -> Decision:
     """view / reshape / flatten / unflatten / (un)squeeze / view_as, on this rank's slice.
 
-    Sizes read off the slice's own shape (:class:`LocalSize`, as in ``x.reshape(*x.shape[:-1],
-    -1, 2)``) are this rank's: the call is read against the local slice. Other sizes are read
+    A size read off a split dimension (:class:`SplitSize`, as in ``x.reshape(*x.shape[:-1],
+    -1, 2)``) is this rank's: the call is read against the local slice. Other sizes are read
     first as the unsharded program reads them, against the whole tensor (``view(b, s,
     num_heads, 3, head_dim)`` with a fixed ``num_heads``), then against the local slice. A split
     merged with dimensions outside it (``reshape(batch * heads, ...)``, by ``view`` or
@@ -196,7 +200,7 @@ def reshape(call: Call) -> Decision:
     x, split = _first_split(call)
     view = call.name in _VIEWS
     readings = (_read_locally, _read_whole)
-    if not any(type(v) is LocalSize for v in call.leaves[1:]):
+    if not any(type(v) is SplitSize for v in call.leaves[1:]):
         readings = readings[::-1]
     for reading in readings:
         found = reading(call, x, split, view)
@@ -337,8 +341,50 @@ def _expand_to(x: Tensor, *args: Any, sizes: tuple[int, ...], **kwargs: Any) -> 
     return x.expand(sizes)
 
 
+def _expand_whole(call: Call, x: Tensor) -> Decision:
+    """A whole ``x`` expanded to sizes among which one was read off a split dimension (``k_pe.expand(
+    *k.shape[:-1], -1)``): this rank's slice of what the unsharded program expands, ``x`` cut to it (or, where
+    it broadcasts, used whole by every rank)."""
+    sizes = call.bound().get("size")
+    if not isinstance(sizes, (list, tuple)):
+        raise Fallback
+    marked = [i for i, v in enumerate(sizes) if type(v) is SplitSize]
+    if len(marked) != 1:
+        raise Fallback
+    at = marked[0]
+    split = sizes[at].placement
+    local = at - (len(sizes) - x.dim())
+    if local >= 0 and x.shape[local] != 1:
+        if x.shape[local] != split.size:
+            raise Fallback
+        moves: tuple[tuple[int, Any], ...] = (_cut(call, x, local, split),)
+    else:
+        moves = whole_operand(call, x, split.group)
+    return Decision(moves, out=split.moved(at))
+
+
+def _factory(call: Call) -> Decision:
+    """``torch.zeros(..)``, ``x.new_empty(..)`` and the like given a size read off a split dimension: this rank's
+    slice of the tensor the unsharded program makes."""
+    bound = call.bound()
+    sizes = bound.get("size")
+    source = bound.get("self")  # ``x.new_empty``: x gives only its dtype and device
+    if not isinstance(sizes, (list, tuple)) or any(isinstance(v, Tensor) and v is not source and
+                                                    placement_of(v) is not None for v in call.leaves):
+        raise Fallback
+    marked = [i for i, v in enumerate(sizes) if type(v) is SplitSize]
+    if len(marked) != 1:
+        raise Fallback
+    split = sizes[marked[0]].placement
+    return Decision(out=split.moved(marked[0]))
+
+
 def _expand(call: Call) -> Decision:
-    """expand / broadcast_to / expand_as with the split dimension kept: given its local or its whole size."""
+    """expand / broadcast_to / expand_as with the split dimension kept: given its local or its whole size;
+    a whole tensor expanded to a split dimension's size read off a split activation gives this rank's slice."""
+    x = call.args[0] if call.args else None
+    if isinstance(x, Tensor) and placement_of(x) is None:
+        return _expand_whole(call, x)
     x, split = _first_split(call)
     bound = call.bound()
     other = bound.get("other")
@@ -706,6 +752,7 @@ declare(("T", "mT", "H", "mH", "real", "imag"), Split, _getter)
 declare(("view_as_complex", "view_as_real"), Split, _complex_view)
 declare(("__getitem__",), Split, _getitem)
 declare(("expand", "expand_as", "broadcast_to"), Split, _expand)
+declare(("zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full"), Split, _factory)
 declare(("softmax", "log_softmax", "cumsum", "cat", "concat", "concatenate", "stack", "split", "chunk", "unbind",
          "tensor_split"), Split, _along_dim)
 declare(("sum", "mean", "amax", "amin", "var", "std", "logsumexp"), Split, _reduce)
