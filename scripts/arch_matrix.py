@@ -420,10 +420,13 @@ def _guarded(arch: Arch, experts: str, rank: int, world: int) -> dict[str, Any]:
         out = _check(arch, experts, rank, world)
     except Exception as exc:  # noqa: BLE001 - each architecture's failure is its row
         frames = traceback.extract_tb(exc.__traceback__)
-        where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames)
-                      if "transformers" in f.filename or "sharded_tensor" in f.filename), "")
+
+        def last(part: str) -> str:
+            return next((f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in reversed(frames)
+                         if f"/{part}/" in f.filename), "")
         out = {"architecture": arch.name, "experts": experts if arch.moe else None, "status": "error",
-               "message": f"{type(exc).__name__}: {exc}"[:2000], "at": where}
+               "message": f"{type(exc).__name__}: {exc}"[:2000], "model_code": last("transformers"),
+               "shardkit_code": last("sharded_tensor")}
     out["seconds"] = round(time.perf_counter() - started, 2)
     return out
 
