@@ -31,7 +31,7 @@ from torch import nn
 
 from . import registry as _registry
 from .functional import Intervals
-from .parallel import ShardedEmbedding
+from .parallel import EmbeddingPlan, ShardedEmbedding
 
 __all__ = ["Conv1DPlan", "ShardedConv1D", "ShardedScaledEmbedding", "register_modules_of", "scale_of"]
 
@@ -125,11 +125,22 @@ def _is_cast_to_weight_dtype(node: torch.fx.Node) -> bool:
 
 
 class ShardedScaledEmbedding(ShardedEmbedding):
-    """A scaled word embedding split on the vocabulary or the embedding dimension: the lookup, then the scale."""
+    """A scaled word embedding split on the vocabulary or the embedding dimension: the lookup, then the scale.
+
+    Split on the embedding dimension, each rank scales its columns before handing them out
+    split (an op on the handed-out slice here would run outside the sharded computation and
+    lose its split); split on the vocabulary, the summed lookup is whole and is scaled as it is.
+    """
 
     def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         scale = scale_of(module)
         assert scale is not None  # registered only for the types it recognises
+        plan: EmbeddingPlan = call.plan
+        if plan.mode == "dim":
+            m = cast(nn.Embedding, module)
+            y = F.embedding(call.replicated(input), m.weight, m.padding_idx, None, m.norm_type, m.scale_grad_by_freq,
+                            m.sparse)
+            return call.split_output(y * scale.of(module), plan.intervals)
         return super().forward(call, module, input) * scale.of(module)
 
 

@@ -386,7 +386,8 @@ def _base_prefix(model: nn.Module, base: Mapping[str, str]) -> str:
             prefix = name + "."
             if any(_exact((prefix + key).split("."), n) for key in base for n in names):
                 return prefix
-    return ""
+    # Nothing matches anywhere: the declared prefix, under which the caller says what the plan names.
+    return declared + "." if declared and isinstance(getattr(model, declared, None), nn.Module) else ""
 
 
 def _transformers_plan(model: nn.Module,
