@@ -24,7 +24,12 @@ else is a failure: ``error`` (an exception during the run: its type and message)
     python scripts/arch_matrix.py                    # every architecture, JSON lines on stdout
     python scripts/arch_matrix.py --only llama,phi3  # some of them
     python scripts/arch_matrix.py --list             # the architectures and their configs' classes
-    python scripts/arch_matrix.py --table docs/_arch_matrix.md   # also write the Markdown table
+    python scripts/arch_matrix.py --table docs/huggingface.md   # and write the table into that page
+    python scripts/arch_matrix.py --from rows.jsonl --table docs/huggingface.md   # the table of a saved run
+
+``--table`` writes the Markdown table between the page's ``<!-- arch_matrix:start -->`` and
+``<!-- arch_matrix:end -->`` lines (or, for a file without them, the table alone), with the
+command that produced it.
 
 Each group of architectures runs in one spawn of 2 ranks (``--per-spawn``); a spawn that dies
 (a crash, a timeout) is run again one architecture per spawn, so one bad model costs only its
@@ -39,7 +44,6 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -324,31 +328,45 @@ def _counts(counter: Any) -> dict[str, int]:
 
 
 def _plan_source(spec: Any, model: torch.nn.Module) -> str:
-    config = getattr(model, "config", None)
-    own = bool(getattr(config, "base_model_tp_plan", None))
-    inferred = getattr(spec, "inferred", ())
-    if own:
-        return "transformers + inferred" if inferred else "transformers"
-    return "block structure"
+    """Where the plan came from, in short: transformers' plan (with what was inferred), or block structure."""
+    source = getattr(spec, "source", "")
+    if source.startswith("block structure"):
+        return source
+    return "transformers" + (" + inferred" if getattr(spec, "inferred", ()) else "")
 
 
-def _check(arch: Arch, experts: str, rank: int, world: int) -> dict[str, Any]:
+def _notes(row: dict[str, Any]) -> str:
+    """What the plan inferred or kept whole, by block: ``qkv_proj`` packed, ``self_attn`` split or whole."""
+    def blocks(lines: list[str]) -> list[str]:
+        return [line.split(":")[0].replace(".*.", ".").split("layers.")[-1].split("h.")[-1] for line in lines]
+    parts = []
+    if row.get("inferred"):
+        parts.append("split: " + ", ".join(f"`{b}`" for b in blocks(row["inferred"])))
+    if row.get("kept_whole"):
+        parts.append("whole: " + ", ".join(f"`{b}`" for b in blocks(row["kept_whole"])))
+    return "; ".join(parts)
+
+
+def _check(arch: Arch, experts: str, rank: int, world: int, out: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``out`` as the run goes (a failure keeps what was found before it)."""
     import sharded_tensor as st
 
     ranks = [f"rank:{r}/cpu" for r in range(world)]
     ref, model = _build(arch), _build(arch)
     model.load_state_dict(ref.state_dict())
-    out: dict[str, Any] = {"architecture": arch.name, "experts": experts if arch.moe else None}
     try:
         spec = st.tensor_parallel_spec(model, ranks, experts=experts)  # type: ignore[arg-type]
     except ValueError as exc:
-        return {**out, "plan_source": "refused", "status": "refused", "message": str(exc)}
+        out.update(plan_source="refused", status="refused", message=str(exc))
+        return out
     out["plan_source"] = _plan_source(spec, model)
     out["inferred"] = list(getattr(spec, "inferred", ()))
+    out["kept_whole"] = list(getattr(spec, "kept_whole", ()))
     try:
         st.shard_model(model, spec, src_rank=0)
     except ValueError as exc:
-        return {**out, "status": "refused", "message": f"shard_model: {exc}"}
+        out.update(status="refused", message=f"shard_model: {exc}")
+        return out
     out["split_parameters"] = sum(1 for v in model.state_dict().values() if isinstance(v, st.ShardedTensor))
 
     x = _batch(arch, 0)
@@ -416,17 +434,17 @@ def _generate(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, Any]:
 
 def _guarded(arch: Arch, experts: str, rank: int, world: int) -> dict[str, Any]:
     started = time.perf_counter()
+    out: dict[str, Any] = {"architecture": arch.name, "experts": experts if arch.moe else None}
     try:
-        out = _check(arch, experts, rank, world)
+        _check(arch, experts, rank, world, out)
     except Exception as exc:  # noqa: BLE001 - each architecture's failure is its row
         frames = traceback.extract_tb(exc.__traceback__)
 
         def last(part: str) -> str:
             return next((f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in reversed(frames)
                          if f"/{part}/" in f.filename), "")
-        out = {"architecture": arch.name, "experts": experts if arch.moe else None, "status": "error",
-               "message": f"{type(exc).__name__}: {exc}"[:2000], "model_code": last("transformers"),
-               "shardkit_code": last("sharded_tensor")}
+        out.update(status="error", message=f"{type(exc).__name__}: {exc}"[:2000], model_code=last("transformers"),
+                   shardkit_code=last("sharded_tensor"))
     out["seconds"] = round(time.perf_counter() - started, 2)
     return out
 
@@ -505,8 +523,8 @@ def _comm(counts: dict[str, int] | None) -> str:
 
 def table(rows: list[dict[str, Any]], command: str) -> str:
     lines = [f"<!-- generated by: {command} -->", "",
-             "| Architecture | Plan source | Status | Forward: all-reduce / all-gather / all-to-all | "
-             "Decode step | Largest difference |", "|---|---|---|---|---|---|"]
+             "| Architecture | Plan source | Beyond the source | Status | Forward: all-reduce / all-gather / "
+             "all-to-all | Decode step | Largest difference |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         status = row["status"]
         if status in ("refused", "error"):
@@ -516,16 +534,30 @@ def table(rows: list[dict[str, Any]], command: str) -> str:
         errors = row.get("max_errors") or {}
         worst = f"{max(errors.values()):.1e}" if errors else ""
         decode = _comm((row.get("generate") or {}).get("decode_step"))
-        lines.append(f"| {_label(row)} | {row.get('plan_source', '')} | {status} | {_comm(row.get('forward'))} | "
-                     f"{decode} | {worst} |")
+        lines.append(f"| {_label(row)} | {row.get('plan_source', '')} | {_notes(row)} | {status} | "
+                     f"{_comm(row.get('forward'))} | {decode} | {worst} |")
     return "\n".join(lines) + "\n"
+
+
+START, END = "<!-- arch_matrix:start -->", "<!-- arch_matrix:end -->"
+
+
+def write_table(path: Path, rows: list[dict[str, Any]], command: str) -> None:
+    """The table into ``path``: between its markers if it has them, else as the whole file."""
+    text = table(rows, command)
+    if path.exists() and START in (old := path.read_text()) and END in old:
+        head, rest = old.split(START, 1)
+        path.write_text(f"{head}{START}\n{text}{END}{rest.split(END, 1)[1]}")
+    else:
+        path.write_text(text)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated architecture names (default: all)")
     parser.add_argument("--list", action="store_true", help="print the architectures and exit")
-    parser.add_argument("--table", default="", help="also write the Markdown table to this file")
+    parser.add_argument("--table", default="", help="also write the Markdown table into this file")
+    parser.add_argument("--from", dest="saved", default="", help="render the rows of a saved run (JSON lines)")
     parser.add_argument("--per-spawn", type=int, default=8, help="runs per spawn of 2 ranks")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per spawn")
     args = parser.parse_args()
@@ -539,11 +571,14 @@ def main() -> int:
         print(f"unknown architectures {unknown}; known: {sorted(BY_NAME)}", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    rows = run(names, args.per_spawn, args.timeout)
+    if args.saved:
+        rows = [json.loads(line) for line in Path(args.saved).read_text().splitlines() if line.strip()]
+    else:
+        rows = run(names, args.per_spawn, args.timeout)
     if args.table:
         command = "python scripts/arch_matrix.py" + (f" --only {args.only}" if args.only else "") + \
             f" --table {args.table}"
-        Path(args.table).write_text(table(rows, command))
+        write_table(Path(args.table), rows, command)
     return 1 if any(r["status"] == "WRONG" for r in rows) else 0
 
 
