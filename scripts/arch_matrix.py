@@ -144,7 +144,7 @@ ARCHS: list[Arch] = [
           "n_positions": 64, **TOKEN_IDS}, note="multi-query attention (one key/value head)"),
     Arch("gpt_bigcode_mha", "GPTBigCodeConfig", "GPTBigCodeForCausalLM",
          {"vocab_size": VOCAB, "n_embd": HIDDEN, "n_inner": FFN, "n_layer": LAYERS, "n_head": HEADS,
-          "n_positions": 64, "multi_query": False, **TOKEN_IDS}),
+          "n_positions": 64, "multi_query": False, **TOKEN_IDS}, note="multi-head attention"),
     Arch("gpt2", "GPT2Config", "GPT2LMHeadModel", {"vocab_size": VOCAB, "n_embd": HIDDEN, "n_inner": FFN,
                                                    "n_layer": LAYERS, "n_head": HEADS, "n_positions": 64,
                                                    **TOKEN_IDS}),
@@ -158,7 +158,7 @@ ARCHS: list[Arch] = [
     Arch("falcon_gqa", "FalconConfig", "FalconForCausalLM",
          {"vocab_size": VOCAB, "hidden_size": HIDDEN, "ffn_hidden_size": FFN, "num_hidden_layers": LAYERS,
           "num_attention_heads": HEADS, "num_kv_heads": KV_HEADS, "new_decoder_architecture": True,
-          **TOKEN_IDS}),
+          **TOKEN_IDS}, note="new architecture, grouped-query attention"),
     Arch("bloom", "BloomConfig", "BloomForCausalLM", {"vocab_size": VOCAB, "hidden_size": HIDDEN,
                                                       "n_layer": LAYERS, "n_head": HEADS, **TOKEN_IDS}),
     Arch("biogpt", "BioGptConfig", "BioGptForCausalLM", _drop(_decoder(), "head_dim", "num_key_value_heads")),
@@ -529,7 +529,7 @@ def table(rows: list[dict[str, Any]], command: str) -> str:
         status = row["status"]
         if status in ("refused", "error"):
             message = row.get("message", "").replace("|", "\\|").replace("\n", " ")
-            short = message if len(message) <= 160 else message[:157] + "..."
+            short = message if len(message) <= 240 else message[:237] + "..."
             status = f"{status}: {short}"
         errors = row.get("max_errors") or {}
         worst = f"{max(errors.values()):.1e}" if errors else ""

@@ -480,8 +480,10 @@ def _multi_query(ctx: _Context, arch: str, keys: dict[str, str | tuple[str, int]
         attention = [k for k in keys if k.endswith((".attn.c_attn", ".attn.c_proj"))]
         if not multi_query:
             keys = {k: ("colwise" if k.endswith(".attn.c_attn") else v) for k, v in keys.items()}
-            ctx.inferred.append("c_attn holds each head's q, k and v side by side (GPT-BigCode without multi-query "
-                                "attention): split by heads on its output features")
+            for key in (k for k in keys if k.endswith(".attn.c_attn")):
+                ctx.inferred.append(f"{key}: holds each head's q, k and v side by side (GPT-BigCode without "
+                                    f"multi-query attention), so it is split by heads on its output features, "
+                                    f"not in thirds as GPT-2's")
             return keys
     elif arch == "BLOOM/Falcon" and model_type == "falcon" and multi_query \
             and not getattr(config, "new_decoder_architecture", False):
@@ -490,9 +492,10 @@ def _multi_query(ctx: _Context, arch: str, keys: dict[str, str | tuple[str, int]
         return keys
     heads = ctx.heads()
     count = heads[0] if heads else "all"
-    ctx.kept_whole.append(f"{', '.join(attention)}: multi-query attention ({count} query heads share one key/value "
-                          f"head, packed after the queries), which cannot be divided among {ctx.world} ranks; the MLP "
-                          f"is split")
+    for block in dict.fromkeys(k.rsplit(".", 1)[0] for k in attention):
+        ctx.kept_whole.append(f"{block}: multi-query attention ({count} query heads share one key/value head, "
+                              f"packed after the queries), which cannot be divided among {ctx.world} ranks; the MLP "
+                              f"is split")
     return {k: v for k, v in keys.items() if k not in attention}
 
 
@@ -507,11 +510,12 @@ def _hand_written_hint(model: nn.Module, modules: Mapping[str, nn.Module]) -> st
              f"plan (config.base_model_tp_plan) and its blocks match none of {sorted(_BLOCKS)}.")
     if any(isinstance(m, nn.Conv1d) and m.groups > 1 for m in modules.values()):
         # A state-space mixer (Mamba): its scan runs over every channel of the layer at once.
-        return (f"{start} Its layers mix tokens with a depthwise convolution and a state-space scan over all their "
-                f"channels (no attention heads, no MLP pair to split), which shardkit has no split for: keep the "
-                f"model whole on every rank and train it data-parallel with st.fully_shard(model), or write a spec "
-                f"for its linear layers by hand and register how its mixer computes (st.register_sharded_module). "
-                f"Its linear layers: {shown}{more}.")
+        return (f"tensor_parallel_spec has no layout for {type(model).__name__}: its layers mix tokens with a "
+                f"depthwise convolution and a state-space scan over all their channels (no attention heads, no MLP "
+                f"pair to split). Keep the model whole on every rank and train it data-parallel with "
+                f"st.fully_shard(model), or write a spec for its linear layers by hand and register how its mixer "
+                f"computes (st.register_sharded_module). It has no transformers plan (config.base_model_tp_plan) "
+                f"and its blocks match none of {sorted(_BLOCKS)}; its linear layers: {shown}{more}.")
     return (f"{start} Write the spec by hand: split the attention's q/k/v and the first MLP projection on output "
             f"features (single_split(0, ranks)) and the attention output and second MLP projection on input features "
             f"({{'<name>.weight': single_split(1, ranks)}}), with '*' for the layer number. Its linear layers: "

@@ -298,7 +298,7 @@ def test_multi_query_attention_is_kept_whole_and_the_mlp_split(cls, config, atte
         assert spec.param_placement[key] == want
     assert not any(k.startswith(attention) for k in spec.param_placement)
     assert len(spec.kept_whole) == 1 and "multi-query attention (4 query heads share one key/value head" \
-        in spec.kept_whole[0] and all(a in spec.kept_whole[0] for a in attention)
+        in spec.kept_whole[0] and spec.kept_whole[0].startswith(attention[0].rsplit(".", 1)[0] + ": ")
 
 
 def test_gpt_bigcode_without_multi_query_splits_c_attn_by_heads():
@@ -351,7 +351,8 @@ def test_more_block_structures(cls, config, keys):
 def test_state_space_models_are_refused_with_what_to_do():
     model = _meta(transformers.MambaForCausalLM, transformers.MambaConfig(hidden_size=32, num_hidden_layers=1,
                                                                         vocab_size=40, state_size=4))
-    with pytest.raises(ValueError, match=r"depthwise convolution and a state-space scan.*st.fully_shard\(model\)"):
+    with pytest.raises(ValueError, match=r"no layout for MambaForCausalLM: its layers mix tokens with a depthwise "
+                                         r"convolution and a state-space scan.*st.fully_shard\(model\)"):
         st.tensor_parallel_spec(model, R2)
 
 
