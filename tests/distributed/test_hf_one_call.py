@@ -55,9 +55,9 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int]] = {
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", GPT, "tensor", 0),
     "gpt_bigcode_mha": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(GPT, multi_query=False), "tensor", 0),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(DECODER, **MOE), "tensor", 1),
-    # GPT-OSS's attention appends its sinks (one per head, whole) to each layer's scores: they are
-    # gathered for it, one all-gather per layer besides the logits'.
-    "gpt_oss_tensor": ("GptOssConfig", "GptOssForCausalLM", dict(DECODER, head_dim=16, **MOE), "tensor", 3),
+    # GPT-OSS's attention appends its sinks (one per head, whole) to each layer's scores: each rank takes its
+    # heads' sinks, no gather.
+    "gpt_oss_tensor": ("GptOssConfig", "GptOssForCausalLM", dict(DECODER, head_dim=16, **MOE), "tensor", 1),
     "gpt_oss_expert": ("GptOssConfig", "GptOssForCausalLM", dict(DECODER, head_dim=16, **MOE), "expert", None),
 }
 

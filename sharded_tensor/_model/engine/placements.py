@@ -229,6 +229,10 @@ class Split(layout.Split):
         """This rank's length along ``dim``."""
         return self.intervals[_state.rank(self.group)][1]
 
+    def extent(self) -> int:
+        """The whole tensor's size along ``dim``."""
+        return self.size
+
     def whole(self, x: Tensor) -> Tensor:
         """The full tensor of this rank's slice ``x``: all-gather (collective)."""
         return gather(x, self.dim, self.intervals, self.group)
@@ -301,6 +305,14 @@ class Strided(layout.Strided):
     def moved(self, dim: int) -> Strided:
         """The same blocks on another dimension (after a transpose)."""
         return self if dim == self.dim else Strided(dim, self.intervals, self.blocks, self.group)
+
+    def length(self) -> int:
+        """This rank's length along ``dim``: its slice of every block."""
+        return self.blocks * self.intervals[_state.rank(self.group)][1]
+
+    def extent(self) -> int:
+        """The whole tensor's size along ``dim``: every block."""
+        return self.blocks * self.size
 
     def unmerged(self, x: Tensor) -> Tensor:
         """The local ``x`` with its strided dimension unflattened into ``(blocks, this rank's length)``."""

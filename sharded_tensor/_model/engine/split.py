@@ -73,17 +73,18 @@ def _cut(call: Call, t: Tensor, dim: int, split: Split) -> tuple[int, Any]:
 # -- element-wise -----------------------------------------------------------------------------------
 
 def elementwise(call: Call) -> Decision:
-    """Ops that act element by element, with broadcasting (add, mul, silu, where, ...)."""
+    """Ops that act element by element, with broadcasting (add, mul, silu, where, ...), on split or strided
+    activations (every placed operand placed alike)."""
     tensors = [(i, t) for i, t in enumerate(call.leaves) if isinstance(t, Tensor)]
     if call.name in ("to", "type_as") and call.args:
         tensors = tensors[:1]  # ``x.to(other)`` reads other's dtype and device, not its values
     out_ndim = max(t.dim() for _, t in tensors)
-    found: Split | None = None
+    found: Split | Strided | None = None
     for _, t in tensors:
         placement = placement_of(t)
         if placement is None:
             continue
-        if type(placement) is not Split:
+        if type(placement) is not Split and type(placement) is not Strided:
             raise Fallback
         aligned = placement if out_ndim == t.dim() else placement.moved(out_ndim - t.dim() + placement.dim)
         if found is not None and aligned != found:
@@ -104,9 +105,9 @@ def elementwise(call: Call) -> Decision:
         if local_dim < 0 or t.shape[local_dim] == 1:
             moves.extend(whole_operand(call, t, found.group))  # broadcast against every rank's slice
             continue
-        if t.shape[local_dim] != found.size:
+        if t.shape[local_dim] != found.extent():
             raise Fallback
-        moves.append(_cut(call, t, local_dim, found))
+        moves.append((call.index(t), functools.partial(found.cut, dim=local_dim)))
         shape = list(t.shape)
         shape[local_dim] = length
         local[i] = torch.empty(shape, dtype=t.dtype, device="meta")
@@ -525,6 +526,21 @@ def _sum_across(x: Tensor, *args: Any, dims: tuple[int, ...], keepdim: bool, spl
     return total / count if count else total
 
 
+def _min_max(call: Call) -> Decision:
+    """``torch.min``/``max`` in their three forms: of two tensors (element-wise), along a dimension (the values
+    and the indices, along another dimension than the split), of every element (gathered)."""
+    bound = call.bound()
+    if isinstance(bound.get("other"), Tensor):
+        return elementwise(call)
+    x, split = _first_split(call)
+    dim = bound.get("dim")
+    if not isinstance(dim, int) or norm_dim(dim, x.dim()) == split.dim:
+        raise Fallback
+    keepdim = bool(bound.get("keepdim", False))
+    moved = split if keepdim or norm_dim(dim, x.dim()) > split.dim else split.moved(split.dim - 1)
+    return Decision(out=Each(moved))
+
+
 def _reduce(call: Call) -> Decision:
     """sum / mean / amax / amin / var / std / logsumexp over dimensions other than the split one."""
     x, split = _first_split(call)
@@ -745,6 +761,8 @@ _ELEMENTWISE = {
 }
 
 declare(lambda: _ELEMENTWISE | pointwise_names(), Split, elementwise)
+declare(lambda: _ELEMENTWISE | pointwise_names(), Strided, elementwise)
+declare(("min", "max"), Split, _min_max)
 declare(("dropout",), Split, _dropout)
 declare(("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"), Split, reshape)
 declare(("transpose", "swapaxes", "swapdims", "permute", "t"), Split, _transpose)
