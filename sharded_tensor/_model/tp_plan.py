@@ -39,8 +39,10 @@ from torch import nn
 from sharding import (
     CompositeShardingSpec,
     DevicePlacement,
+    EnumerableShardingSpec,
     PlacementSpec,
     RemoteDevice,
+    ShardMetadata,
     SingleSplitShardingSpec,
 )
 
@@ -249,9 +251,10 @@ class _Context:
         if found is None:
             return "the config does not give the number of heads"
         heads, kv, _ = found
-        if heads % self.world or kv % self.world:
+        if heads % self.world or (kv % self.world and not (kv < self.world and self.world % kv == 0)):
             return (f"{heads} query heads and {kv} key/value heads do not divide evenly over {self.world} ranks "
-                    f"(each rank needs whole heads)")
+                    f"(each rank needs whole query heads, and whole key/value heads or a share of one: the ranks "
+                    f"must divide evenly among fewer key/value heads)")
         return None
 
 
@@ -345,7 +348,48 @@ def tensor_parallel_spec(model: nn.Module, ranks: Sequence[str | RemoteDevice | 
         raise ValueError(msg)
     if planned is not None:
         parts.update(_complete(ctx, parts, experts, prefix))
+    parts = _shared_key_value_heads(ctx, parts)
     return TensorParallelSpec(parts, source=source, inferred=ctx.inferred, kept_whole=ctx.kept_whole)
+
+
+_KEY_VALUE = ("k_proj", "v_proj")
+
+
+def _shared_key_value_heads(ctx: _Context, parts: dict[str, PlacementSpec]) -> dict[str, PlacementSpec]:
+    """With fewer key/value heads than ranks (8 on 16 ranks), each key/value head held by the ranks of its query
+    heads: rank ``r`` holds head ``r // (ranks / key_value_heads)`` of ``k_proj`` and ``v_proj`` (replicas, whose
+    gradients the sharded layer sums over them), as Megatron and vLLM lay it out. Needs query heads that divide
+    over the ranks, and ranks that divide over the key/value heads."""
+    heads = ctx.heads()
+    if heads is None:
+        return parts
+    q, kv, head_dim = heads
+    world = ctx.world
+    if not 0 < kv < world or q % world or world % kv:
+        return parts
+    share = world // kv
+    out: dict[str, PlacementSpec] = {}
+    for key, spec in parts.items():
+        pattern = key.split(".")
+        module_pattern = pattern[:-1] if pattern[-1] in ("weight", "bias") else pattern
+        if not module_pattern or module_pattern[-1] not in _KEY_VALUE or not isinstance(spec, SingleSplitShardingSpec):
+            out[key] = spec
+            continue
+        found = next((m for n, m in ctx.modules.items() if _exact(module_pattern, n)), None)
+        if not isinstance(found, nn.Linear) or found.out_features != kv * head_dim:
+            out[key] = spec
+            continue
+        prefix = ".".join(module_pattern)
+        for attr, param in found.named_parameters(recurse=False):
+            if prefix + "." + attr != key and prefix != key:
+                continue
+            shape = tuple(param.shape)
+            shards = [ShardMetadata((r // share * head_dim, *([0] * (len(shape) - 1))), (head_dim, *shape[1:]),
+                                    ctx.placements[r].device) for r in range(world)]
+            out[f"{prefix}.{attr}"] = EnumerableShardingSpec(shards)
+        ctx.inferred.append(f"{prefix}: {kv} key/value heads over {world} ranks: each head is held by the {share} "
+                            f"ranks of its query heads (replicas, their gradients summed over them)")
+    return out
 
 
 def _matches_any(key: str, modules: Mapping[str, nn.Module], params: Mapping[str, nn.Parameter]) -> bool:

@@ -46,7 +46,7 @@ from . import state as _state
 
 __all__ = ["Intervals", "Split", "Packed", "Partial", "Strided", "Placement", "TAG", "SUM",
            "SplitSize", "tag", "placement_of", "to_whole", "shared_copy", "copy_to_ranks", "reduce_from_ranks",
-           "gather", "scatter"]
+           "gather", "scatter", "share_gradient"]
 
 Intervals = tuple[tuple[int, int], ...]
 """``(start, length)`` along one dimension for each group rank (length may be 0)."""
@@ -90,6 +90,38 @@ def _slice(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessG
     rank, _ = _comm.rank_and_world(group)
     start, length = intervals[rank]
     return tensor.narrow(dim, start, length).contiguous()
+
+
+def _owner_slice(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> Tensor:
+    """This rank's slice if it is the first of the ranks holding it, else zeros: the gradient of slices held by
+    replicas, each of which holds a share of it (the shares sum to the whole gradient)."""
+    rank, _ = _comm.rank_and_world(group)
+    start, length = intervals[rank]
+    if intervals.index(intervals[rank]) != rank and length:
+        return tensor.new_zeros((*tensor.shape[:dim], length, *tensor.shape[dim + 1:]))
+    return tensor.narrow(dim, start, length).contiguous()
+
+
+def _summed_slices(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> Tensor:
+    """The whole tensor from every rank's slice, replicas' slices summed (a zero-padded all-reduce): the
+    gradient of a whole tensor cut to slices that replicas hold, each a share of it."""
+    _, world = _comm.rank_and_world(group)
+    if world == 1:
+        return tensor
+    rank, _ = _comm.rank_and_world(group)
+    dim = dim % tensor.dim()
+    shape = list(tensor.shape)
+    shape[dim] = max(s + n for s, n in intervals)
+    out = tensor.new_zeros(shape)
+    start, length = intervals[rank]
+    if length:
+        out.narrow(dim, start, length).copy_(tensor)
+    return _all_reduce(out, group)
+
+
+def _has_replicas(intervals: Intervals) -> bool:
+    live = [s for s in intervals if s[1] > 0]
+    return len(set(live)) != len(live)
 
 
 def _where(ctx: Any) -> None:
@@ -179,14 +211,39 @@ def gather(tensor: Tensor, dim: int, intervals: Sequence[tuple[int, int]], group
     """
     if _comm.rank_and_world(group)[1] == 1:
         return tensor
-    return _Mirror.apply(tensor, dim, tuple(intervals), group, _gather, _slice)  # type: ignore[no-any-return]
+    intervals = tuple(intervals)
+    back = _owner_slice if _has_replicas(intervals) else _slice
+    return _Mirror.apply(tensor, dim, intervals, group, _gather, back)  # type: ignore[no-any-return]
 
 
 def scatter(tensor: Tensor, dim: int, intervals: Sequence[tuple[int, int]], group: _comm.ProcessGroup = None) -> Tensor:
-    """This rank's slice of a whole ``tensor``; backward gathers the gradient. Collective in backward."""
+    """This rank's slice of a whole ``tensor``; backward gathers the gradient (sums it over ranks holding the
+    same slice: replicas, each with a share of it). Collective in backward."""
     if _comm.rank_and_world(group)[1] == 1:
         return tensor
-    return _Mirror.apply(tensor, dim, tuple(intervals), group, _slice, _gather)  # type: ignore[no-any-return]
+    intervals = tuple(intervals)
+    back = _summed_slices if _has_replicas(intervals) else _gather
+    return _Mirror.apply(tensor, dim, intervals, group, _slice, back)  # type: ignore[no-any-return]
+
+
+def share_gradient(tensor: Tensor, dim: int, intervals: Sequence[tuple[int, int]],
+                   group: _comm.ProcessGroup = None) -> Tensor:
+    """Identity forward; backward sums the gradient over the ranks holding the same slice. Collective in backward.
+
+    For a parameter held by replicas (a key/value head shared by the ranks of its query heads):
+    each replica's backward computes a share of its gradient, which this makes whole on each.
+    """
+    if _comm.rank_and_world(group)[1] == 1 or not tensor.requires_grad:
+        return tensor
+    return _Mirror.apply(tensor, dim, tuple(intervals), group, _identity, _shared)  # type: ignore[no-any-return]
+
+
+def _identity(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> Tensor:
+    return tensor.view_as(tensor)
+
+
+def _shared(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> Tensor:
+    return _slice(_summed_slices(tensor, dim, intervals, group), dim, intervals, group)
 
 
 # -- the placements ---------------------------------------------------------------------------------

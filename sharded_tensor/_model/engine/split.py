@@ -552,8 +552,9 @@ def _reduce(call: Call) -> Decision:
     normed = sorted(norm_dim(d, x.dim()) for d in dims)
     keepdim = bool(bound.get("keepdim", False))
     if split.dim in normed:
-        if call.name not in ("sum", "mean") or bound.get("dtype") is not None or not x.is_floating_point():
-            raise Fallback  # amax, var, std, logsumexp: not a plain sum of the slices
+        if call.name not in ("sum", "mean") or bound.get("dtype") is not None or not x.is_floating_point() \
+                or split.replicas:
+            raise Fallback  # amax, var, std, logsumexp: not a plain sum of the slices (nor one of replicas)
         count = math.prod(split.size if d == split.dim else x.shape[d] for d in normed) if call.name == "mean" else 0
         return Decision(run=functools.partial(_sum_across, dims=tuple(normed), keepdim=keepdim, split=split,
                                               count=count))
@@ -646,20 +647,27 @@ def _sdpa(call: Call) -> Decision:
     """scaled_dot_product_attention with q, k and v split on the same head (batch) dimension.
 
     Grouped key/value heads (``enable_gqa``): each rank's query heads read that rank's key/value
-    heads. A mask is cut to this rank's heads or, when it broadcasts over them, used whole.
+    heads. A rank whose key/value heads go beyond what its query heads read (key/value heads held
+    by replicas, or repeated to the query heads' number) narrows them to those. A mask is cut to
+    this rank's heads or, when it broadcasts over them, used whole.
     """
     bound = call.bound()
     q, k, v = bound["query"], bound["key"], bound["value"]
     sq, sk, sv = _split_of(q), _split_of(k), _split_of(v)
+    if sq is not None and placement_of(k) is None and placement_of(v) is None and sq.dim < q.dim() - 2 \
+            and k.dim() == q.dim() and v.dim() == q.dim():
+        return _sdpa_whole_key_value(call, q, k, v, sq, bound)
     if sq is None or sk is None or sv is None or sk != sv or not sq.dim == sk.dim < q.dim() - 2:
         raise Fallback
     ratio = sq.size // sk.size if sk.size else 0
-    if ratio == 0 or sq.size % sk.size or sk.scaled(sq.dim, ratio, 1) != sq:
+    if ratio == 0 or sq.size % sk.size:
         raise Fallback
-    if ratio > 1 and not bound["enable_gqa"]:
+    moves: list[tuple[int, Any]] = []
+    if sk.scaled(sq.dim, ratio, 1) != sq:
+        moves += _narrowed_heads(call, k, v, sq, sk, ratio, bool(bound["enable_gqa"]))
+    elif ratio > 1 and not bound["enable_gqa"]:
         raise Fallback
     mask = bound["attn_mask"]
-    moves: tuple[tuple[int, Any], ...] = ()
     if isinstance(mask, Tensor):
         if placement_of(mask) is not None:
             raise Fallback
@@ -667,10 +675,70 @@ def _sdpa(call: Call) -> Decision:
         if local >= 0 and mask.shape[local] != 1:
             if mask.shape[local] != sq.size:
                 raise Fallback
-            moves = (_cut(call, mask, local, sq),)
+            moves.append(_cut(call, mask, local, sq))
         else:
-            moves = whole_operand(call, mask, sq.group)
-    return Decision(moves, out=sq)
+            moves.extend(whole_operand(call, mask, sq.group))
+    return Decision(tuple(moves), out=sq)
+
+
+def _narrow_to(x: Tensor, *, dim: int, start: int, length: int) -> Tensor:
+    return x.narrow(dim, start, length)
+
+
+def _shared_narrow(x: Tensor, *, group: Any, dim: int, start: int, length: int) -> Tensor:
+    return shared_copy(x, group).narrow(dim, start, length) if x.requires_grad else x.narrow(dim, start, length)
+
+
+def _sdpa_whole_key_value(call: Call, q: Tensor, k: Tensor, v: Tensor, sq: Split, bound: dict[str, Any]) -> Decision:
+    """Split queries attending whole keys and values (fewer key/value heads than ranks, kept whole: multi-query
+    attention): each rank narrows them to the key/value heads its query heads read (the whole tensors' gradients
+    summed over the ranks)."""
+    heads, kv_heads = sq.size, k.shape[sq.dim]
+    if kv_heads == 0 or heads % kv_heads or v.shape[sq.dim] != kv_heads or (heads != kv_heads and
+                                                                           not bound["enable_gqa"]):
+        raise Fallback
+    ratio = heads // kv_heads
+    rank = _state.rank(sq.group)
+    qs, qn = sq.intervals[rank]
+    if not qn:
+        raise Fallback
+    lo, hi = qs // ratio, -(-(qs + qn) // ratio)
+    group = qn // (hi - lo) if qn % (hi - lo) == 0 else 0
+    if not group or any((qs + i) // ratio - lo != i // group for i in range(qn)) or (group > 1 and
+                                                                                      not bound["enable_gqa"]):
+        raise Fallback
+    narrow = functools.partial(_shared_narrow, group=sq.group, dim=sq.dim, start=lo, length=hi - lo)
+    moves: list[tuple[int, Any]] = [(call.index(k), narrow), (call.index(v), narrow)]
+    mask = bound["attn_mask"]
+    if isinstance(mask, Tensor):
+        if placement_of(mask) is not None:
+            raise Fallback
+        local = sq.dim - (q.dim() - mask.dim())
+        if local >= 0 and mask.shape[local] != 1:
+            if mask.shape[local] != sq.size:
+                raise Fallback
+            moves.append(_cut(call, mask, local, sq))
+        else:
+            moves.extend(whole_operand(call, mask, sq.group))
+    return Decision(tuple(moves), out=sq)
+
+
+def _narrowed_heads(call: Call, k: Tensor, v: Tensor, sq: Split, sk: Split, ratio: int,
+                    gqa: bool) -> list[tuple[int, Any]]:
+    """The moves narrowing this rank's key and value heads to the ones its query heads read (a local view,
+    its gradient zero elsewhere: a share of the whole, as replicas' are); ``Fallback`` if they do not hold them."""
+    rank = _state.rank(sq.group)
+    (qs, qn), (ks, kn) = sq.intervals[rank], sk.intervals[rank]
+    if not qn:
+        raise Fallback
+    lo, hi = qs // ratio, -(-(qs + qn) // ratio)
+    if lo < ks or hi > ks + kn or qn % (hi - lo):
+        raise Fallback
+    group = qn // (hi - lo)
+    if any((qs + i) // ratio - lo != i // group for i in range(qn)) or (group > 1 and not gqa):
+        raise Fallback  # the local heads would not meet as the whole ones do
+    narrow = functools.partial(_narrow_to, dim=sk.dim, start=lo - ks, length=hi - lo)
+    return [(call.index(k), narrow), (call.index(v), narrow)]
 
 
 # -- packed activations -----------------------------------------------------------------------------
