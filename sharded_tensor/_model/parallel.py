@@ -269,14 +269,15 @@ class ShardedLinear(_registry.ShardedModule):
     def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         plan: LinearPlan = call.plan
         module = cast(nn.Linear, module)  # registered for nn.Linear
-        weight, bias = module.weight, module.bias
+        weight: torch.Tensor = module.weight
+        bias: torch.Tensor = module.bias  # read only where the plan says the module has one
         if plan.mode == "bias":
             return F.linear(call.replicated(input), weight) + call.gather(bias, 0, plan.bias_intervals)  # type: ignore[arg-type]
         if plan.mode == "out":
             if plan.replicas:  # each replica computes a share of its slice's gradient: summed over them
                 weight = share_gradient(weight, 0, plan.intervals, call.group)
                 if plan.bias == "local":
-                    bias = share_gradient(bias, 0, plan.intervals, call.group)  # type: ignore[arg-type]
+                    bias = share_gradient(bias, 0, plan.intervals, call.group)
             y = F.linear(call.enter(input), weight, bias if plan.bias == "local" else None)
             if plan.bias == "replicated":
                 if in_zone():
