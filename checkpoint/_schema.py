@@ -64,7 +64,7 @@ from ._regions import (
 )
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
+    "FORMAT_NAME", "FORMAT_VERSION", "CHECKSUMMED_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
     "CheckpointError", "CheckpointMetadata", "TensorEntry", "SavedShard", "RegionTable", "parse_metadata",
     "metadata_from_data", "metadata_text", "content_checksum", "CONTENT_CHECKSUM", "check_file_name",
     "dtype_from_name", "dtype_from_code", "dtype_name", "safetensors_dtype",
@@ -72,6 +72,8 @@ __all__ = [
 
 FORMAT_NAME = "shardkit-checkpoint"
 FORMAT_VERSION = 4
+CHECKSUMMED_VERSION = 4
+"""The first format version whose ``shardkit.json`` carries the checksum of its own content."""
 CONTENT_CHECKSUM = "checksum"
 """Key of ``shardkit.json``'s checksum of its own canonical content (from format version 4)."""
 _CONTENT_ALGORITHM = "sha256"
@@ -350,7 +352,8 @@ def _from_data(data: object, source: str) -> CheckpointMetadata:
         msg = (f"checkpoint metadata {source!r} has format version {version}, newer than the version "
                f"{FORMAT_VERSION} this shardkit reads; upgrade shardkit to load it.")
         raise CheckpointError(msg)
-    if version >= 4:
+    _check_writer(data, version, source)
+    if version >= CHECKSUMMED_VERSION:
         _check_content(data, source)
     generation = data.get("generation")
     if not isinstance(generation, str) or not _GENERATION.match(generation):
@@ -374,6 +377,44 @@ def _from_data(data: object, source: str) -> CheckpointMetadata:
         tensors = {name: _parse_table(name, entry, numbered, source) for name, entry in raw_tensors.items()}
     return CheckpointMetadata(MappingProxyType(tensors), MappingProxyType(values), MappingProxyType(files),
                               generation, world_size, version)
+
+
+def _writer_version(data: Mapping[str, Any]) -> tuple[int, str]:
+    """``(version, field)``: the oldest format version whose writer writes every field of ``data``, and the
+    field that requires it (``(1, "")`` when any version's writer could have written it)."""
+    if CONTENT_CHECKSUM in data:
+        return CHECKSUMMED_VERSION, f"the top-level {CONTENT_CHECKSUM!r}"
+    if isinstance(data.get("files"), list):
+        return 3, "\"files\" as a list"
+    tensors = data.get("tensors")
+    chunked = ""
+    for name, entry in tensors.items() if isinstance(tensors, dict) else ():
+        if not isinstance(entry, dict):
+            continue
+        if "regions" in entry:
+            return 3, f"tensor {name!r}'s \"regions\""
+        shards = entry.get("shards")
+        if not chunked and isinstance(shards, list) and any(isinstance(r, dict) and "chunks" in r for r in shards):
+            chunked = f"tensor {name!r}'s \"chunks\""
+    return (2, chunked) if chunked else (1, "")
+
+
+def _check_writer(data: Mapping[str, Any], version: int, source: str) -> None:
+    """Refuse a file that claims an older format version than its own fields prove its writer had.
+
+    A writer of version ``v`` writes only version ``v``'s fields, so a file carrying a later
+    version's field was written by that later writer and had its ``version`` lowered since: the
+    classic way to shed the checks of the newer version (a version-4 file edited, set to version 3
+    and keeping its ``checksum``). It is checked by the rules of the newest version its fields
+    show, which refuse it.
+    """
+    writer, field = _writer_version(data)
+    if writer > version:
+        msg = (f"checkpoint metadata {source!r} was edited or is corrupt: it says format version {version}, but it "
+               f"carries {field}, which only a version-{writer} writer writes, so its \"version\" was changed "
+               f"after the save (checked as version {writer}, it is refused); restore the file or save the "
+               f"checkpoint again.")
+        raise CheckpointError(msg)
 
 
 def _parse_files(raw: object, source: str, version: int) -> dict[str, int]:

@@ -1,17 +1,52 @@
-"""JSON as a checkpoint reader must parse it: duplicate keys and runaway nesting are errors, not surprises.
+"""JSON as a checkpoint reader must parse it: bounded, unambiguous, refused before it is built.
 
-``json.loads`` keeps the last of two equal keys (so a tampered file can say one thing to
-this reader and another to a different one) and raises ``RecursionError`` on deeply nested
-input. ``loads`` refuses both with a ``ValueError`` whose message names the file; the
-callers (metadata and header parsers) turn it into a ``CheckpointError``.
+Every JSON file a checkpoint reader opens (``shardkit.json``, safetensors headers,
+``model.safetensors.index.json``, ``config.json``, the save lease, the manager's metric files)
+may have been crafted. ``json.loads`` alone keeps the last of two equal keys (so a tampered
+file can say one thing to this reader and another to a different one), recurses once per
+nesting level (a ``RecursionError``, or with a raised recursion limit a crash), and builds
+whatever count of objects the text asks for. ``loads`` first measures the text, in C-speed
+passes linear in its size and without building anything:
+
+* nesting deeper than ``MAX_DEPTH`` arrays and objects is refused;
+* more than ``MAX_ITEMS`` values (arrays, objects, numbers, strings, literals; counted from
+  the separators outside strings) is refused;
+
+then parses it, refusing a key that appears twice in one object. JSON has no references, so
+the built value is never larger than the text (no sharing to expand). Every refusal is a
+``ValueError`` whose message names the file and quotes at most ``QUOTE`` characters of any
+offending text; the callers (metadata and header parsers) turn it into a ``CheckpointError``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-__all__ = ["loads"]
+import numpy as np
+
+__all__ = ["loads", "measure", "quote", "MAX_DEPTH", "MAX_ITEMS", "QUOTE"]
+
+MAX_DEPTH = 100
+"""Deepest nesting of arrays and objects read (shardkit's own files nest 6 deep)."""
+MAX_ITEMS = 2**25
+"""Most values in one file (a version-2 ``shardkit.json`` of a million regions holds about 15 million)."""
+QUOTE = 60
+"""Most characters of a crafted key or value that an error message repeats."""
+
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_QUOTE_BYTE = 0x22
+_BLOCK = 1 << 22  # bytes measured at once (bounded scratch memory)
+
+
+def quote(value: object, limit: int = QUOTE) -> str:
+    """``repr`` of a string (or bytes) cut to ``limit`` characters, saying how long it was: safe in a message."""
+    if isinstance(value, (str, bytes, bytearray)):
+        text = value[:limit]
+        shown = repr(bytes(text) if isinstance(text, bytearray) else text)
+        return shown if len(value) <= limit else f"{shown}... ({len(value)} characters)"
+    return f"a {type(value).__name__}"
 
 
 class _Duplicate(Exception):
@@ -21,26 +56,76 @@ class _Duplicate(Exception):
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Duplicate(key)
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Duplicate(key)
+            seen.add(key)
     return out
 
 
+def measure(data: bytes) -> tuple[int, int]:
+    """``(depth, items)`` of JSON text ``data`` without parsing it: the deepest nesting of arrays and
+    objects, and the values it holds. Linear in ``len(data)``, a few vectorized passes per byte.
+
+    Outside strings only: escaped characters are dropped first, so every remaining quote opens
+    or closes a string and the parity of the quotes before a byte says whether it is inside one.
+    Where the text is not JSON, the parser stops at the first fault, before any nesting found
+    here only after it.
+    """
+    text = np.frombuffer(_ESCAPE.sub(b"", data), dtype=np.uint8)
+    depth, items = 0, 1 if len(text) else 0
+    top, quotes = 0, 0
+    for begin in range(0, len(text), _BLOCK):
+        block = text[begin:begin + _BLOCK]
+        is_quote = block == _QUOTE_BYTE
+        inside = (np.cumsum(is_quote, dtype=np.uint8) + quotes) & 1  # parity: 1 inside a string or its opening quote
+        quotes = (quotes + int(np.count_nonzero(is_quote))) & 1
+        outside = inside == 0
+        opens = ((block == 0x5B) | (block == 0x7B)) & outside  # [ {
+        closes = ((block == 0x5D) | (block == 0x7D)) & outside  # ] }
+        items += int(np.count_nonzero(opens)) + int(np.count_nonzero((block == 0x2C) & outside))  # commas
+        levels = np.cumsum(opens.astype(np.int32) - closes, dtype=np.int64) + top
+        if len(levels):
+            depth = max(depth, int(levels.max()))
+            top = int(levels[-1])
+    return depth, items
+
+
 def loads(text: str | bytes | bytearray, *, source: str, what: str = "malformed JSON") -> Any:
-    """Parse ``text`` (of file ``source``); ``ValueError`` naming ``source`` if it is malformed, has a key
-    twice in one object, or nests too deeply for the parser. Messages start with ``f"{what} {source!r}: "``."""
+    """Parse ``text`` (of file ``source``) within the limits above.
+
+    Raises:
+        ValueError: naming ``source``, if the text is not JSON, nests deeper than ``MAX_DEPTH``,
+            holds more than ``MAX_ITEMS`` values, or has a key twice in one object. Messages start
+            with ``f"{what} {source!r}: "``.
+    """
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    depth, items = measure(data)
+    if items > MAX_ITEMS:
+        msg = (f"{what} {source!r}: it holds about {items} JSON values, more than the {MAX_ITEMS} a checkpoint "
+               f"file may hold; the file is corrupt or crafted (refused before parsing).")
+        raise ValueError(msg)
+    if depth > MAX_DEPTH:
+        msg = (f"{what} {source!r}: it nests arrays and objects more than {MAX_DEPTH} levels deep; the file is "
+               f"corrupt or crafted (refused before parsing).")
+        raise ValueError(msg)
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates)
+        return json.loads(data, object_pairs_hook=_no_duplicates)
     except _Duplicate as exc:
-        msg = (f"{what} {source!r}: the key {exc.key!r} appears twice in one object (a duplicate key); a reader "
-               f"cannot tell which one is meant, so the file is corrupt (refusing it).")
+        msg = (f"{what} {source!r}: the key {quote(exc.key)} appears twice in one object (a duplicate key); a "
+               f"reader cannot tell which one is meant, so the file is corrupt (refusing it).")
         raise ValueError(msg) from None
-    except RecursionError:
+    except RecursionError:  # not reached within MAX_DEPTH; kept so that no parser error escapes raw
         msg = f"{what} {source!r}: it nests too deeply to parse; the file is corrupt or not a checkpoint."
         raise ValueError(msg) from None
     except (UnicodeDecodeError, ValueError) as exc:
-        msg = f"{what} {source!r}: not valid JSON ({exc})."
-        raise ValueError(msg) from exc
+        msg = f"{what} {source!r}: not valid JSON ({_short(exc)})."
+        raise ValueError(msg) from None
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= 2 * QUOTE else text[:2 * QUOTE] + "..."
