@@ -132,6 +132,8 @@ def _check_expanded(name: str, value: object) -> None:
     whose shared containers would expand to 2**40 JSON values is refused in time linear in
     the objects it really holds, never by writing them out. Cycles are left to the caller.
     """
+    if not isinstance(value, (list, tuple, dict)):
+        return
     sizes: dict[int, tuple[int, int]] = {}  # id -> (values written, levels of containers)
     keep: list[object] = []  # the containers measured, alive while their ids are keys
     on_path: set[int] = set()
@@ -160,9 +162,9 @@ def _check_expanded(name: str, value: object) -> None:
         stack.extend((c, False) for c in _children(v) if isinstance(c, (list, tuple, dict)) and id(c) not in sizes)
     count, depth = max(sizes.values(), default=(1, 0))
     if count > MAX_ITEMS:
-        msg = (f"state_dict entry {name!r} would be written as {count if count < 10**30 else 'over 10**30'} JSON "
-               f"values (lists or dicts it holds several times are written each time), more than the "
-               f"{MAX_ITEMS} a checkpoint's readers accept; store it as a tensor, or make it smaller.")
+        msg = (f"state_dict entry {name!r} would be written as at least {count} JSON values (lists or dicts it holds "
+               f"several times are written each time), more than the {MAX_ITEMS} a checkpoint's readers accept; "
+               f"store it as a tensor, or make it smaller.")
         raise ValueError(msg)
     if depth > VALUE_DEPTH:
         msg = (f"state_dict entry {name!r} nests lists and dicts {depth} levels deep; a checkpoint's readers refuse "
