@@ -348,3 +348,87 @@ def test_saved_values_torch_save_blobs_are_scanned(tmp_path: Path) -> None:
     _check_saved_value(buffer.getvalue(), "entry")  # a plain value passes
     with pytest.raises(CheckpointError, match="not a torch.save archive"):
         _check_saved_value(pickle.dumps([1, 2]), "entry")
+
+
+# -- each refusal of the DCP metadata and of file names, on its own ------------------------------
+
+@pytest.fixture(scope="module")
+def dcp_metadata(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path_factory.mktemp("dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(8, 4)}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    return (folder / ".metadata").read_bytes()
+
+
+def _altered(good: bytes, change) -> bytes:  # type: ignore[no-untyped-def]
+    from checkpoint._dcp_metadata import parse_dcp_metadata
+
+    metadata = parse_dcp_metadata(good)
+    change(metadata)
+    return pickle.dumps(metadata)
+
+
+def _storage(metadata, **fields) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    index = next(iter(metadata.storage_data))
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = _StorageInfo(**{"relative_path": info.relative_path, "offset": info.offset,
+                                                   "length": info.length, **fields})
+
+
+@pytest.mark.parametrize(("field", "value"), [("offset", -1), ("length", -8), ("offset", 2.5), ("length", True)])
+def test_dcp_storage_offsets_and_lengths_are_checked(dcp_metadata: bytes, field: str, value: object) -> None:
+    from checkpoint._dcp_metadata import parse_dcp_metadata
+
+    with pytest.raises(CheckpointError, match=rf"storage_data for 'w' has offset .*, length .*"):
+        parse_dcp_metadata(_altered(dcp_metadata, lambda m: _storage(m, **{field: value})))
+
+
+def test_a_dcp_tensor_of_2_63_bytes_is_refused(dcp_metadata: bytes) -> None:
+    from checkpoint._dcp_metadata import parse_dcp_metadata
+
+    def huge(metadata) -> None:  # type: ignore[no-untyped-def]
+        entry = metadata.state_dict_metadata["w"]
+        entry.size = torch.Size([2**61, 4])  # float32: 2**65 bytes
+        entry.chunks[0].sizes = torch.Size([8, 4])
+
+    with pytest.raises(CheckpointError, match=r"tensor 'w' of size .* is more than 2\*\*63 bytes"):
+        parse_dcp_metadata(_altered(dcp_metadata, huge))
+
+
+def test_a_dcp_persistent_id_is_refused(dcp_metadata: bytes) -> None:
+    from checkpoint._dcp_metadata import parse_dcp_metadata
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            return ("storage", "x" * 10_000) if isinstance(obj, torch.Size) else None
+
+    metadata = pickle.loads(dcp_metadata)  # the test's own bytes: no stranger's
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(metadata)
+    with pytest.raises(CheckpointError, match="holds a persistent reference") as info:
+        parse_dcp_metadata(buffer.getvalue())
+    assert len(str(info.value)) < MESSAGE
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "a\\b", "c:x", "s3://b/k", "a\x00b", "~x", " x", "x "])
+def test_file_names_outside_the_folder_are_refused(tmp_path: Path, name: str) -> None:
+    """Each rule of a plain file name, through the metadata of a real checkpoint (version 3: no content checksum)."""
+    import shutil
+
+    from checkpoint._schema import check_file_name
+
+    with pytest.raises(CheckpointError, match="not a plain file name inside the checkpoint folder"):
+        check_file_name(name, source="s")
+    folder = Path(shutil.copytree(Path(__file__).parents[1] / "data" / "v3" / "one_rank", tmp_path / "ckpt"))
+    data = json.loads((folder / "shardkit.json").read_text())
+    data["files"][0]["name"] = name
+    (folder / "shardkit.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="not a plain file name inside the checkpoint folder"):
+        checkpoint.read_metadata(folder)
