@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 import checkpoint
 from checkpoint import CheckpointError, CheckpointManager
 from checkpoint._cli import main
-from checkpoint._steps import MAX_STEP, check_step, step_name, step_of
 
 STEPS = [0, 7, 10**9, 9_999_999_999, 10**10, 10**10 + 1, 10**12, 10**18 - 1, 10**18]
 
@@ -42,6 +41,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_step_names_are_one_rule() -> None:
+    from checkpoint._steps import MAX_STEP, check_step, step_name, step_of
+
     assert step_name(42) == "step-0000000042"
     assert step_name(9_999_999_999) == "step-9999999999"
     assert step_name(10**10) == "step-10000000000"

@@ -27,9 +27,11 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint import CheckpointError, _pickle_scan, _strict_json
-from checkpoint._pickle_scan import MAX_DEPTH, MAX_EXPANDED, PickleRefused, scan
-from checkpoint._strict_json import MAX_ITEMS
+from checkpoint import CheckpointError, _strict_json
+
+MAX_DEPTH = 100  # the limits of checkpoint._pickle_scan and checkpoint._strict_json (checked below)
+MAX_ITEMS = 2**25
+MAX_EXPANDED = 2 * MAX_ITEMS
 
 BOUND = 5.0  # seconds a refusal may take on a loaded 2-core machine (the attacks took hours, or forever)
 MESSAGE = 1500  # characters: a refusal quotes a bounded prefix of what it refuses, never the input whole
@@ -200,7 +202,17 @@ def _random_value(rng: random.Random) -> object:
     return pool[-1]
 
 
+def test_the_limits_are_the_documented_ones() -> None:
+    from checkpoint import _pickle_scan
+
+    assert (_pickle_scan.MAX_DEPTH, _pickle_scan.MAX_OBJECTS, _pickle_scan.MAX_EXPANDED) == (
+        MAX_DEPTH, MAX_ITEMS, MAX_EXPANDED)
+    assert (_strict_json.MAX_DEPTH, _strict_json.MAX_ITEMS, _strict_json.QUOTE) == (MAX_DEPTH, MAX_ITEMS, 60)
+
+
 def test_random_pickles_are_measured_as_built() -> None:
+    from checkpoint._pickle_scan import PickleRefused, scan
+
     rng = random.Random(0)
     seen = {"admitted": 0, "refused": 0}
     for trial in range(400):
@@ -226,6 +238,9 @@ def test_random_pickles_are_measured_as_built() -> None:
 
 def test_the_pickle_object_and_memo_counts_are_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Wide pickles: past the object count, or the memo reads, refused (limits lowered to keep the test small)."""
+    from checkpoint import _pickle_scan
+    from checkpoint._pickle_scan import PickleRefused, scan
+
     monkeypatch.setattr(_pickle_scan, "MAX_OBJECTS", 1000)
     assert scan(pickle.dumps(list(range(900))), what="w").objects == 901
     with pytest.raises(PickleRefused, match="it makes more than 1000 objects"):
@@ -233,7 +248,6 @@ def test_the_pickle_object_and_memo_counts_are_limits(monkeypatch: pytest.Monkey
     shared = ["x" * 5]
     with pytest.raises(PickleRefused, match="it reads its memo more than 1000 times"):
         scan(pickle.dumps(shared * 1100, protocol=4), what="w")
-    assert _pickle_scan.MAX_EXPANDED == 2 * MAX_ITEMS
 
 
 # -- JSON ----------------------------------------------------------------------------------------
@@ -386,7 +400,7 @@ def _storage(metadata, **fields) -> None:  # type: ignore[no-untyped-def]
 def test_dcp_storage_offsets_and_lengths_are_checked(dcp_metadata: bytes, field: str, value: object) -> None:
     from checkpoint._dcp_metadata import parse_dcp_metadata
 
-    with pytest.raises(CheckpointError, match=rf"storage_data for 'w' has offset .*, length .*"):
+    with pytest.raises(CheckpointError, match=r"storage_data for 'w' has offset .*, length .*"):
         parse_dcp_metadata(_altered(dcp_metadata, lambda m: _storage(m, **{field: value})))
 
 
