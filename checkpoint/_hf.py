@@ -57,6 +57,7 @@ from ._schema import (
     dtype_from_code,
 )
 from ._storage import is_local
+from ._strict_json import shown
 
 __all__ = ["INDEX_FILE", "find_hf", "read_hf_metadata", "apply_key_map", "KeyMap", "convert_hf_names"]
 
@@ -123,10 +124,10 @@ def _entry(path: str, name: str, info: object, file: str, start: int, size: int)
     dtype = dtype_from_code(info.get("dtype"), where=where)
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
-        msg = f"{where} has shape {shape!r}; a shape is a list of non-negative ints."
+        msg = f"{where} has shape {shown(shape)}; a shape is a list of non-negative ints."
         raise CheckpointError(msg)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)):
-        msg = f"{where} has data_offsets {offsets!r}; expected [begin, end]."
+        msg = f"{where} has data_offsets {shown(offsets)}; expected [begin, end]."
         raise CheckpointError(msg)
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize

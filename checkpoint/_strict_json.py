@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from typing import Any
 
 import numpy as np
 
-__all__ = ["loads", "measure", "quote", "MAX_DEPTH", "MAX_ITEMS", "QUOTE"]
+__all__ = ["loads", "measure", "quote", "shown", "MAX_DEPTH", "MAX_ITEMS", "QUOTE"]
 
 MAX_DEPTH = 100
 """Deepest nesting of arrays and objects read (shardkit's own files nest 6 deep)."""
@@ -47,6 +48,21 @@ def quote(value: object, limit: int = QUOTE) -> str:
         shown = repr(bytes(text) if isinstance(text, bytearray) else text)
         return shown if len(value) <= limit else f"{shown}... ({len(value)} characters)"
     return f"a {type(value).__name__}"
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 2 * QUOTE, QUOTE, QUOTE
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+
+
+def shown(value: object) -> str:
+    """A ``repr`` of ``value`` for an error message, bounded in length and depth: at most ``2 * QUOTE``
+    characters of a string (``QUOTE`` of a number), 8 items of a container, 3 levels (a crafted value is never
+    printed whole)."""
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a value whose repr fails
+        return f"a {type(value).__name__}"
 
 
 class _Duplicate(Exception):

@@ -446,3 +446,30 @@ def test_file_names_outside_the_folder_are_refused(tmp_path: Path, name: str) ->
     (folder / "shardkit.json").write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="not a plain file name inside the checkpoint folder"):
         checkpoint.read_metadata(folder)
+
+
+@pytest.mark.parametrize("edit", ["world_size", "generation", "file name", "size", "dtype", "tensor name"])
+def test_a_crafted_metadata_value_is_quoted_not_printed_whole(tmp_path: Path, edit: str) -> None:
+    """A megabyte-long value or name in shardkit.json: the refusal names it by a bounded prefix."""
+    import shutil
+
+    folder = Path(shutil.copytree(Path(__file__).parents[1] / "data" / "v3" / "one_rank", tmp_path / "ckpt"))
+    data = json.loads((folder / "shardkit.json").read_text())
+    big = "x" * 1_000_000
+    if edit == "world_size":
+        data["world_size"] = [7] * 200_000
+    elif edit == "generation":
+        data["generation"] = big
+    elif edit == "file name":
+        data["files"][0]["name"] = big + "/"
+    elif edit == "size":
+        data["tensors"]["model.w"]["size"] = [-1] * 200_000
+    elif edit == "dtype":
+        data["tensors"]["model.w"]["dtype"] = big
+    else:
+        data["tensors"][big] = data["tensors"]["model.w"]
+        data["tensors"][big]["dtype"] = "no such dtype"
+    (folder / "shardkit.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.read_metadata(folder)
+    assert len(str(info.value)) < MESSAGE, (edit, str(info.value)[:300])
