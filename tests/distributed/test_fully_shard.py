@@ -98,7 +98,9 @@ def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(kind: str, model: nn.Module, optim: torch.optim.Optimizer, rows: slice, *, clip: float | None = None,
-           micro: int = 1, no_sync: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+           micro: int = 1, no_sync: bool = False, deferred: list[int] | None = None
+           ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Train ``STEPS`` steps; ``deferred`` collects the reduce-scatters run inside ``no_sync`` (none, if it defers)."""
     losses, norms = [], []
     first: dict[str, torch.Tensor] = {}
     for step in range(STEPS):
@@ -108,10 +110,12 @@ def _train(kind: str, model: nn.Module, optim: torch.optim.Optimizer, rows: slic
         total = 0.0
         pieces = list(zip(x.chunk(micro), y.chunk(micro)))
         for i, (xi, yi) in enumerate(pieces):
-            ctx = st.no_sync(model) if no_sync and i < len(pieces) - 1 else _Null()
-            with ctx:
+            inside = no_sync and i < len(pieces) - 1
+            with st.no_sync(model) if inside else _Null(), st.CommCounter() as comm:
                 loss = _loss(kind, model, xi, yi) / micro
                 loss.backward()
+            if inside and deferred is not None:
+                deferred.append(comm.counts.get("reduce_scatter", 0))
             total += loss.item()
         if step == 0:
             first = _full_grads(model)
@@ -154,12 +158,15 @@ def _compare(rank: int, world: int, kind: str, optim_name: str, **kwargs: object
     model = shard(build(), **kwargs)
     optim = _optim(optim_name, model.parameters())
     per = BATCH // world
+    deferred: list[int] = []
     losses, norms, first = _train(kind, model, optim, slice(rank * per, (rank + 1) * per), clip=clip,  # type: ignore[arg-type]
-                           micro=micro, no_sync=no_sync)
+                                  micro=micro, no_sync=no_sync, deferred=deferred)
     # Losses are per-rank means; their average over ranks is the whole batch's.
     mean_losses = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(mean_losses)
     out = {"loss": max(abs(a / world - b) / abs(b) for a, b in zip(mean_losses.tolist(), ref_losses))}
+    if no_sync:  # the micro-batches inside no_sync ran no reduce-scatter at all
+        out["reduce_scatters inside no_sync"] = float(sum(deferred)) if len(deferred) == STEPS * (micro - 1) else 1.0
     for name, grad in first.items():
         out[f"grad {name}"] = _rel(grad, ref_first[name])
     if clip is not None:
@@ -542,6 +549,7 @@ def test_clip_grad_norm_gives_torchs_norm_and_update(runs, world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 def test_no_sync_accumulation_gives_the_whole_batchs_step(runs, world: int) -> None:
     _assert_close(runs, "no_sync")
+    assert all(res["no_sync"]["reduce_scatters inside no_sync"] == 0 for res in runs)  # deferred, not just summed
 
 
 @pytest.mark.parametrize("world", WORLDS)
