@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from _shardkit import comm as _comm
 
+from . import _strict_json as strict_json
 from ._async import AsyncSaveHandle, _checkpoint_group, async_save
 from ._lease import claim_abandoned, lease_seconds
 from ._load import load as _load
@@ -134,8 +135,9 @@ class CheckpointManager:
         found = {}
         for step in steps:
             try:
-                found[step] = float(json.loads(self._fs.cat_file(self._metric_path(step)))["metric"])
-            except (FileNotFoundError, KeyError, ValueError):
+                path = self._metric_path(step)
+                found[step] = float(strict_json.loads(self._fs.cat_file(path), source=path)["metric"])
+            except (FileNotFoundError, KeyError, ValueError, TypeError):
                 continue
         return found
 
