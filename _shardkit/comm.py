@@ -682,6 +682,7 @@ class CollectiveError(RuntimeError):
     def __init__(self, operation: str, reason: Reason, ranks: list[int] | None, *, timeout: float,
                  elapsed: float, detail: str = "") -> None:
         self.operation, self.reason, self.timeout, self.elapsed = operation, reason, timeout, elapsed
+        self.detail = detail
         self.ranks = None if ranks is None else sorted(ranks)
         if reason == "closed":
             cause = (f"a peer closed its connection after {elapsed:.1f} s (it crashed, was killed or exited; "
@@ -698,6 +699,15 @@ class CollectiveError(RuntimeError):
         else:
             who = f"no answer from rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
         super().__init__(f"{operation} did not complete: {cause}; {who}.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled with its fields (a rank's error sent to another process), not with the message alone.
+        return (_collective_error, (self.operation, self.reason, self.ranks, self.timeout, self.elapsed, self.detail))
+
+
+def _collective_error(operation: str, reason: Reason, ranks: list[int] | None, timeout: float, elapsed: float,
+                      detail: str) -> CollectiveError:
+    return CollectiveError(operation, reason, ranks, timeout=timeout, elapsed=elapsed, detail=detail)
 
 
 def _classify(exc: BaseException, elapsed: float, timeout: float) -> tuple[Reason, str]:

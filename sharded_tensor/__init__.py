@@ -35,3 +35,7 @@ __all__ = [
     "clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads",
     "fully_shard", "no_sync", "explain",
 ]
+
+# Tracebacks and reprs name the class where users import it (``st.CollectiveError``), not the
+# private runtime module defining it.
+CollectiveError.__module__ = __name__
