@@ -20,6 +20,7 @@ forward's definition. A type that already has a registration (the user's own) ke
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import registry as _registry
+from .engine import boundary as _boundary
 from .engine.placements import Intervals
 from .parallel import EmbeddingPlan, ShardedEmbedding
 
@@ -207,6 +209,14 @@ class ShardedConv1D(_registry.ShardedModule):
         return call.pending_sum(y, bias)
 
 
+def _subclasses(cls: type) -> list[type]:
+    found = [cls]
+    sub: type
+    for sub in cls.__subclasses__():
+        found += _subclasses(sub)
+    return found
+
+
 _RECOGNISED: list[tuple[Callable[[nn.Module], bool], Callable[[], _registry.ShardedModule]]] = [
     (lambda m: isinstance(m, nn.Embedding) and type(m) is not nn.Embedding and scale_of(m) is not None,
      ShardedScaledEmbedding),
@@ -215,7 +225,11 @@ _RECOGNISED: list[tuple[Callable[[nn.Module], bool], Callable[[], _registry.Shar
 
 
 def register_modules_of(model: nn.Module) -> None:
-    """Register the computations of the transformers module types found in ``model`` that have none."""
+    """Register the computations of the transformers module types found in ``model`` that have none, and let
+    transformers' key/value caches cross a compiled zone's boundary (``engine.boundary``)."""
+    caches = sys.modules.get("transformers.cache_utils")
+    if caches is not None and isinstance(getattr(caches, "Cache", None), type):
+        _boundary.register(_subclasses(caches.Cache))
     for module in model.modules():
         handler, _ = _registry.handler_for(module)
         if handler is not None:
