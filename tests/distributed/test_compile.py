@@ -75,13 +75,7 @@ MOE_CASES = {"mixtral_experts_tensor": "tensor", "mixtral_experts_expert": "expe
 GENERATE = "llama_generate"
 NEW_TOKENS = 4
 # Cases that fail today in the compute engine, with the start of the error each run gives (see the docstring).
-_CACHE_CRASH = "InternalTorchDynamoError: AttributeError: 'dict' object has no attribute 'node'"
-EXPECTED_FAILURES: dict[str, str] = {
-    # use_cache=True builds a DynamicCache; dynamo fails inside the engine's torch function mode at
-    # transformers' ``torch.arange(...) + past_seen_tokens``.
-    # (architectures of the matrix, "llama" and "gpt2" here, that return a cache are expected to fail alike)
-    **{name: _CACHE_CRASH for name in (VOCAB_SPLIT, VOCAB_SPLIT_LOSS_PARALLEL, *MOE_CASES, GENERATE)},
-}
+EXPECTED_FAILURES: dict[str, str] = {}
 # Llama called with use_cache=False (as training loops often do): no cache built, the compiled path as it works today.
 NO_CACHE = "llama_use_cache_false"
 
@@ -201,6 +195,13 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
            "grads": full_mismatches(full_grads(model, rank), {n: p.grad for n, p in ref.named_parameters()}),
            "graph_breaks": sum(counters["graph_break"].values()),
            "graphs": counters["stats"]["unique_graphs"], "refused": None}
+    if name in MOE_CASES:  # the experts' routing makes shapes that depend on values: the unsharded model breaks too
+        torch._dynamo.reset()
+        counters.clear()
+        plain = build()
+        plain.load_state_dict(ref.state_dict())
+        grad_of(torch.compile(plain, backend="aot_eager")(**x)).backward()
+        out["unsharded_graph_breaks"] = sum(counters["graph_break"].values())
     if name == VOCAB_SPLIT:  # an id past the vocabulary: refused in eager and by the compiled graph's own check
         ids = x["input_ids"].clone().fill_(model.config.vocab_size)
         bad = dict(x, input_ids=ids, labels=ids)  # the ids alias the labels, as in the first call: no retrace
@@ -260,11 +261,8 @@ def compile_runs() -> list[dict[str, dict[str, Any]]]:
 
 
 def _expected_error(name: str) -> str | None:
-    """The error ``name`` fails with today: its ``EXPECTED_FAILURES`` entry; for another architecture of the
-    matrix (``SHARDKIT_COMPILE_ARCHS``) whose forward returns a key/value cache, the cache's crash."""
-    if name in EXPECTED_FAILURES:
-        return EXPECTED_FAILURES[name]
-    return _CACHE_CRASH if name in BY_NAME and BY_NAME[name].returns_cache else None
+    """The error ``name`` fails with today: its ``EXPECTED_FAILURES`` entry."""
+    return EXPECTED_FAILURES.get(name)
 
 
 def _expected_failure(name: str, got: dict[str, Any]) -> None:
@@ -278,6 +276,18 @@ def _expected_failure(name: str, got: dict[str, Any]) -> None:
     msg = (f"{name} is expected to fail with {expected!r}, but "
            f"{'its run failed with ' + repr(error) if error else 'its run went through'}; update EXPECTED_FAILURES")
     raise AssertionError(msg)
+
+
+@pytest.mark.parametrize("name", list(MOE_CASES))
+@pytest.mark.xfail(strict=True, reason="the sharded experts route tokens with torch.where, whose shapes depend on "
+                   "values: AOTAutograd cannot trace the zone, dynamo breaks the graph around it and the model runs "
+                   "eagerly, where the unsharded model (transformers' grouped experts) compiles whole")
+def test_moe_graph_breaks_no_more_than_unsharded(compile_runs, name) -> None:
+    for rank, per_model in enumerate(compile_runs):
+        got = per_model[name]
+        assert "error" not in got, (rank, name, got)
+        assert got["graph_breaks"] <= got["unsharded_graph_breaks"], (rank, name, got["graph_breaks"],
+                                                                     got["unsharded_graph_breaks"])
 
 
 @pytest.mark.parametrize("name", _cases())
@@ -295,13 +305,14 @@ def test_compiled_matches_eager(compile_runs, name) -> None:
             compiled, eager, unsharded = got["losses"]
             assert compiled == eager, (rank, name, got)
             assert abs(compiled - unsharded) <= FORWARD_TOL * abs(unsharded), (rank, name, got)
-        assert got["graph_breaks"] == 0 and got["graphs"] == 1, (rank, name, got)
+        if name not in MOE_CASES:  # their graph breaks: test_moe_graph_breaks_no_more_than_unsharded
+            assert got["graph_breaks"] == 0 and got["graphs"] == 1, (rank, name, got)
         if got["refused"] is not None:
             eager_error, compiled_error = got["refused"]
             bounds = f"[0, {VOCAB})"
             assert eager_error.startswith("IndexError") and bounds in eager_error, (rank, eager_error)
             assert compiled_error.startswith("RuntimeError") and bounds in compiled_error, (rank, compiled_error)
-        if BACKEND != "aot_eager":
+        if BACKEND != "aot_eager" or name in MOE_CASES:
             continue
         stats = got["graph_stats"]
         assert len(stats["forward"]) == len(stats["backward"]) == 1, (rank, name, stats)

@@ -47,7 +47,7 @@ def _context(value: Any, leaves: list[torch.Tensor]) -> Any:
         return ("tuple", tuple(_context(v, leaves) for v in value))
     if type(value) is dict:
         return ("dict", tuple((k, _context(v, leaves)) for k, v in value.items()))
-    if hasattr(value, "__dict__") and not isinstance(value, type) and not callable(value):
+    if hasattr(value, "__dict__") and not isinstance(value, (type, int, float, str)) and not callable(value):
         return ("object", _name(type(value)), tuple((k, _context(v, leaves)) for k, v in vars(value).items()))
     return ("value", value)
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .placements import Partial, placement_of
+from .placements import Partial, SplitSize, placement_of
 from .rules import Call, Decision, Each, Fallback, declare, in_place
 
 __all__ = ["linear_in_one"]
@@ -66,8 +66,8 @@ def _once(call: Call, position: int, pending: Partial) -> tuple[int, Any]:
     """The move of a whole value (positional argument ``position``) added to a pending sum: kept on rank 0,
     zero elsewhere."""
     value = call.args[position]
-    if isinstance(value, bool) or not isinstance(value, (Tensor, int, float, complex)):
-        raise Fallback
+    if isinstance(value, bool) or not isinstance(value, (Tensor, int, float, complex)) or type(value) is SplitSize:
+        raise Fallback  # a split dimension's size added: summed first, the size read whole
     return call.arg_index(position), pending.add_once
 
 

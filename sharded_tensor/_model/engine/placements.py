@@ -458,7 +458,9 @@ class SplitSize(int):
 
     placement: Split
 
-    def __new__(cls, value: int, placement: Split) -> SplitSize:
+    def __new__(cls, value: Any = 0, placement: Split | None = None) -> Any:
+        if placement is None:  # ``type(size)(n)``, as code that rebuilds a number does: a plain int
+            return int(value)
         size = int.__new__(cls, value)
         size.placement = placement
         return size

@@ -143,6 +143,17 @@ def _traced_zone(module: torch.nn.Module, tied: tuple[tuple[str, ...], ...], *ar
     Dynamo does not step into the engine (its placements and rules are plain Python, decided
     from shapes); AOTAutograd runs it on fake tensors instead, so the graph receives only the
     local ops and the collectives each rule chose, and their backward.
+    """
+    return _zone_body(module, tied, *args, **kwargs)
+
+
+@torch._dynamo.disable
+def _zone_body(module: torch.nn.Module, tied: tuple[tuple[str, ...], ...], *args: Any, **kwargs: Any) -> Any:
+    """``_traced_zone``'s work, never traced by dynamo itself.
+
+    Where dynamo cannot take the zone as one opaque call (the model's code makes a shape that
+    depends on values: a mixture of experts' routing), it breaks the graph there and runs the
+    zone as it is, eagerly through the engine, rather than step into the engine op by op.
 
     AOTAutograd swaps each parameter for its traced value under its first name only; a tied
     parameter's other names (an ``lm_head`` tied to the embedding) would keep the real tensor,
