@@ -1111,7 +1111,8 @@ def _pending_linear(draw: Draw, spelling: Any, name: str) -> Case:
     call = calls[name]
     # Added to after the op: a pending result must stay exact through the next op too.
     cast = name in ("to", "type_as", "float")
-    return Case(lambda p: [o + 1 for o in _tensors(call(p))], (x,), tol=SUMMED + (DTYPE_ULP[torch.float32] if cast else 0))
+    tol = SUMMED + (DTYPE_ULP[torch.float32] if cast else 0)
+    return Case(lambda p: [o + 1 for o in _tensors(call(p))], (x,), tol=tol)
 
 
 @case("dropout", kind=Partial, count=10)
