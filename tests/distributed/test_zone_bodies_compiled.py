@@ -1,4 +1,4 @@
-"""Zone bodies with data-dependent branches, compiled, on 2 Gloo ranks: every call against eager and the unsharded module.
+"""Zone bodies with data-dependent branches, compiled, on 2 Gloo ranks: each call against eager and unsharded.
 
 Fixed bodies of ``tests/unit/test_zone_bodies.py`` (a residual stream around an MLP split as
 tensor parallelism splits it, with branches on a module attribute, on ``self.training`` with
