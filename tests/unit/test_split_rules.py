@@ -1024,6 +1024,8 @@ def _setitem(draw: Draw, spelling: Any, name: str) -> Case:
     if form == "number":
         return Case(op, (x, 7.5))
     shape = list(probe.shape)
+    if x.placement.size == 1:  # a whole value of size 1 along the split reads as a broadcast one: as below
+        return Case(lambda t, v: op(t, v.detach()), (x, _randn(gen, shape)))
     if form == "broadcast":
         shape = [1 if draw(hs.booleans()) else n for n in shape][draw(hs.integers(0, len(shape))):]
         # A value broadcast along the split that needs a gradient gets only this rank's share of it:
@@ -1162,6 +1164,8 @@ def _strided_transpose(draw: Draw, spelling: Any, name: str) -> Case:
 def _strided_batched(draw: Draw, spelling: Any, name: str) -> Case:
     gen = _generator(draw)
     iv = _intervals(draw)
+    if sum(n for _, n in iv) == 1:  # 1 head: its size 1 reads as a broadcast (``test_bmm_with_a_batch_of_one_split``)
+        iv = ((0, 1), (1, 1))
     q, batch, heads = _strided(draw, gen, iv)
     k, _, _ = _strided(draw, gen, iv, trailing=q.whole.shape[2])
     if k.whole.shape[0] != q.whole.shape[0]:
@@ -1417,7 +1421,9 @@ def test_a_cache_sized_from_the_keys_when_one_rank_holds_every_head() -> None:
 def test_a_whole_value_written_across_the_split_gets_its_whole_gradient() -> None:
     """``b = t * 1; b[...] = w``: t [2] split as [(0, 1), (1, 1)], w whole [1] needing a gradient. Every rank writes
     w into its slice, but ``_setitem`` uses w as it is (no ``copy_to_ranks``), so each rank's w.grad is its slice's
-    share (0.99) where the whole gradient is the sum over the ranks (-2.69 in the case found): silently wrong."""
+    share (0.99) where the whole gradient is the sum over the ranks (-2.69 in the case found): silently wrong.
+    The same when w is not a broadcast but the split dimension's whole size is 1 (t [1] split as [(0, 0), (0, 1)],
+    ``b[:] = w``, w [1]): its size 1 reads as a broadcast one, and rank 0's w.grad is 0."""
     def op(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         b = t * 1.0
         b[...] = w
@@ -1589,7 +1595,9 @@ def test_a_reshape_read_off_the_slice_s_own_sizes_next_to_a_new_size_1_dimension
 def test_bmm_with_a_batch_of_one_split() -> None:
     """``torch.bmm(a, b)``, a [1, 1, 1] split on its batch as [(0, 0), (0, 1)], b whole [1, 1, 1]: the rule uses b
     whole on every rank (its batch is 1, as a broadcast one is), and on rank 0 bmm of [0, 1, 1] and [1, 1, 1]
-    raises "Expected size for first two dimensions of batch2 tensor to be: [0, 1] but got: [1, 1]"."""
+    raises "Expected size for first two dimensions of batch2 tensor to be: [0, 1] but got: [1, 1]". strided.py's
+    ``_batched`` does the same with a whole operand of the strided dimension's full size when that size is 1
+    (``baddbmm`` with one head over 2 ranks, [(0, 0), (0, 1)], batch 1)."""
     _run(lambda a, b: torch.bmm(a, b), Placed(_g(1, 1, 1), Split(0, ONE_EMPTY)), _g(1, 1, 1))
 
 
