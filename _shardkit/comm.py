@@ -112,6 +112,24 @@ def _record(op: str, nbytes: int) -> None:
     for counter in _active:
         counter.counts[op] += 1
         counter.bytes_by_op[op] += nbytes
+    for observer in _observers:
+        observer(op, nbytes)
+
+
+_observers: list[Callable[[str, int], None]] = []
+
+
+@contextlib.contextmanager
+def observed(observer: Callable[[str, int], None]) -> Iterator[None]:
+    """Call ``observer(operation, bytes this rank sends)`` for every collective inside the block, as
+    ``CommCounter`` counts it (for a report that attributes each to where it happened)."""
+    with _lock:
+        _observers.append(observer)
+    try:
+        yield
+    finally:
+        with _lock:
+            _observers.remove(observer)
 
 
 def _initialized() -> bool:
@@ -664,6 +682,7 @@ class CollectiveError(RuntimeError):
     def __init__(self, operation: str, reason: Reason, ranks: list[int] | None, *, timeout: float,
                  elapsed: float, detail: str = "") -> None:
         self.operation, self.reason, self.timeout, self.elapsed = operation, reason, timeout, elapsed
+        self.detail = detail
         self.ranks = None if ranks is None else sorted(ranks)
         if reason == "closed":
             cause = (f"a peer closed its connection after {elapsed:.1f} s (it crashed, was killed or exited; "
@@ -680,6 +699,15 @@ class CollectiveError(RuntimeError):
         else:
             who = f"no answer from rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
         super().__init__(f"{operation} did not complete: {cause}; {who}.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled with its fields (a rank's error sent to another process), not with the message alone.
+        return (_collective_error, (self.operation, self.reason, self.ranks, self.timeout, self.elapsed, self.detail))
+
+
+def _collective_error(operation: str, reason: Reason, ranks: list[int] | None, timeout: float, elapsed: float,
+                      detail: str) -> CollectiveError:
+    return CollectiveError(operation, reason, ranks, timeout=timeout, elapsed=elapsed, detail=detail)
 
 
 def _classify(exc: BaseException, elapsed: float, timeout: float) -> tuple[Reason, str]:

@@ -513,13 +513,13 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
             job.lease.release(finished=job.clean)
 
 
-class _PeerLost(CheckpointError):
-    """A phase of a save could not complete because a rank never reported (crashed or stuck)."""
-
-
 def _all_reported(exc: BaseException) -> bool:
-    """Whether every rank reported in the phase that raised ``exc`` (so all of them can run cleanup)."""
-    return not isinstance(exc, _PeerLost) and not isinstance(exc.__cause__, _comm.CollectiveError)
+    """Whether every rank reported in the phase that raised ``exc`` (so all of them can run cleanup).
+
+    A rank that never reported makes the phase raise a ``CheckpointError`` caused by the
+    ``CollectiveError`` that found it out (``_Job.agree``).
+    """
+    return not isinstance(exc.__cause__, _comm.CollectiveError)
 
 
 _STALL_SHARE = 0.8
@@ -564,11 +564,11 @@ class _Job:
         """Run one phase on every rank (``_comm.agree``).
 
         A failure on some rank raises ``CheckpointError`` naming it on the others; a rank that
-        never reports raises ``_PeerLost`` saying ``lost``, then ``after`` (by default: nothing
-        was committed).
+        never reports raises ``CheckpointError`` (caused by the ``CollectiveError``) saying ``lost``,
+        then ``after`` (by default: nothing was committed).
         """
         def peer_lost(exc: _comm.CollectiveError) -> CheckpointError:
-            return _PeerLost(f"{self.op} to {self.root!r} failed: {lost} ({exc}). {after or _UNCHANGED}")
+            return CheckpointError(f"{self.op} to {self.root!r} failed: {lost} ({exc}). {after or _UNCHANGED}")
 
         return _comm.agree(f"{self.op} to {self.root!r}: {phase}", fn, self.group, timeout=self.timeout,
                            share=share, error=lambda text: CheckpointError(f"{text}. {_UNCHANGED}"), lost=peer_lost)

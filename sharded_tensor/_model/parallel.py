@@ -44,7 +44,8 @@ from sharding.layout import Packed
 
 from . import registry as _registry
 from . import zone_plan as _zone_plan
-from .engine.placements import Intervals, copy_to_ranks
+from .engine.placements import Intervals, copy_to_ranks, share_gradient
+from .engine.state import STATE
 from .engine.zone import ZoneForward, in_zone, outside_propagation
 from .param_layout import ParamLayout, classify, split_placement
 
@@ -69,6 +70,7 @@ class LinearPlan:
     bias_intervals: Intervals | None
     weight_dim: int | None
     pieces: tuple[Intervals, ...] | None = None  # "out" packed: each rank's slices of the output features
+    replicas: bool = False  # "out" with slices several ranks hold (a key/value head shared by its query heads)
 
     @property
     def output_split(self) -> Intervals | Packed:
@@ -166,10 +168,28 @@ def _plan_packed_linear(label: str, module: nn.Linear, weight: ParamLayout, bias
     return LinearPlan("out", (), kind, None, 0, pieces)  # type: ignore[arg-type]
 
 
+def _plan_replicated_linear(label: str, module: nn.Linear, weight: ParamLayout, bias: ParamLayout | None) -> LinearPlan:
+    """A Linear split on its output features with slices held by several ranks (replicas)."""
+    if weight.dim != 0 or weight.intervals is None:
+        msg = (f"{label}: the weight is split along dimension {weight.dim} with slices several ranks hold "
+               f"({weight.describe()}); a Linear shares a slice between ranks only along its output features "
+               f"(dim 0): split on inputs, the partial sums of replicas would be counted twice.")
+        raise ValueError(msg)
+    if bias is not None and bias.kind != "replicated" and bias.intervals != weight.intervals:
+        msg = (f"{label}: the weight's output features are held as {list(weight.intervals)} ((start, length) per "
+               f"rank, replicas shared) but the bias as {bias.describe()}; split the bias like dim 0 of the weight, "
+               f"or keep it whole on every rank.")
+        raise ValueError(msg)
+    kind = "none" if module.bias is None else "replicated" if bias is None or bias.kind == "replicated" else "local"
+    return LinearPlan("out", weight.intervals, kind, None, 0, replicas=True)  # type: ignore[arg-type]
+
+
 def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayout]) -> LinearPlan:
     weight = layouts.get("weight")
     if weight is not None and weight.pieces is not None:
         return _plan_packed_linear(label, module, weight, layouts.get("bias") if module.bias is not None else None)
+    if weight is not None and weight.replicas:
+        return _plan_replicated_linear(label, module, weight, layouts.get("bias") if module.bias is not None else None)
     _refuse_packed(label, layouts, "a Linear")
     bias = layouts.get("bias") if module.bias is not None else None
     for name, layout in (("weight", weight), ("bias", bias)):
@@ -249,10 +269,15 @@ class ShardedLinear(_registry.ShardedModule):
     def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         plan: LinearPlan = call.plan
         module = cast(nn.Linear, module)  # registered for nn.Linear
-        weight, bias = module.weight, module.bias
+        weight: torch.Tensor = module.weight
+        bias: torch.Tensor = module.bias  # read only where the plan says the module has one
         if plan.mode == "bias":
             return F.linear(call.replicated(input), weight) + call.gather(bias, 0, plan.bias_intervals)  # type: ignore[arg-type]
         if plan.mode == "out":
+            if plan.replicas:  # each replica computes a share of its slice's gradient: summed over them
+                weight = share_gradient(weight, 0, plan.intervals, call.group)
+                if plan.bias == "local":
+                    bias = share_gradient(bias, 0, plan.intervals, call.group)
             y = F.linear(call.enter(input), weight, bias if plan.bias == "local" else None)
             if plan.bias == "replicated":
                 if in_zone():
@@ -338,6 +363,9 @@ class ShardedEmbedding(_registry.ShardedModule):
     def activations(self, plan: EmbeddingPlan) -> tuple[Intervals | None, Intervals | None]:
         return (None, plan.intervals) if plan.mode == "dim" else (None, None)
 
+    def describe(self, plan: EmbeddingPlan) -> str:
+        return "output split" if plan.mode == "dim" else "vocabulary split, its lookups summed"
+
     def empty_dims(self, plan: EmbeddingPlan) -> Mapping[str, int]:
         return {"weight": plan.weight_dim}
 
@@ -387,6 +415,8 @@ class _ShardedForward:
         functools.update_wrapper(self, type(module).forward)  # keeps inspect.signature(module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if STATE.explaining is not None:
+            STATE.explaining.layer(self._module)
         with outside_propagation():
             return self._forward(self._call, self._module, *args, **kwargs)
 

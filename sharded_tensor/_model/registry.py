@@ -90,6 +90,15 @@ class ShardedModule:
         """The split of the input and of the output along their last dimension (``None``: whole)."""
         return None, None
 
+    def describe(self, plan: Any) -> str:
+        """What the layer takes and hands out, in a few words (for ``st.explain``)."""
+        takes, gives = self.activations(plan)
+        if gives is not None:
+            return "output split"
+        if takes is not None:
+            return "input split, output a pending sum"
+        return "whole activations, its own communication"
+
     def empty_dims(self, plan: Any) -> Mapping[str, int]:
         """For a rank holding none of a parameter: the dimension its empty local tensor has size 0 in."""
         return {}
@@ -212,7 +221,8 @@ def _as_tag(split: Intervals | Split | Packed | ParamLayout, dim: int,
     return _tag(split, dim, group)
 
 
-def _tag(split: Intervals | Split | Packed, dim: int, group: _comm.ProcessGroup) -> _placements.Split | _placements.Packed:
+def _tag(split: Intervals | Split | Packed, dim: int,
+         group: _comm.ProcessGroup) -> _placements.Split | _placements.Packed:
     """The engine's placement for an output split as ``split`` along ``dim``."""
     if isinstance(split, Packed):
         return _placements.Packed(dim, split.pieces, group)

@@ -52,6 +52,7 @@ from sharding.layout import box_slices
 from .._reshard import redistribute
 from . import experts as _experts
 from . import guard as _guard
+from . import hf_modules as _hf_modules
 from . import parallel as _parallel
 from .init import LayoutInvariantInit
 from .parallel import ParamLayout, Plan
@@ -179,6 +180,7 @@ def _plans(model: nn.Module, entries: Sequence[_Entry],
     parameter below it, named relative to it, and its descendants are not planned on their own.
     """
     _experts.register_experts_of(model)  # transformers' fused experts, found by their parameters
+    _hf_modules.register_modules_of(model)  # transformers' scaled embeddings and Conv1D
     per_module: dict[int, tuple[str, nn.Module, dict[str, ParamLayout]]] = {}
     named = list(model.named_modules())
     owners: dict[int, tuple[str, nn.Module]] = {}

@@ -187,6 +187,14 @@ def _case_shard_tensor_hang(rank: int, root: str) -> tuple[Callable[[], object],
 _CASES = {name.removeprefix("_case_"): fn for name, fn in dict(globals()).items() if name.startswith("_case_")}
 
 
+PUBLIC = ("checkpoint.CheckpointError", "sharded_tensor.CollectiveError")
+
+
+def _shown_as(exc: BaseException) -> str:
+    """The class a traceback names: a user must see a public one (never a private subclass or module)."""
+    return f"{type(exc).__module__}.{type(exc).__qualname__}"
+
+
 def _survive(rank: int, world: int, case: str, root: str) -> None:
     call, operation = _CASES[case](rank, root)
     start = time.monotonic()
@@ -194,7 +202,7 @@ def _survive(rank: int, world: int, case: str, root: str) -> None:
         call()
     except (CollectiveError, CheckpointError) as exc:
         kind = CheckpointError if isinstance(exc, CheckpointError) else CollectiveError
-        seen = {"type": kind.__name__, "message": str(exc), "operation": operation}
+        seen = {"type": kind.__name__, "message": str(exc), "operation": operation, "class": _shown_as(exc)}
     else:
         seen = {"type": None, "message": "", "operation": operation}
     seen["elapsed"] = time.monotonic() - start
@@ -224,6 +232,7 @@ def _named(message: str) -> set[int]:
 
 def _check_raised(seen: dict[str, Any], timeout: float, cause: str) -> None:
     assert seen["type"] in ("CollectiveError", "CheckpointError"), seen
+    assert seen["class"] in PUBLIC, seen
     message = seen["message"]
     assert seen["operation"] in message, seen
     # Rank 2 always; a live rank only if it reached the step more than a second late (a
@@ -331,7 +340,7 @@ def _loop_until_raised(rank: int, world: int, case: str, root: str, delay: float
             call()
     except (CollectiveError, CheckpointError) as exc:
         kind = CheckpointError if isinstance(exc, CheckpointError) else CollectiveError
-        seen = {"type": kind.__name__, "message": str(exc), "raised": time.time()}
+        seen = {"type": kind.__name__, "message": str(exc), "raised": time.time(), "class": _shown_as(exc)}
     seen.update(rank=rank, operation=operation)
     raise _Observed(json.dumps(seen))
 
@@ -346,6 +355,7 @@ def test_a_death_is_seen_in_seconds_with_the_default_timeout(case, delay, tmp_pa
     killed = float((tmp_path / "killed").read_text())
     for rank, report in _observed(info).items():
         assert report["type"] in ("CollectiveError", "CheckpointError"), (rank, report)
+        assert report["class"] in PUBLIC, (rank, report)
         assert VICTIM in _named(report["message"]) or "rank 2" in report["message"], report
         assert CLOSED in report["message"], report
         assert f"timeout={comm.DEFAULT_TIMEOUT:g} s" in report["message"], report

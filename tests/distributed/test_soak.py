@@ -3,7 +3,8 @@
 ``scripts/soak.py --short`` (40 steps, 2 kills; the long form's figures are in
 docs/benchmarks.md). Every rank's resumed state must equal the uninterrupted run's at the
 resume step bit for bit, the steps never go back, the root never holds more than
-``keep_last + 2`` checkpoints, and nothing but the last ``keep_last`` steps is left.
+``keep_last + 2`` checkpoints, nothing but the last ``keep_last`` steps is left, and no
+rank's memory grows by more than a tenth of its share of a checkpoint per step.
 """
 
 from __future__ import annotations
@@ -35,4 +36,8 @@ def test_short_soak_resumes_exactly_after_every_kill(tmp_path: Path) -> None:
     assert report["disk_bounded"], (report["largest_root_bytes"], report["checkpoint_bytes"],
                                     report["most_step_folders"])
     assert report["stray"] == []
+    # Memory, checked in this form too: every rank's last life at least (it runs to the end) is judged, and
+    # none grows by more than a tenth of its share of a checkpoint per step (a kept snapshot grows it by one).
+    assert report["rss_slopes_judged"] >= 4, report
+    assert report["rss_flat"], (report["rss_bytes_per_step_max"], report["rss_bytes_per_step_limit"])
     assert report["ok"] and done.returncode == 0

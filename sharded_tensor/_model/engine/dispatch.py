@@ -36,7 +36,7 @@ from . import loss as _loss  # noqa: F401 - declares its rule
 from . import pending as _pending  # noqa: F401 - declares its rules
 from . import split as _split
 from . import strided as _strided
-from .placements import SUM, TAG, Packed, Partial, Split, Strided, placement_of
+from .placements import SUM, TAG, Partial, Split, SplitSize, Strided, placement_of
 from .rules import (
     GENERATION,
     METADATA,
@@ -49,8 +49,8 @@ from .rules import (
     children,
     in_place,
     is_container,
-    table,
     leaves_of,
+    table,
     with_leaves,
 )
 from .state import STATE
@@ -104,30 +104,31 @@ class ZoneMode(TorchFunctionMode):
             if isinstance(v, Tensor):
                 if v.__dict__:
                     return dispatch(func, args, kwargs or {})
-            elif type(v) in _CONTAINERS and (type(v) is dict or _marked(v)):
+            elif type(v) in _MARKS and (type(v) is SplitSize or type(v) is dict or _marked(v)):
                 return dispatch(func, args, kwargs or {})
         if kwargs:
             for v in kwargs.values():
                 if isinstance(v, Tensor):
                     if v.__dict__:
                         return dispatch(func, args, kwargs)
-                elif type(v) in _CONTAINERS and (type(v) is dict or _marked(v)):
+                elif type(v) in _MARKS and (type(v) is SplitSize or type(v) is dict or _marked(v)):
                     return dispatch(func, args, kwargs)
             return func(*args, **kwargs)
         return func(*args)
 
 
-_CONTAINERS = frozenset({tuple, list, dict})
+_CONTAINERS = frozenset({tuple, list, dict, torch.Size})
+_MARKS = _CONTAINERS | {SplitSize}  # what may hold or be a mark, besides a tensor
 
 
 def _marked(items: tuple[Any, ...] | list[Any]) -> bool:
-    """Whether a sequence argument (a shape, an index, a list of tensors) may hold a placed tensor or a split
-    parameter: one of its tensors has attributes, or it holds another container."""
+    """Whether a sequence argument (a shape, an index, a list of tensors) may hold a placed tensor, a split
+    parameter or a split dimension's size: one of its tensors has attributes, or it holds one of the others."""
     for x in items:
         if isinstance(x, Tensor):
             if x.__dict__:
                 return True
-        elif type(x) in _CONTAINERS:
+        elif type(x) in _MARKS:
             return True
     return False
 
@@ -202,12 +203,28 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, rules:
         return execute(_decide(func, args, kwargs, entry, lead), func, args, kwargs)
     if decision is None:
         decision = cache.cold_or_new(frozen, func, args, kwargs, entry, lead)
-    if decision.plain:  # the usual decision: the op as written, its output placed
-        out = func(*args, **kwargs)
-        if decision.out is not None:
-            out.__dict__[TAG] = decision.out
-        return out
-    return execute(decision, func, args, kwargs)
+    try:
+        if decision.plain:  # the usual decision: the op as written, its output placed
+            out = func(*args, **kwargs)
+            if decision.out is not None:
+                out.__dict__[TAG] = decision.out
+            return out
+        return execute(decision, func, args, kwargs)
+    except Exception as exc:
+        _note(exc, func, args, kwargs)
+        raise
+
+
+def _note(exc: BaseException, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Say, on an exception raised by an op the engine ran, which op and on what (once: the innermost op)."""
+    if any(note.startswith("shardkit's engine ran") for note in getattr(exc, "__notes__", ())):
+        return
+    shown = []
+    for v in leaves_of(args, kwargs):
+        if isinstance(v, Tensor):
+            placement = placement_of(v)
+            shown.append(f"{tuple(v.shape)} {v.dtype}" + (f" {placement}" if placement is not None else " whole"))
+    exc.add_note(f"shardkit's engine ran {_describe(func)} on this rank's tensors: {'; '.join(shown) or 'none'}")
 
 
 def _sequence_part(v: Any) -> tuple[Any, ...] | None:
@@ -301,6 +318,11 @@ class _Walk:
             elif type(v) in _SCALARS:
                 leaves.append(v)
                 key += (type(v), v)
+            elif type(v) is SplitSize:
+                leaves.append(v)
+                key += (SplitSize, int(v), v.placement)
+                if self.lead is None:
+                    self.lead = v.placement
             elif type(v) is slice:
                 leaves.append(v)
                 key += (slice, v.start, v.stop, v.step)
@@ -364,12 +386,12 @@ def _metadata(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return func(*args, **kwargs)
     if type(placement) is Strided:
         return _strided.global_sizes(func, args, kwargs)
-    if func in _SIZE_READS and type(placement) is not Partial:
-        return _split.local_sizes(func(*args, **kwargs))
+    if func in _SIZE_READS and type(placement) is Split:
+        return _split.sizes_read(func, args, func(*args, **kwargs), placement)
     return func(*args, **kwargs)
 
 
-_SIZE_READS = frozenset({torch.Tensor.shape.__get__, torch.Tensor.size})
+_SIZE_READS = frozenset({vars(torch._C.TensorBase)["shape"].__get__, torch.Tensor.size})
 
 
 def _meta_leaf(x: Any) -> Any:
@@ -407,11 +429,20 @@ def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: 
     if written is None and args and (name in _SIDE_EFFECTS or in_place(func)):
         written = args[0]
     placement = placement_of(written)
-    if placement is not None:
+    if placement is not None and isinstance(written, Tensor):
         return Decision(run=functools.partial(_refuse_in_place, name=name or repr(func), shape=tuple(written.shape),
                                               placement=placement), gathered=why)
     moves = tuple((i, p.whole) for i, x in enumerate(leaves) if (p := placement_of(x)) is not None)
-    return Decision(moves, gathered=why)
+    summed = all(type(placement_of(leaves[i])) is Partial for i, _ in moves)
+    # A split dimension's size read off a split activation, given to an op no rule reads it for: the whole size.
+    sizes = tuple((i, _whole_size) for i, x in enumerate(leaves) if type(x) is SplitSize)
+    if not moves:
+        return Decision(sizes)
+    return Decision(moves + sizes, gathered=why, summed=summed)
+
+
+def _whole_size(size: SplitSize) -> int:
+    return size.whole()
 
 
 def _refuse_in_place(*args: Any, name: str, shape: tuple[int, ...], placement: Any, **kwargs: Any) -> Any:
@@ -432,7 +463,7 @@ def _refuse_in_place(*args: Any, name: str, shape: tuple[int, ...], placement: A
 
 def _place(out: Any, placement: Each | tuple[Any, ...]) -> None:
     """Place each tensor of a tuple or list output: all alike (``Each``), or one placement per element."""
-    if type(placement) is Each:
+    if isinstance(placement, Each):
         for o in out:
             if isinstance(o, Tensor):
                 o.__dict__[TAG] = placement.placement
@@ -462,7 +493,7 @@ def execute(decision: Decision, func: Any, args: tuple[Any, ...], kwargs: dict[s
     for i, p in decision.written:
         leaves[i].__dict__[TAG] = p
     if decision.gathered is not None and STATE.explaining is not None:
-        STATE.explaining.gathered(func, decision.gathered)
+        STATE.explaining.fallback(func, decision.gathered, decision.summed)
     return out
 
 

@@ -79,7 +79,7 @@ def _cross_entropy(call: Call) -> Decision:
     target = bound["target"]
     plain = all(bound.get(k) is None for k in ("weight", "size_average", "reduce")) \
         and bound.get("label_smoothing", 0.0) == 0.0
-    if (split.dim != 1 or logits.dim() != 2 or not plain or not isinstance(target, Tensor)
+    if (split.dim != 1 or logits.dim() != 2 or not plain or split.replicas or not isinstance(target, Tensor)
             or target.is_floating_point() or placement_of(target) is not None or target.dim() != 1):
         raise Fallback
     reduction = bound.get("reduction", "mean")

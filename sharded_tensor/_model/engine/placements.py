@@ -31,6 +31,7 @@ it), on the tensor's own device: Gloo on CPU, NCCL on GPUs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,8 @@ from sharding import layout
 from . import state as _state
 
 __all__ = ["Intervals", "Split", "Packed", "Partial", "Strided", "Placement", "TAG", "SUM",
-           "tag", "placement_of", "to_whole", "shared_copy", "copy_to_ranks", "reduce_from_ranks", "gather", "scatter"]
+           "SplitSize", "tag", "placement_of", "to_whole", "shared_copy", "copy_to_ranks", "reduce_from_ranks",
+           "gather", "scatter", "share_gradient"]
 
 Intervals = tuple[tuple[int, int], ...]
 """``(start, length)`` along one dimension for each group rank (length may be 0)."""
@@ -90,15 +92,61 @@ def _slice(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessG
     return tensor.narrow(dim, start, length).contiguous()
 
 
+def _owner_slice(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> Tensor:
+    """This rank's slice if it is the first of the ranks holding it, else zeros: the gradient of slices held by
+    replicas, each of which holds a share of it (the shares sum to the whole gradient)."""
+    rank, _ = _comm.rank_and_world(group)
+    start, length = intervals[rank]
+    if intervals.index(intervals[rank]) != rank and length:
+        return tensor.new_zeros((*tensor.shape[:dim], length, *tensor.shape[dim + 1:]))
+    return tensor.narrow(dim, start, length).contiguous()
+
+
+def _summed_slices(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> Tensor:
+    """The whole tensor from every rank's slice, replicas' slices summed (a zero-padded all-reduce): the
+    gradient of a whole tensor cut to slices that replicas hold, each a share of it."""
+    _, world = _comm.rank_and_world(group)
+    if world == 1:
+        return tensor
+    rank, _ = _comm.rank_and_world(group)
+    dim = dim % tensor.dim()
+    shape = list(tensor.shape)
+    shape[dim] = max(s + n for s, n in intervals)
+    out = tensor.new_zeros(shape)
+    start, length = intervals[rank]
+    if length:
+        out.narrow(dim, start, length).copy_(tensor)
+    return _all_reduce(out, group)
+
+
+def _has_replicas(intervals: Intervals) -> bool:
+    live = [s for s in intervals if s[1] > 0]
+    return len(set(live)) != len(live)
+
+
+def _where(ctx: Any) -> None:
+    """Keep on ``ctx`` where the forward ran, for ``st.explain`` to attribute the backward's collective."""
+    explaining = _state.STATE.explaining
+    ctx.explained = None if explaining is None else (explaining, explaining.current())
+
+
+def _there(ctx: Any) -> Any:
+    """The block in which a backward's collective is attributed to its forward's zone (``st.explain``)."""
+    explained = getattr(ctx, "explained", None)
+    return contextlib.nullcontext() if explained is None else explained[0].at(explained[1])
+
+
 class _CopyToRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, group: _comm.ProcessGroup) -> Tensor:
         ctx.group = group
+        _where(ctx)
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+        with _there(ctx):
+            return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRanks(torch.autograd.Function):
@@ -118,11 +166,13 @@ class _Mirror(torch.autograd.Function):
     def forward(ctx: Any, tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup,
                 there: Callable[..., Tensor], back: Callable[..., Tensor]) -> Tensor:
         ctx.args, ctx.back = (dim, intervals, group), back
+        _where(ctx)
         return there(tensor, dim, intervals, group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return ctx.back(grad, *ctx.args), None, None, None, None, None
+        with _there(ctx):
+            return ctx.back(grad, *ctx.args), None, None, None, None, None
 
 
 def copy_to_ranks(tensor: Tensor, group: _comm.ProcessGroup = None) -> Tensor:
@@ -161,14 +211,39 @@ def gather(tensor: Tensor, dim: int, intervals: Sequence[tuple[int, int]], group
     """
     if _comm.rank_and_world(group)[1] == 1:
         return tensor
-    return _Mirror.apply(tensor, dim, tuple(intervals), group, _gather, _slice)  # type: ignore[no-any-return]
+    intervals = tuple(intervals)
+    back = _owner_slice if _has_replicas(intervals) else _slice
+    return _Mirror.apply(tensor, dim, intervals, group, _gather, back)  # type: ignore[no-any-return]
 
 
 def scatter(tensor: Tensor, dim: int, intervals: Sequence[tuple[int, int]], group: _comm.ProcessGroup = None) -> Tensor:
-    """This rank's slice of a whole ``tensor``; backward gathers the gradient. Collective in backward."""
+    """This rank's slice of a whole ``tensor``; backward gathers the gradient (sums it over ranks holding the
+    same slice: replicas, each with a share of it). Collective in backward."""
     if _comm.rank_and_world(group)[1] == 1:
         return tensor
-    return _Mirror.apply(tensor, dim, tuple(intervals), group, _slice, _gather)  # type: ignore[no-any-return]
+    intervals = tuple(intervals)
+    back = _summed_slices if _has_replicas(intervals) else _gather
+    return _Mirror.apply(tensor, dim, intervals, group, _slice, back)  # type: ignore[no-any-return]
+
+
+def share_gradient(tensor: Tensor, dim: int, intervals: Sequence[tuple[int, int]],
+                   group: _comm.ProcessGroup = None) -> Tensor:
+    """Identity forward; backward sums the gradient over the ranks holding the same slice. Collective in backward.
+
+    For a parameter held by replicas (a key/value head shared by the ranks of its query heads):
+    each replica's backward computes a share of its gradient, which this makes whole on each.
+    """
+    if _comm.rank_and_world(group)[1] == 1 or not tensor.requires_grad:
+        return tensor
+    return _Mirror.apply(tensor, dim, tuple(intervals), group, _identity, _shared)  # type: ignore[no-any-return]
+
+
+def _identity(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> Tensor:
+    return tensor.view_as(tensor)
+
+
+def _shared(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> Tensor:
+    return _slice(_summed_slices(tensor, dim, intervals, group), dim, intervals, group)
 
 
 # -- the placements ---------------------------------------------------------------------------------
@@ -210,6 +285,10 @@ class Split(layout.Split):
     def length(self) -> int:
         """This rank's length along ``dim``."""
         return self.intervals[_state.rank(self.group)][1]
+
+    def extent(self) -> int:
+        """The whole tensor's size along ``dim``."""
+        return self.size
 
     def whole(self, x: Tensor) -> Tensor:
         """The full tensor of this rank's slice ``x``: all-gather (collective)."""
@@ -284,9 +363,18 @@ class Strided(layout.Strided):
         """The same blocks on another dimension (after a transpose)."""
         return self if dim == self.dim else Strided(dim, self.intervals, self.blocks, self.group)
 
+    def length(self) -> int:
+        """This rank's length along ``dim``: its slice of every block."""
+        return self.blocks * self.intervals[_state.rank(self.group)][1]
+
+    def extent(self) -> int:
+        """The whole tensor's size along ``dim``: every block."""
+        return self.blocks * self.size
+
     def unmerged(self, x: Tensor) -> Tensor:
         """The local ``x`` with its strided dimension unflattened into ``(blocks, this rank's length)``."""
-        return x.unflatten(self.dim, (self.blocks, x.shape[self.dim] // self.blocks))
+        out: Tensor = x.unflatten(self.dim, (self.blocks, x.shape[self.dim] // self.blocks))
+        return out
 
     def whole(self, x: Tensor) -> Tensor:
         """The full tensor: every rank's rows of each block gathered (collective)."""
@@ -356,6 +444,31 @@ class _Once(torch.autograd.Function):
 
 Placement = Split | Packed | Strided | Partial
 """A placement of the engine: how the ranks of its group hold an activation."""
+
+
+class SplitSize(int):
+    """The size of a split dimension as the model's code reads it (``x.shape[d]``, ``x.size(d)``): this rank's.
+
+    It carries the split it was read from (``placement``), so that where the code passes it on,
+    the engine knows what it measured: to ``view``/``reshape`` it means this rank's extent; to
+    ``expand`` or a factory (``torch.zeros``, ``x.new_empty``) it makes this rank's slice of the
+    tensor the unsharded program makes; anywhere else (an operand, a size no rule reads) it
+    stands for the whole size. Arithmetic on it gives a plain ``int``.
+    """
+
+    placement: Split
+
+    def __new__(cls, value: int, placement: Split) -> SplitSize:
+        size = int.__new__(cls, value)
+        size.placement = placement
+        return size
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        return int, (int(self),)
+
+    def whole(self) -> int:
+        """The whole tensor's size along the split dimension."""
+        return self.placement.size
 
 
 def tag(x: Tensor, placement: Placement) -> Tensor:

@@ -47,9 +47,10 @@ from torch.utils._pytree import SUPPORTED_NODES
 from .placements import Packed, Partial, Placement, Split, Strided
 from .signatures import aten_name, bind
 
-__all__ = ["Fallback", "Decision", "Call", "Each", "is_container", "children", "leaves_of", "with_leaves", "OpRules", "RULES", "LayoutRuleName", "KINDS", "declare",
-           "register", "rules_of", "table", "GENERATION", "generation", "op_objects", "in_place", "norm_dim", "METADATA", "VALUE_GETTERS",
-           "pointwise_names"]
+__all__ = ["Fallback", "Decision", "Call", "Each", "OpRules", "LayoutRuleName", "RULES", "METADATA", "KINDS",
+           "GENERATION", "BUILT", "VALUE_GETTERS", "is_container", "children", "leaves_of", "with_leaves",
+           "declare", "register", "rules_of", "table", "generation", "op_objects", "pointwise_names", "in_place",
+           "norm_dim"]
 
 KINDS: tuple[type, ...] = (Split, Packed, Partial, Strided)
 """The placement kinds a rule is registered for."""
@@ -106,7 +107,8 @@ def leaves_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     return found
 
 
-def with_leaves(args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def with_leaves(args: tuple[Any, ...], kwargs: dict[str, Any],
+                leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` with their leaves (as :func:`leaves_of` lists them) replaced by ``leaves``."""
     it = iter(leaves)
 
@@ -144,6 +146,7 @@ class Decision:
         written: ``(leaf index, placement)`` of arguments the op writes in place and that hold
             that placement afterwards (a key/value cache filled with split keys).
         gathered: why the op runs on whole tensors (a fallback), for ``st.explain``.
+        summed: the fallback only summed pending sums (what they are for), gathering nothing.
     """
 
     moves: tuple[tuple[int, Move], ...] = ()
@@ -151,6 +154,7 @@ class Decision:
     out: Any = None
     written: tuple[tuple[int, Placement], ...] = ()
     gathered: str | None = None
+    summed: bool = False
     plain: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

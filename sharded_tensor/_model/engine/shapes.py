@@ -70,7 +70,7 @@ def moved(a: Sequence[int], b: Sequence[int], split: _S) -> _S | None:
         for o in gj:  # the outermost output dimension that holds whole slices (constants sit inside)
             scaled = split.scaled(o, inner_in, math.prod(b[d] for d in gj if d > o))
             if scaled is not None:
-                return scaled  # type: ignore[return-value]
+                return scaled
             if b[o] != 1:
                 return None
         return None

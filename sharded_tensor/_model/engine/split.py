@@ -34,10 +34,10 @@ from torch import Tensor
 
 from . import shapes as _shapes
 from . import state as _state
-from .placements import Packed, Split, Strided, placement_of, reduce_from_ranks, shared_copy
+from .placements import Packed, Split, SplitSize, Strided, placement_of, reduce_from_ranks, shared_copy
 from .rules import Call, Decision, Each, Fallback, declare, in_place, norm_dim, pointwise_names
 
-__all__ = ["elementwise", "whole_operand", "LocalSize", "local_sizes", "reshape"]
+__all__ = ["elementwise", "whole_operand", "sizes_read", "whole_sizes", "reshape"]
 
 
 def _split_of(x: Any) -> Split | None:
@@ -73,27 +73,29 @@ def _cut(call: Call, t: Tensor, dim: int, split: Split) -> tuple[int, Any]:
 # -- element-wise -----------------------------------------------------------------------------------
 
 def elementwise(call: Call) -> Decision:
-    """Ops that act element by element, with broadcasting (add, mul, silu, where, ...)."""
+    """Ops that act element by element, with broadcasting (add, mul, silu, where, ...), on split or strided
+    activations (every placed operand placed alike)."""
     tensors = [(i, t) for i, t in enumerate(call.leaves) if isinstance(t, Tensor)]
     if call.name in ("to", "type_as") and call.args:
         tensors = tensors[:1]  # ``x.to(other)`` reads other's dtype and device, not its values
     out_ndim = max(t.dim() for _, t in tensors)
-    found: Split | None = None
+    found: Split | Strided | None = None
     for _, t in tensors:
         placement = placement_of(t)
         if placement is None:
             continue
-        if type(placement) is not Split:
+        if type(placement) is not Split and type(placement) is not Strided:
             raise Fallback
         aligned = placement if out_ndim == t.dim() else placement.moved(out_ndim - t.dim() + placement.dim)
         if found is not None and aligned != found:
             raise Fallback
         found = aligned
-    assert found is not None
+    if found is None:
+        raise Fallback  # only a size read off a split dimension: it stands for the whole size
     first = call.args[0] if call.args else None
     if isinstance(first, Tensor) and placement_of(first) is None and in_place(call.func):
         raise Fallback  # a whole tensor updated in place must receive whole values
-    moves: list[tuple[int, Any]] = []
+    moves: list[tuple[int, Any]] = list(whole_sizes(call))  # a split dimension's size as an operand: the whole
     local: dict[int, Tensor] = {}
     length = found.length()
     for i, t in tensors:
@@ -103,9 +105,9 @@ def elementwise(call: Call) -> Decision:
         if local_dim < 0 or t.shape[local_dim] == 1:
             moves.extend(whole_operand(call, t, found.group))  # broadcast against every rank's slice
             continue
-        if t.shape[local_dim] != found.size:
+        if t.shape[local_dim] != found.extent():
             raise Fallback
-        moves.append(_cut(call, t, local_dim, found))
+        moves.append((call.index(t), functools.partial(found.cut, dim=local_dim)))
         shape = list(t.shape)
         shape[local_dim] = length
         local[i] = torch.empty(shape, dtype=t.dtype, device="meta")
@@ -141,7 +143,8 @@ def _masked(x: Tensor, *args: Any, split: Split, p: float, **kwargs: Any) -> Ten
         return x * torch.zeros((), dtype=x.dtype, device=x.device)
     whole = list(x.shape)
     whole[split.dim] = split.size
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    strides = x.stride()
+    order = sorted(range(x.dim()), key=lambda d: (-strides[d], d))
     noise = torch.empty([whole[d] for d in order], dtype=x.dtype, device=x.device)
     noise = noise.permute([order.index(d) for d in range(len(order))])
     noise.bernoulli_(1 - p)
@@ -163,30 +166,33 @@ def _meta(x: Tensor, shape: Sequence[int]) -> Tensor:
     return torch.empty(tuple(shape), dtype=x.dtype, device="meta")
 
 
-class LocalSize(int):
-    """A size read off a split activation's own shape (``x.shape`` gives this rank's sizes).
-
-    Given to a reshape, such a size means what it measured: this rank's extent, not the whole
-    tensor's. Arithmetic on it gives a plain ``int``.
-    """
-
-    __slots__ = ()
-
-
-def local_sizes(value: Any) -> Any:
-    """``value`` (a shape or size read off a split activation) with its sizes marked :class:`LocalSize`."""
+def sizes_read(func: Any, args: tuple[Any, ...], value: Any, split: Split) -> Any:
+    """``x.shape``, ``x.size()`` or ``x.size(d)`` of a split activation as the model's code reads it: this rank's
+    sizes, the split dimension's a :class:`SplitSize` (symbolic sizes of a trace as they are)."""
     if type(value) is int:
-        return LocalSize(value)
-    if type(value) is torch.Size and not _state.STATE.tracing:  # a trace's sizes may be symbolic
-        return torch.Size(map(LocalSize, value))
+        dim = args[1] if len(args) > 1 else None
+        return SplitSize(value, split) if isinstance(dim, int) and norm_dim(dim, args[0].dim()) == split.dim else value
+    if type(value) is torch.Size and split.dim < len(value) and type(value[split.dim]) is int:
+        sizes = list(value)
+        sizes[split.dim] = SplitSize(sizes[split.dim], split)
+        return torch.Size(sizes)
     return value
+
+
+def _whole_size(size: SplitSize) -> int:
+    return size.whole()
+
+
+def whole_sizes(call: Call) -> tuple[tuple[int, Any], ...]:
+    """The moves that make every :class:`SplitSize` among the call's arguments the whole size it stands for."""
+    return tuple((i, _whole_size) for i, v in enumerate(call.leaves) if type(v) is SplitSize)
 
 
 def reshape(call: Call) -> Decision:
     """view / reshape / flatten / unflatten / (un)squeeze / view_as, on this rank's slice.
 
-    Sizes read off the slice's own shape (:class:`LocalSize`, as in ``x.reshape(*x.shape[:-1],
-    -1, 2)``) are this rank's: the call is read against the local slice. Other sizes are read
+    A size read off a split dimension (:class:`SplitSize`, as in ``x.reshape(*x.shape[:-1],
+    -1, 2)``) is this rank's: the call is read against the local slice. Other sizes are read
     first as the unsharded program reads them, against the whole tensor (``view(b, s,
     num_heads, 3, head_dim)`` with a fixed ``num_heads``), then against the local slice. A split
     merged with dimensions outside it (``reshape(batch * heads, ...)``, by ``view`` or
@@ -195,7 +201,7 @@ def reshape(call: Call) -> Decision:
     x, split = _first_split(call)
     view = call.name in _VIEWS
     readings = (_read_locally, _read_whole)
-    if not any(type(v) is LocalSize for v in call.leaves[1:]):
+    if not any(type(v) is SplitSize for v in call.leaves[1:]):
         readings = readings[::-1]
     for reading in readings:
         found = reading(call, x, split, view)
@@ -336,8 +342,50 @@ def _expand_to(x: Tensor, *args: Any, sizes: tuple[int, ...], **kwargs: Any) -> 
     return x.expand(sizes)
 
 
+def _expand_whole(call: Call, x: Tensor) -> Decision:
+    """A whole ``x`` expanded to sizes among which one was read off a split dimension (``k_pe.expand(
+    *k.shape[:-1], -1)``): this rank's slice of what the unsharded program expands, ``x`` cut to it (or, where
+    it broadcasts, used whole by every rank)."""
+    sizes = call.bound().get("size")
+    if not isinstance(sizes, (list, tuple)):
+        raise Fallback
+    marked = [i for i, v in enumerate(sizes) if type(v) is SplitSize]
+    if len(marked) != 1:
+        raise Fallback
+    at = marked[0]
+    split = sizes[at].placement
+    local = at - (len(sizes) - x.dim())
+    if local >= 0 and x.shape[local] != 1:
+        if x.shape[local] != split.size:
+            raise Fallback
+        moves: tuple[tuple[int, Any], ...] = (_cut(call, x, local, split),)
+    else:
+        moves = whole_operand(call, x, split.group)
+    return Decision(moves, out=split.moved(at))
+
+
+def _factory(call: Call) -> Decision:
+    """``torch.zeros(..)``, ``x.new_empty(..)`` and the like given a size read off a split dimension: this rank's
+    slice of the tensor the unsharded program makes."""
+    bound = call.bound()
+    sizes = bound.get("size")
+    source = bound.get("self")  # ``x.new_empty``: x gives only its dtype and device
+    if not isinstance(sizes, (list, tuple)) or any(isinstance(v, Tensor) and v is not source and
+                                                    placement_of(v) is not None for v in call.leaves):
+        raise Fallback
+    marked = [i for i, v in enumerate(sizes) if type(v) is SplitSize]
+    if len(marked) != 1:
+        raise Fallback
+    split = sizes[marked[0]].placement
+    return Decision(out=split.moved(marked[0]))
+
+
 def _expand(call: Call) -> Decision:
-    """expand / broadcast_to / expand_as with the split dimension kept: given its local or its whole size."""
+    """expand / broadcast_to / expand_as with the split dimension kept: given its local or its whole size;
+    a whole tensor expanded to a split dimension's size read off a split activation gives this rank's slice."""
+    x = call.args[0] if call.args else None
+    if isinstance(x, Tensor) and placement_of(x) is None:
+        return _expand_whole(call, x)
     x, split = _first_split(call)
     bound = call.bound()
     other = bound.get("other")
@@ -478,6 +526,21 @@ def _sum_across(x: Tensor, *args: Any, dims: tuple[int, ...], keepdim: bool, spl
     return total / count if count else total
 
 
+def _min_max(call: Call) -> Decision:
+    """``torch.min``/``max`` in their three forms: of two tensors (element-wise), along a dimension (the values
+    and the indices, along another dimension than the split), of every element (gathered)."""
+    bound = call.bound()
+    if isinstance(bound.get("other"), Tensor):
+        return elementwise(call)
+    x, split = _first_split(call)
+    dim = bound.get("dim")
+    if not isinstance(dim, int) or norm_dim(dim, x.dim()) == split.dim:
+        raise Fallback
+    keepdim = bool(bound.get("keepdim", False))
+    moved = split if keepdim or norm_dim(dim, x.dim()) > split.dim else split.moved(split.dim - 1)
+    return Decision(out=Each(moved))
+
+
 def _reduce(call: Call) -> Decision:
     """sum / mean / amax / amin / var / std / logsumexp over dimensions other than the split one."""
     x, split = _first_split(call)
@@ -489,8 +552,9 @@ def _reduce(call: Call) -> Decision:
     normed = sorted(norm_dim(d, x.dim()) for d in dims)
     keepdim = bool(bound.get("keepdim", False))
     if split.dim in normed:
-        if call.name not in ("sum", "mean") or bound.get("dtype") is not None or not x.is_floating_point():
-            raise Fallback  # amax, var, std, logsumexp: not a plain sum of the slices
+        if call.name not in ("sum", "mean") or bound.get("dtype") is not None or not x.is_floating_point() \
+                or split.replicas:
+            raise Fallback  # amax, var, std, logsumexp: not a plain sum of the slices (nor one of replicas)
         count = math.prod(split.size if d == split.dim else x.shape[d] for d in normed) if call.name == "mean" else 0
         return Decision(run=functools.partial(_sum_across, dims=tuple(normed), keepdim=keepdim, split=split,
                                               count=count))
@@ -583,20 +647,27 @@ def _sdpa(call: Call) -> Decision:
     """scaled_dot_product_attention with q, k and v split on the same head (batch) dimension.
 
     Grouped key/value heads (``enable_gqa``): each rank's query heads read that rank's key/value
-    heads. A mask is cut to this rank's heads or, when it broadcasts over them, used whole.
+    heads. A rank whose key/value heads go beyond what its query heads read (key/value heads held
+    by replicas, or repeated to the query heads' number) narrows them to those. A mask is cut to
+    this rank's heads or, when it broadcasts over them, used whole.
     """
     bound = call.bound()
     q, k, v = bound["query"], bound["key"], bound["value"]
     sq, sk, sv = _split_of(q), _split_of(k), _split_of(v)
+    if sq is not None and placement_of(k) is None and placement_of(v) is None and sq.dim < q.dim() - 2 \
+            and k.dim() == q.dim() and v.dim() == q.dim():
+        return _sdpa_whole_key_value(call, q, k, v, sq, bound)
     if sq is None or sk is None or sv is None or sk != sv or not sq.dim == sk.dim < q.dim() - 2:
         raise Fallback
     ratio = sq.size // sk.size if sk.size else 0
-    if ratio == 0 or sq.size % sk.size or sk.scaled(sq.dim, ratio, 1) != sq:
+    if ratio == 0 or sq.size % sk.size:
         raise Fallback
-    if ratio > 1 and not bound["enable_gqa"]:
+    moves: list[tuple[int, Any]] = []
+    if sk.scaled(sq.dim, ratio, 1) != sq:
+        moves += _narrowed_heads(call, k, v, sq, sk, ratio, bool(bound["enable_gqa"]))
+    elif ratio > 1 and not bound["enable_gqa"]:
         raise Fallback
     mask = bound["attn_mask"]
-    moves: tuple[tuple[int, Any], ...] = ()
     if isinstance(mask, Tensor):
         if placement_of(mask) is not None:
             raise Fallback
@@ -604,16 +675,76 @@ def _sdpa(call: Call) -> Decision:
         if local >= 0 and mask.shape[local] != 1:
             if mask.shape[local] != sq.size:
                 raise Fallback
-            moves = (_cut(call, mask, local, sq),)
+            moves.append(_cut(call, mask, local, sq))
         else:
-            moves = whole_operand(call, mask, sq.group)
-    return Decision(moves, out=sq)
+            moves.extend(whole_operand(call, mask, sq.group))
+    return Decision(tuple(moves), out=sq)
+
+
+def _narrow_to(x: Tensor, *, dim: int, start: int, length: int) -> Tensor:
+    return x.narrow(dim, start, length)
+
+
+def _shared_narrow(x: Tensor, *, group: Any, dim: int, start: int, length: int) -> Tensor:
+    return shared_copy(x, group).narrow(dim, start, length) if x.requires_grad else x.narrow(dim, start, length)
+
+
+def _sdpa_whole_key_value(call: Call, q: Tensor, k: Tensor, v: Tensor, sq: Split, bound: dict[str, Any]) -> Decision:
+    """Split queries attending whole keys and values (fewer key/value heads than ranks, kept whole: multi-query
+    attention): each rank narrows them to the key/value heads its query heads read (the whole tensors' gradients
+    summed over the ranks)."""
+    heads, kv_heads = sq.size, k.shape[sq.dim]
+    if kv_heads == 0 or heads % kv_heads or v.shape[sq.dim] != kv_heads or (heads != kv_heads and
+                                                                           not bound["enable_gqa"]):
+        raise Fallback
+    ratio = heads // kv_heads
+    rank = _state.rank(sq.group)
+    qs, qn = sq.intervals[rank]
+    if not qn:
+        raise Fallback
+    lo, hi = qs // ratio, -(-(qs + qn) // ratio)
+    group = qn // (hi - lo) if qn % (hi - lo) == 0 else 0
+    if not group or any((qs + i) // ratio - lo != i // group for i in range(qn)) or (group > 1 and
+                                                                                      not bound["enable_gqa"]):
+        raise Fallback
+    narrow = functools.partial(_shared_narrow, group=sq.group, dim=sq.dim, start=lo, length=hi - lo)
+    moves: list[tuple[int, Any]] = [(call.index(k), narrow), (call.index(v), narrow)]
+    mask = bound["attn_mask"]
+    if isinstance(mask, Tensor):
+        if placement_of(mask) is not None:
+            raise Fallback
+        local = sq.dim - (q.dim() - mask.dim())
+        if local >= 0 and mask.shape[local] != 1:
+            if mask.shape[local] != sq.size:
+                raise Fallback
+            moves.append(_cut(call, mask, local, sq))
+        else:
+            moves.extend(whole_operand(call, mask, sq.group))
+    return Decision(tuple(moves), out=sq)
+
+
+def _narrowed_heads(call: Call, k: Tensor, v: Tensor, sq: Split, sk: Split, ratio: int,
+                    gqa: bool) -> list[tuple[int, Any]]:
+    """The moves narrowing this rank's key and value heads to the ones its query heads read (a local view,
+    its gradient zero elsewhere: a share of the whole, as replicas' are); ``Fallback`` if they do not hold them."""
+    rank = _state.rank(sq.group)
+    (qs, qn), (ks, kn) = sq.intervals[rank], sk.intervals[rank]
+    if not qn:
+        raise Fallback
+    lo, hi = qs // ratio, -(-(qs + qn) // ratio)
+    if lo < ks or hi > ks + kn or qn % (hi - lo):
+        raise Fallback
+    group = qn // (hi - lo)
+    if any((qs + i) // ratio - lo != i // group for i in range(qn)) or (group > 1 and not gqa):
+        raise Fallback  # the local heads would not meet as the whole ones do
+    narrow = functools.partial(_narrow_to, dim=sk.dim, start=lo - ks, length=hi - lo)
+    return [(call.index(k), narrow), (call.index(v), narrow)]
 
 
 # -- packed activations -----------------------------------------------------------------------------
 
 def _packed_parts(x: Tensor, *args: Any, sizes: tuple[int, ...], dim: int, **kwargs: Any) -> tuple[Tensor, ...]:
-    return x.split(list(sizes), dim)
+    return tuple(x.split(list(sizes), dim))
 
 
 def _packed_narrow(x: Tensor, *args: Any, dim: int, start: int, length: int, **kwargs: Any) -> Tensor:
@@ -698,6 +829,8 @@ _ELEMENTWISE = {
 }
 
 declare(lambda: _ELEMENTWISE | pointwise_names(), Split, elementwise)
+declare(lambda: _ELEMENTWISE | pointwise_names(), Strided, elementwise)
+declare(("min", "max"), Split, _min_max)
 declare(("dropout",), Split, _dropout)
 declare(("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"), Split, reshape)
 declare(("transpose", "swapaxes", "swapdims", "permute", "t"), Split, _transpose)
@@ -705,6 +838,7 @@ declare(("T", "mT", "H", "mH", "real", "imag"), Split, _getter)
 declare(("view_as_complex", "view_as_real"), Split, _complex_view)
 declare(("__getitem__",), Split, _getitem)
 declare(("expand", "expand_as", "broadcast_to"), Split, _expand)
+declare(("zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full"), Split, _factory)
 declare(("softmax", "log_softmax", "cumsum", "cat", "concat", "concatenate", "stack", "split", "chunk", "unbind",
          "tensor_split"), Split, _along_dim)
 declare(("sum", "mean", "amax", "amin", "var", "std", "logsumexp"), Split, _reduce)

@@ -7,6 +7,7 @@ in a worker thread each see their own.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -51,7 +52,7 @@ def rank(group: _comm.ProcessGroup) -> int:
 
 
 
-class _Outside:
+class _Outside(contextlib.AbstractContextManager[None]):
     """Leaves the zone mode for a ``with`` block when it is the innermost torch function mode.
 
     The engine's mode is recognized by a class attribute (``dispatch.ZoneMode`` sets it): this

@@ -63,8 +63,7 @@ def _reshape(call: Call) -> Decision:
     local[placement.dim: placement.dim + 1] = [placement.blocks, x.shape[placement.dim] // placement.blocks]
     split = Split(placement.dim + 1, placement.intervals, placement.group)
     unmerged = tag(torch.empty(local, dtype=x.dtype, device="meta"), split)
-    inner_call = Call(call.func, (unmerged, *call.args[1:]), call.kwargs, [unmerged, *call.leaves[1:]], call.spec,
-                      call.grad)
+    inner_call = Call(call.func, (unmerged, *call.args[1:]), call.kwargs, [unmerged, *call.leaves[1:]], call.grad)
     decision = _split.reshape(inner_call)
     if decision.moves or decision.run is None:
         raise Fallback

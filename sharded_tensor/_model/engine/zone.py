@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from .boundary import OPAQUE
 from .dispatch import ZoneMode, fresh_cache
-from .rules import table
 from .placements import Partial, placement_of, to_whole
+from .rules import table
 from .state import STATE, outside_zone_mode
 
 __all__ = ["ZoneForward", "loss_parallel", "outside_propagation", "in_zone", "zone", "ties"]
@@ -38,7 +39,7 @@ def in_zone() -> bool:
 
 def outside_propagation() -> contextlib.AbstractContextManager[None]:
     """Run a sharded layer's own forward on its local tensors, unseen by the zone mode."""
-    return outside_zone_mode()  # type: ignore[return-value]
+    return outside_zone_mode()
 
 
 @contextlib.contextmanager
@@ -63,21 +64,32 @@ def zone() -> Iterator[None]:
 
 
 def _whole(x: Any) -> Any:
-    return to_whole(x) if isinstance(x, torch.Tensor) else x
+    placement = placement_of(x)
+    if placement is None:
+        return x
+    if STATE.explaining is not None:
+        STATE.explaining.fallback(_whole, f"a {type(placement).__name__} output made whole as the zone hands it out",
+                                  type(placement) is Partial)
+    return to_whole(x)
 
 
 def _whole_if_pending(x: Any) -> Any:
-    return to_whole(x) if isinstance(x, torch.Tensor) and type(placement_of(x)) is Partial else x
+    return _whole(x) if type(placement_of(x)) is Partial else x
 
 
 def _exit(out: Any) -> Any:
     """An outermost zone's outputs as it hands them out: whole (pending sums only under ``loss_parallel``).
 
     Outputs are walked as ``torch.utils._pytree`` walks them (transformers registers its
-    ``ModelOutput``); any other object (a key/value cache) is handed out as it is, placed
-    tensors and all, for the next call of the zone to read.
+    ``ModelOutput``); any other object (a key/value cache, registered only for the compiled
+    boundary, ``boundary``) is handed out as it is, placed tensors and all, for the next call
+    of the zone to read.
     """
-    return tree_map(_whole_if_pending if STATE.keep_split_outputs else _whole, out)
+    return tree_map(_whole_if_pending if STATE.keep_split_outputs else _whole, out, is_leaf=_opaque)
+
+
+def _opaque(value: Any) -> bool:
+    return type(value) in OPAQUE
 
 
 class ZoneForward:
@@ -143,7 +155,8 @@ def _traced_zone(module: torch.nn.Module, tied: tuple[tuple[str, ...], ...], *ar
         with _without_zone_mode(), torch.nn.utils.stateless._reparametrize_module(module, aliases), zone():
             out = type(module).forward(module, *args, **kwargs)
         # Outputs leave the graph as plain tensors, where a placed one would lose its placement
-        # (and pass for a whole one): they are made whole, under ``loss_parallel`` too.
+        # (and pass for a whole one): they are made whole, under ``loss_parallel`` too, and so are
+        # the tensors of a key/value cache handed out (``boundary``).
         return tree_map(_whole, out)
     finally:
         STATE.tracing, STATE.depth, STATE.cache = previous
