@@ -348,7 +348,7 @@ def _other(draw: Draw, x: Placed, gen: torch.Generator, *, dtype: torch.dtype | 
 
 
 STRIDED_ELEMENTWISE = 5
-"""Examples of each element-wise op on a strided activation, in every tier (below ``examples``' floor)."""
+"""Examples of each element-wise op on a strided activation (in the full suite; see ``_few``)."""
 
 CASES: dict[tuple[str, str], tuple[Callable[[Draw, Any, str], Case], int]] = {}
 """(op, placement kind) -> (draws a case from hypothesis' ``draw``, the spelling and the op's name; examples)."""
@@ -1361,6 +1361,12 @@ _SETTINGS = dict(deadline=None, derandomize=True, database=None,
                                         HealthCheck.data_too_large])
 
 
+def _few(count: int) -> int:
+    """``examples`` for a count below its floor (an element-wise op, one of hundreds through one rule): ``count``
+    in the full suite, scaled as ``examples`` scales in the quick tier, at least 3."""
+    return max(3, count * settings.default.max_examples // 100)
+
+
 _BROKEN: dict[tuple[str, str], str] = {}
 """Rules that fail on every call: their property is expected to fail until the engine is fixed (strict)."""
 
@@ -1377,7 +1383,7 @@ def test_rule_on_parts_equals_op_on_the_whole(name: str, kind: str) -> None:
     # (A rule known broken needs to fail once, not to be shrunk to its smallest case: the tests below hold that.)
     broken = {"phases": [Phase.explicit, Phase.generate]} if (name, kind) in _BROKEN else {}
 
-    drawn = count if count < MINIMUM else examples(count)
+    drawn = _few(count) if count < MINIMUM else examples(count)
 
     @settings(max_examples=drawn, **{**_SETTINGS, **broken})  # type: ignore[arg-type]
     @given(data=hs.data())
