@@ -1777,7 +1777,7 @@ def _pending_cases(draw: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("name", sorted(PENDING_OPS))
 @settings(max_examples=examples(12), **_SETTINGS)  # type: ignore[arg-type]
 @given(case=_pending_cases())
-def test_pending_sums_meet_before_one_all_reduce(name: str, case: dict[str, Any]) -> None:
+def test_pending_sum_on_addends_equals_op_on_the_sum(name: str, case: dict[str, Any]) -> None:
     """Chains of ops on pending sums: values as the unsharded ops', and the forward all-reduces counted."""
     op, all_reduces = PENDING_OPS[name]
     gen = torch.Generator().manual_seed(case["seed"])
