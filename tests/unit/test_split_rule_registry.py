@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import sharded_tensor as st
-from sharding import layout
 from sharded_tensor._model.engine import placements as _placements
 from sharded_tensor._model.engine import rules as _rules
 from sharded_tensor._model.engine.split import elementwise
 from sharded_tensor._model.engine.zone import zone
-from tests.unit.test_split_rules import _simulated
+from sharding import layout
+from tests.unit._simulated_ranks import simulated as _simulated
 
 
 @torch.library.custom_op("shardkit_test::scaled_tanh", mutates_args=())
