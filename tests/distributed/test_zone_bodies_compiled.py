@@ -9,10 +9,10 @@ call) three ways: unsharded, sharded in eager, and sharded compiled (``torch.com
 gradients (input, every parameter) must equal eager's and the unsharded module's (this rank's slice
 of a split parameter's) within ``TOL``, and eager's the unsharded module's.
 
-The bodies in ``BODIES`` pass: grad mode is guarded by dynamo, so a call without gradients
-recompiles. Those in ``BROKEN`` do not, each a strict xfail below: the zone is one opaque call to
-dynamo, which guards on nothing the zone's forward reads (a module attribute, ``self.training``),
-and a branch on a value fails inside dynamo.
+Every call must follow its own path: the zone is one opaque call for dynamo, so the zone's
+forward reads (a module attribute, ``self.training``) are guarded where dynamo sees them
+(``ZoneForward``), and a call that changes one recompiles; grad mode dynamo guards itself; a branch
+on a value cannot be traced, so dynamo runs that zone eagerly (a graph break), with eager's numbers.
 
 Simulated ranks (threads of one process) cannot run this: dynamo traces one process.
 """
@@ -32,16 +32,15 @@ from tests.unit.test_zone_bodies import CALLS, SPLITS, TOL, _call, _local, _refe
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # compiles: tens of seconds of tracing
 
 SLICES = ((0, 3), (3, 2))
-# Bodies whose every call the compiled zone gets right.
 BODIES: dict[str, tuple[Any, ...]] = {
     "grad-mode": (("keep",), ("if-grad", 1), ("residual",), ("center",)),
     "pending-through-shapes": (("iadd", 1), ("round-trip", "transpose", "scale"), ("if-flag", 2), ("sum2",)),
     "dropout-off": (("add", 1), ("dropout",), ("rms-norm",), ("round-trip", "permute", "clone"), ("add", 2)),
-}
-# Bodies it gets wrong, each kept as a strict xfail below.
-BROKEN: dict[str, tuple[Any, ...]] = {
+    # ``if self.flag:``: compiled with flag False, then called with True
     "attribute": (("add", 1), ("if-flag", 2), ("rms-norm",)),
+    # dropout (p > 0) on the split hidden activation and on the stream; compiled in eval, then in training
     "training": (("if-training-hidden",), ("add", 1), ("if-training-stream",), ("layer-norm",)),
+    # ``if x.sum() > 0`` on a pending sum
     "value": (("add", 1), ("if-value", 2)),
 }
 
@@ -104,8 +103,8 @@ def _run(rank: int, world: int, bodies: dict[str, tuple[Any, ...]]) -> dict[str,
 
 @pytest.fixture(scope="module")
 def calls() -> list[dict[str, list[dict[str, Any]]]]:
-    """Every body, fixed and broken, run on 2 Gloo ranks in one spawn: per rank, per body, per call, what differs."""
-    return run_distributed(_run, 2, {**BODIES, **BROKEN}, timeout=900)
+    """Every body run on 2 Gloo ranks in one spawn: per rank, per body, per call, what differs."""
+    return run_distributed(_run, 2, BODIES, timeout=900)
 
 
 def _wrong(calls: list[dict[str, list[dict[str, Any]]]], body: str) -> list[str]:
@@ -122,30 +121,3 @@ def _wrong(calls: list[dict[str, list[dict[str, Any]]]], body: str) -> list[str]
 def test_compiled_zone_bodies_match_eager_and_the_unsharded_module_on_every_call(calls, body: str) -> None:
     assert not _wrong(calls, body)
     assert all(len(results[body]) == len(CALLS) for results in calls)
-
-
-@pytest.mark.xfail(strict=True, reason="the compiled zone is opaque to dynamo: no guard on the attributes it reads")
-def test_a_module_attribute_read_in_a_compiled_zone(calls) -> None:
-    """``if self.flag:`` in the zone's forward: compiled with ``flag = False``, then called with ``flag = True``,
-    the compiled module still takes the first path (no recompile: dynamo sees the zone as one
-    ``nonstrict_trace`` call, ``_traced_zone``, and guards on nothing read inside), and every output and gradient
-    differs from eager and from the unsharded module, silently, on calls (True, 1.0, False, True) and
-    (True, -3.0, True, True) of ``CALLS``."""
-    assert not _wrong(calls, "attribute")
-
-
-@pytest.mark.xfail(strict=True, reason="the compiled zone is opaque to dynamo: no guard on self.training inside it")
-def test_training_read_in_a_compiled_zone(calls) -> None:
-    """``F.dropout(h, 0.25, self.training)`` in the zone: compiled in eval mode, then ``model.train()``: the compiled
-    module does not drop out (it keeps the eval path), so its outputs and gradients differ from eager's and the
-    unsharded module's, silently; the other way round, a model compiled in training would keep dropping out in
-    eval."""
-    assert not _wrong(calls, "training")
-
-
-@pytest.mark.xfail(strict=True, reason="a value branch in a compiled zone fails inside dynamo")
-def test_a_value_branch_in_a_compiled_zone(calls) -> None:
-    """``if x.sum() > 0`` inside a zone, ``x`` a pending sum: eager follows every call; compiling the zone raises
-    "InternalTorchDynamoError: AttributeError: 'dict' object has no attribute 'node'" from ``_traced_zone``, on
-    the first call."""
-    assert not _wrong(calls, "value")

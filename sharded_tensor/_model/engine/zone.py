@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -100,6 +101,9 @@ class ZoneForward:
         functools.update_wrapper(self, original)  # inspect.signature(model.forward) keeps working
         self._module: torch.nn.Module = original.__self__  # type: ignore[attr-defined]
         self._ties = ties(self._module)
+        self._plain = plain_attributes(self._module)
+        self._none_defaults = frozenset(name for name, parameter in inspect.signature(original).parameters.items()
+                                        if parameter.default is None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if STATE.tracing:  # inside a traced zone: as the enclosing one runs
@@ -107,6 +111,9 @@ class ZoneForward:
         if torch.compiler.is_compiling():
             # Outermost in the compiled region, even inside a zone opened outside it (``loss_parallel``):
             # dynamo must not trace the engine op by op, it cannot (it reads tensors' ``__dict__``).
+            _guard_state(self._module, self._plain)
+            # None for an argument that defaults to None is left out: nonstrict_trace takes no None
+            kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in self._none_defaults}
             return _traced_zone(self._module, self._ties, *args, **kwargs)
         explaining = STATE.explaining
         if explaining is not None:
@@ -134,6 +141,54 @@ def ties(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
 def _attribute(module: torch.nn.Module, name: str) -> Any:
     owner, _, attr = name.rpartition(".")
     return getattr(module.get_submodule(owner), attr)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+# What every module holds (hook flags and the like), ``training`` aside.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+
+
+def plain_attributes(module: torch.nn.Module) -> tuple[tuple[tuple[str, ...], str], ...]:
+    """Where the modules under ``module``, and the objects they hold (a model's config), keep plain values
+    (numbers, strings, ``None``, flags such as ``training``): each as the path of attribute names to its
+    holder, and the value's name."""
+    found: list[tuple[tuple[str, ...], str]] = []
+    seen: set[int] = set()
+    for path, sub in module.named_modules():
+        steps = tuple(path.split(".")) if path else ()
+        for name, value in vars(sub).items():
+            if name in _MODULE_INTERNALS:
+                continue
+            if type(value) in _PLAIN:
+                found.append((steps, name))
+            elif _holds_settings(value) and id(value) not in seen:
+                seen.add(id(value))
+                found.extend(((*steps, name), key) for key, held in vars(value).items()
+                             if type(held) in _PLAIN and not key.startswith("__"))
+    return tuple(found)
+
+
+def _holds_settings(value: Any) -> bool:
+    """A plain object a module reads settings from (a transformers config), not a module, tensor or function."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+            and not callable(value))
+
+
+def _guard_state(module: torch.nn.Module, where: tuple[tuple[tuple[str, ...], str], ...]) -> None:
+    """Compare each plain value ``where`` names, where dynamo sees it: dynamo then guards on it.
+
+    The zone is one opaque call for dynamo, which guards only on what it reads itself, not on what
+    the zone's forward reads inside; these comparisons make it guard on the values a forward may
+    branch on (``if self.training``, a flag or config value changed between calls), so a change
+    recompiles instead of replaying the path traced first.
+    """
+    for steps, name in where:
+        owner = module
+        for step in steps:
+            owner = getattr(owner, step)
+        value = getattr(owner, name)
+        if value is None or value == "":  # the comparison is what makes dynamo guard on the value
+            continue
 
 
 @torch._dynamo.nonstrict_trace
