@@ -202,7 +202,7 @@ def _traced_zone(module: torch.nn.Module, tied: tuple[tuple[str, ...], ...], *ar
     return _zone_body(module, tied, *args, **kwargs)
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable  # type: ignore[untyped-decorator]
 def _zone_body(module: torch.nn.Module, tied: tuple[tuple[str, ...], ...], *args: Any, **kwargs: Any) -> Any:
     """``_traced_zone``'s work, never traced by dynamo itself.
 
