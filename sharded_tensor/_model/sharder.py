@@ -50,6 +50,7 @@ from sharding import (
 from sharding.layout import box_slices
 
 from .._reshard import redistribute
+from . import drift as _drift
 from . import experts as _experts
 from . import guard as _guard
 from . import parallel as _parallel
@@ -396,6 +397,7 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
                  invariant=seed is not None, initializers=initializers)
     _finish(model, entries, process_group)
     commit()
+    _drift.watch(model, process_group)  # replicated parameters checked after each optimizer step
     return model
 
 
