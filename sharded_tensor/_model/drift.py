@@ -17,15 +17,19 @@ cause and the fix. The cost is one pass over the replicated parameters' bytes at
 speed, and one all-gather of a few hundred bytes (scripts/bench/tp_llama.py ``--drift-check``
 measures it against the step).
 
-``SHARDKIT_CHECK_REPLICAS=0`` turns the check off (read at each step). Steps taken under
-``torch.compile`` are not checked (a compiled optimizer step runs no Python hook anyway).
+``SHARDKIT_CHECK_REPLICAS=0`` turns the check off (read at each step). Not checked: steps
+taken under ``torch.compile``, the zero step ``optim_state_dict`` takes to build the optimizer
+state's template (it restores the parameters), and blocks ``shard_model(..., init=False)``
+left without values until a load fills them (they hold whatever the memory held).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +39,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from _shardkit import comm as _comm
+from _shardkit import unfilled as _unfilled
 from _shardkit.env import flag
 
 from .record import record_of
 
-__all__ = ["watch", "ENV"]
+__all__ = ["watch", "paused", "ENV"]
 
 ENV = "SHARDKIT_CHECK_REPLICAS"
 
@@ -61,6 +66,7 @@ _WATCHED: dict[int, tuple[weakref.ref[torch.Tensor], _Watched]] = {}
 _PLANS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, ...], list[tuple[torch.Tensor, _Watched]]]]
 _PLANS = weakref.WeakKeyDictionary()
 _HOOK: Any = None
+_PAUSED = threading.local()
 
 
 def watch(model: nn.Module, group: _comm.ProcessGroup) -> None:
@@ -87,6 +93,18 @@ def watch(model: nn.Module, group: _comm.ProcessGroup) -> None:
         _HOOK = register_optimizer_step_post_hook(_after_step)
 
 
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No check in this block: for a step that restores the parameters it changed (the optimizer
+    state's template, ``optim._initialize``), whose parameters may still be uninitialized."""
+    before = getattr(_PAUSED, "on", False)
+    _PAUSED.on = True
+    try:
+        yield
+    finally:
+        _PAUSED.on = before
+
+
 def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
     if key in _WATCHED and _WATCHED[key][0] is ref:
         del _WATCHED[key]
@@ -109,9 +127,10 @@ def _plan(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, _Watched
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    if not _WATCHED or torch.compiler.is_compiling():
+    if not _WATCHED or getattr(_PAUSED, "on", False) or torch.compiler.is_compiling():
         return
-    watched = _plan(optimizer)
+    # Blocks allocated by shard_model(init=False) and not filled yet hold whatever memory held: not a drift.
+    watched = [(p, w) for p, w in _plan(optimizer) if not _unfilled.is_marked(p)]
     if not watched or not flag(ENV, default=True, on="to check replicated parameters after each optimizer step",
                                off="to skip the check"):
         return
