@@ -186,6 +186,16 @@ def test_api_reference_lists_every_public_name(package: str) -> None:
                          f"'::: {package}.<name>' under the section where a user would look for it")
 
 
+def test_api_overview_names_every_public_name() -> None:
+    """docs/api/index.md links every name of every package's ``__all__`` to its entry."""
+    page = (ROOT / "docs" / "api" / "index.md").read_text()
+    linked = set(re.findall(r"\]\((\w+)\.md#(\w+\.\w+)\)", page))
+    missing = [f"{package}.{name}" for package in PACKAGES for name in importlib.import_module(package).__all__
+               if (package, f"{package}.{name}") not in linked]
+    assert not missing, (f"docs/api/index.md does not link {missing}; add each under the step where a user "
+                         f"needs it, as [`name`]({{package}}.md#{{package}}.name)")
+
+
 def test_api_reference_is_compact_and_public(build: Build) -> None:
     """Signatures are one line each (the page wraps them), and the API pages name public types only."""
     assert build.returncode == 0, build.log
