@@ -89,8 +89,9 @@ function measureTables(doc, win) {
         const r = cell.getBoundingClientRect();
         if (r.width === 0 || win.getComputedStyle(cell).display === "none") continue;
         if (r.right > win.innerWidth + 1 || r.left < -1 || r.right > box.right + 1) {
-          problems.push(`clipped column: the cell ${name(cell)} spans ${Math.round(r.left)}-${Math.round(r.right)} px, `
-                        + `the table ${Math.round(box.left)}-${Math.round(box.right)} px, the screen ${win.innerWidth} px`);
+          problems.push(`clipped column: the cell ${name(cell)} spans `
+                        + `${Math.round(r.left)}-${Math.round(r.right)} px, the table `
+                        + `${Math.round(box.left)}-${Math.round(box.right)} px, the screen ${win.innerWidth} px`);
           continue;
         }
         const style = win.getComputedStyle(cell);
@@ -178,8 +179,8 @@ def check(site: Path, out: Path, chromium: str, *, tall: bool = False) -> list[d
             for page, width, name in cases:
                 if "#" in page:
                     continue  # a headless screenshot is taken before the scroll to the anchor settles
-                _chromium(chromium, f"--screenshot={out / f'{name}-{width}.png'}", f"--window-size={width},{TALL if tall else HEIGHT}",
-                          base + page, profile=Path(profile))
+                _chromium(chromium, f"--screenshot={out / f'{name}-{width}.png'}",
+                          f"--window-size={width},{TALL if tall else HEIGHT}", base + page, profile=Path(profile))
             probe = site / "_probe.html"
             probe.write_text(_PROBE_HEAD % len(cases) + "".join(
                 _PROBE_FRAME.format(key=f"{name}-{width}", width=width, height=HEIGHT, src=html.escape("/" + page))

@@ -83,8 +83,8 @@ def _script(*, import_first: bool, destroy: bool) -> str:
     parts.append('dist.init_process_group("gloo")\n')
     # Counted after a first collective: the group starts its worker threads with it.
     parts.append("dist.barrier()\n")
-    parts.append('print(f"rank {os.environ[\'RANK\']}: gloo threads of the script\'s group: {_settled_gloo_threads()}", '
-                 'flush=True)\n')
+    parts.append('print(f"rank {os.environ[\'RANK\']}: gloo threads of the script\'s group: "\n'
+                 '      f"{_settled_gloo_threads()}", flush=True)\n')
     if not import_first:
         parts.append(_IMPORT)
     parts.append(_WORK)
