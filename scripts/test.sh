@@ -3,7 +3,8 @@
 # Extra arguments go to pytest, e.g. ./scripts/test.sh -m "not distributed" or
 # ./scripts/test.sh tests/unit -x. SHARDKIT_SKIP_LINT=1 skips ruff and mypy.
 #
-# Progress: one line per test file with its share of the suite done ("[ 42%]"), the ten
+# Progress: one line per test file with its share of the suite's time done and the time left
+# ("[ 42%, 3m10s left]", from the files' measured durations: tests/_progress.py), the ten
 # slowest tests, the skipped tests with their reasons, pytest's closing "N passed in ..." line,
 # then the time of each stage.
 #
@@ -34,7 +35,7 @@ if [ "$wants_docs" = 1 ] && [ "${SHARDKIT_INSTALL_CHROMIUM:-1}" = 1 ] && ! comma
     fi
 fi
 status=0
-# Default verbosity (not -q): pytest names each file as it starts and shows the running percentage.
+# Default verbosity (not -q): pytest names each file as it starts and shows the progress.
 "$SHARDKIT_PYTHON" -m pytest --durations=10 -rs "$@" || status=$?
 total=$((SECONDS - start))
 printf 'test.sh: lint %dm%02ds, tests %dm%02ds, total %dm%02ds\n' \
