@@ -200,6 +200,24 @@ def test_api_overview_names_every_public_name() -> None:
                          f"needs it, as [`name`]({{package}}.md#{{package}}.name)")
 
 
+def test_no_example_writes_a_key_the_training_state_overwrites() -> None:
+    """``{"model": ..., **st.get_state_dict(model, optim)}``: the unpacked dict's "model" replaces the first."""
+    import ast
+
+    found = []
+    for path in FILES:
+        for block in _python_blocks(path):
+            for node in ast.walk(ast.parse(block.code)):
+                if not isinstance(node, ast.Dict):
+                    continue
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                unpacks = [v for k, v in zip(node.keys, node.values) if k is None and isinstance(v, ast.Call)
+                           and isinstance(v.func, ast.Attribute) and v.func.attr == "get_state_dict"]
+                if unpacks and keys & {"model", "optim"}:
+                    found.append(f"{block.name}: {sorted(keys & {'model', 'optim'})}")
+    assert not found, f"examples build a dict whose keys **st.get_state_dict(...) replaces: {found}"
+
+
 def test_api_reference_is_compact_and_public(build: Build) -> None:
     """Signatures are one line each (the page wraps them), and the API pages name public types only."""
     assert build.returncode == 0, build.log
