@@ -129,8 +129,9 @@ def _plan(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, _Watched
 def _after_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     if not _WATCHED or getattr(_PAUSED, "on", False) or torch.compiler.is_compiling():
         return
-    # Blocks allocated by shard_model(init=False) and not filled yet hold whatever memory held: not a drift.
-    watched = [(p, w) for p, w in _plan(optimizer) if not _unfilled.is_marked(p)]
+    # Still watched (not sharded since by another shard_model), and filled: blocks allocated by
+    # shard_model(init=False) and not loaded yet hold whatever memory held, which is no drift.
+    watched = [(p, w) for p, w in _plan(optimizer) if _lookup(p) is w and not _unfilled.is_marked(p)]
     if not watched or not flag(ENV, default=True, on="to check replicated parameters after each optimizer step",
                                off="to skip the check"):
         return
