@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # through the finally below: the loops never outlive this script
+
+    signal.signal(signal.SIGTERM, stop)
     loops = [subprocess.Popen([sys.executable, "-c", _LOOP.format(limit=args.limit)]) for _ in range(args.loops)]
     status = 0
     try:

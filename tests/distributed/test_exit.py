@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.distributed
 
+# A job takes 10-20 s on a quiet machine; at load average 35 on 2 cores, starting two
+# interpreters under torchrun alone took minutes (one run took 4 min in all).
+JOB_SECONDS = 600
+
 # Registered before shardkit is imported, so atexit runs it after shardkit's own exit hook,
 # as late as a Python handler can look. The count of the script's own group's threads waits
 # for it to settle: on a busy machine (load average 25 on 2 cores) a Gloo thread can run for a
@@ -93,6 +97,7 @@ def _script(*, import_first: bool, destroy: bool) -> str:
     return "".join(parts)
 
 
+@pytest.mark.timeout(JOB_SECONDS + 60)
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc/self/task (Linux)")
 @pytest.mark.parametrize(("import_first", "destroy"), [
     pytest.param(True, True, id="documented-pattern"),
@@ -105,7 +110,7 @@ def test_no_gloo_thread_left_at_exit(tmp_path: Path, import_first: bool, destroy
     env = {**os.environ, "CKPT": str(tmp_path / "ckpt"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                             str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=JOB_SECONDS,
                             check=False)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
