@@ -34,7 +34,10 @@ import torch
 import torch.distributed as dist
 
 from . import liveness as _liveness
+from . import standalone as _standalone
 from . import teardown  # binds torch's default-group arguments before any group exists; exit hook
+
+_standalone.install()  # init_process_group() without a launcher: a world of one, with a warning
 
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "broadcast_json", "all_gather_tensor", "CollectiveError",

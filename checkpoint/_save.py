@@ -356,7 +356,12 @@ def _describe_mismatch(signatures: list[list[list[Any]]]) -> str:
         if values and len(values) == len(differ) and not (missing or extra):
             return (f"the plain tensor{'s' if len(values) > 1 else ''} {values[:10]} differ{'' if len(values) > 1 else 's'} "
                     f"between rank 0 and rank {r}: a plain torch.Tensor is saved once, from one rank, so it must "
-                    f"be equal on every rank; make it equal (e.g. broadcast it) or save it as a ShardedTensor")
+                    f"be equal on every rank. A parameter a sharded model holds whole on every rank drifts apart "
+                    f"when its ranks update it differently: most often torch.nn.utils.clip_grad_norm_ on the "
+                    f"model (each rank clips by the norm of its own shards; use st.clip_grad_norm_(model, "
+                    f"max_norm)), or any other per-rank change of such a parameter or its gradient (make it on "
+                    f"every rank alike). Copying one rank's values over the others would hide that cause, not "
+                    f"fix it. A tensor meant to differ per rank is saved as a ShardedTensor")
         if missing or extra or differ or list(mine) != list(reference):
             details = [f"missing {missing[:10]}" if missing else "", f"extra {extra[:10]}" if extra else "",
                        f"different kind, size, dtype or layout for {differ[:10]}" if differ else "",

@@ -50,6 +50,7 @@ from sharding import (
 from sharding.layout import box_slices
 
 from .._reshard import redistribute
+from . import drift as _drift
 from . import experts as _experts
 from . import guard as _guard
 from . import hf_modules as _hf_modules
@@ -356,6 +357,12 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
     computes only its heads and a transformer layer's forward does two all-reduces. Buffers
     are never sharded.
 
+    The parameters left whole on every rank must stay equal: after each step of an optimizer
+    that holds some of them, the ranks compare their checksums, and a step that made them
+    differ (``torch.nn.utils.clip_grad_norm_`` instead of ``st.clip_grad_norm_``, or any other
+    per-rank update) raises ``RuntimeError`` on every rank, naming the parameters and the fix
+    (``SHARDKIT_CHECK_REPLICAS=0`` turns the check off).
+
     Args:
         model: the model; modified in place.
         sharding_spec: see above.
@@ -398,6 +405,7 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
                  invariant=seed is not None, initializers=initializers)
     _finish(model, entries, process_group)
     commit()
+    _drift.watch(model, process_group)  # replicated parameters checked after each optimizer step
     return model
 
 
