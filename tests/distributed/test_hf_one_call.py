@@ -59,6 +59,23 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int]] = {
     # heads' sinks, no gather.
     "gpt_oss_tensor": ("GptOssConfig", "GptOssForCausalLM", dict(DECODER, head_dim=16, **MOE), "tensor", 1),
     "gpt_oss_expert": ("GptOssConfig", "GptOssForCausalLM", dict(DECODER, head_dim=16, **MOE), "expert", None),
+    # Rotary embeddings in complex numbers (view_as_complex on each rank's heads), latent attention.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict({k: v for k, v in DECODER.items() if k != "num_key_value_heads"}, n_routed_experts=4,
+                         n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+                         num_experts_per_tok=2, moe_intermediate_size=32), "tensor", 1),
+    # Complex rotary, chunked attention, experts stacked expert by expert, its plan under another prefix.
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96,
+                    interleave_moe_layer_step=1, no_rope_layers=[1, 1], attention_chunk_size=64), "tensor", 1),
+    # Gated delta-net (linear attention) layers beside full attention: exact, the linear-attention layer's
+    # convolution and state gathered (QKV_GATHERS per such layer).
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(DECODER, head_dim=16, num_experts=4, linear_num_value_heads=4, linear_num_key_heads=2,
+                        linear_key_head_dim=16, linear_value_head_dim=16,
+                        layer_types=["linear_attention", "full_attention"], shared_expert_intermediate_size=32,
+                        num_experts_per_tok=2, moe_intermediate_size=32), "tensor", None),
 }
 
 

@@ -25,6 +25,7 @@ written, except the sizes of a split activation, which are marked as this rank's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -415,10 +416,18 @@ def _decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], entry: OpR
     if rule is not None:
         metas = [_meta_leaf(x) for x in leaves]
         margs, mkwargs = with_leaves(args, kwargs, metas)
+        sizes = tuple((i, _whole_size) for i, x in enumerate(leaves) if type(x) is SplitSize)
         try:
-            return rule(Call(func, margs, mkwargs, metas, torch.is_grad_enabled()))
+            if sizes and type(lead) is not Split and type(lead) is not Partial:
+                raise Fallback  # a split's size beside another placement's local shape: no rule reads both
+            decision = rule(Call(func, margs, mkwargs, metas, torch.is_grad_enabled()))
         except Fallback:
             why = f"{_describe(func)} on a {type(lead).__name__} activation: its rule does not apply to this call"
+        else:
+            if sizes and type(lead) is Partial:
+                # A pending sum has the whole shape: a size read off a split dimension stands for its whole size.
+                decision = dataclasses.replace(decision, moves=decision.moves + sizes)
+            return decision
     return _fallback(func, args, kwargs, leaves, why)
 
 
