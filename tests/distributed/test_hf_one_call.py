@@ -14,7 +14,8 @@ embedding dimension by an edited spec), Phi-3 and GLM (fused ``qkv_proj`` / ``ga
 split packed), GPT-2 (``Conv1D``, with shardkit's own registration) and GPT-BigCode with and
 without multi-query attention (attention kept whole, or split by heads), GraniteMoE (attention
 the plan leaves whole, split by heads), GPT-OSS with each expert layout (experts with biases,
-attention with sinks), and Llama 4's experts module alone, split by features and by experts.
+attention with sinks), Llama 4's experts module alone, split by features and by experts; DeepSeek-V2 and Llama 4 whole
+(rotary embeddings in complex numbers), and Qwen3-Next (gated delta-net linear attention).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int]] = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                dict(DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96,
                     interleave_moe_layer_step=1, no_rope_layers=[1, 1], attention_chunk_size=64), "tensor", 1),
-    # Gated delta-net (linear attention) layers beside full attention: exact, the linear-attention layer's
-    # convolution and state gathered (QKV_GATHERS per such layer).
+    # Gated delta-net (linear attention) layers beside full attention (transformers' plan gathers their
+    # projections' outputs): exact; all-gathers not counted.
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(DECODER, head_dim=16, num_experts=4, linear_num_value_heads=4, linear_num_key_heads=2,
                         linear_key_head_dim=16, linear_value_head_dim=16,
