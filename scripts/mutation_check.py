@@ -45,6 +45,8 @@ VERSIONS = "tests/unit/test_format_versions.py"
 HF_CACHE = "tests/unit/test_hf_cache.py"
 FULLY_SHARD = "tests/distributed/test_fully_shard.py"
 MOE = "tests/distributed/test_moe.py"
+RULES = "tests/unit/test_split_rules.py"
+ENGINE = "sharded_tensor/_model/engine/"
 
 
 @dataclass(frozen=True)
@@ -244,9 +246,32 @@ MUTATIONS = [
     Mutation("experts: the all-to-all combine adds the other ranks' rows", "sharded_tensor/_model/experts.py",
              "            mine[hits[peer][own]] += recvs[peer]\n", "            pass\n",
              (MOE, "-k", "sharded_equals and 2ranks")),
-    # -- the compute engine's rules: the vocabulary-parallel loss, the strided split, the rules' adjoints.
-    # Their mutations go here once the engine's restructuring (sharded_tensor/_model: rule_table,
-    # split_rules, strided, dfunction, functional, ...) has landed, each naming the test that kills it.
+    # -- the compute engine: the vocabulary-parallel loss, the strided split, the moves' adjoints ----------
+    Mutation("engine loss: a target is inside a rank's slice below its end only", ENGINE + "loss.py",
+             "        inside = (target >= start) & (target < start + length)\n",
+             "        inside = (target >= start) & (target <= start + length)\n", (RULES, "-k", "cross_entropy_at")),
+    Mutation("engine loss: the loss in the logits' dtype (float64 kept)", "sharded_tensor/_model/engine/loss.py",
+             "        return loss.to(logits.dtype)\n", "        return loss.float()\n",
+             (RULES, "-k", "cross_entropy_at")),
+    Mutation("engine loss: the target logit's gradient", "sharded_tensor/_model/engine/loss.py",
+             "        probs.scatter_add_(1, local.unsqueeze(1), -inside.to(probs.dtype).unsqueeze(1))\n", "",
+             (RULES, "-k", "cross_entropy_at")),
+    Mutation("engine: a whole operand's gradient summed over the ranks (copy_to_ranks)",
+             "sharded_tensor/_model/engine/placements.py",
+             "            return _all_reduce(grad, ctx.group), None\n", "            return grad, None\n",
+             (RULES, "-k", "rule_on_parts and linear")),
+    Mutation("engine: a replica's gradient is one share of the whole (first holder only)",
+             "sharded_tensor/_model/engine/placements.py",
+             "    if intervals.index(intervals[rank]) != rank and length:\n", "    if False:\n",
+             (RULES, "-k", "replica")),
+    Mutation("engine strided: each block's rows gathered within the block", ENGINE + "placements.py",
+             "        return gather(self.unmerged(x), self.dim + 1, self.intervals, self.group).flatten(self.dim, "
+             "self.dim + 1)\n",
+             "        return gather(self.unmerged(x), self.dim, self.intervals, self.group).flatten(self.dim, "
+             "self.dim + 1)\n", (RULES, "-k", "Strided or merged_heads")),
+    Mutation("engine dropout: this rank's slice of the whole mask", "sharded_tensor/_model/engine/split.py",
+             "    return x * noise.narrow(split.dim, start, length)\n",
+             "    return x * noise.narrow(split.dim, 0, length)\n", (RULES, "-k", "dropout_draws")),
 ]
 
 
