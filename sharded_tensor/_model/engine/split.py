@@ -464,8 +464,10 @@ def _concatenated(call: Call) -> Decision:
     """cat / stack along another dimension than the split; a whole operand is cut to this rank's slice."""
     bound = call.bound()
     dim = bound.get("dim", 0)
-    # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
-    tensors = [t for t in bound["tensors"] if not (call.name != "stack" and t.dim() == 1 and t.numel() == 0)]
+    # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split. (Whole ones only:
+    # a placed one's slice is empty on some ranks, not on every one, which must decide alike.)
+    tensors = [t for t in bound["tensors"] if not (call.name != "stack" and t.dim() == 1 and t.numel() == 0
+                                                   and placement_of(t) is None)]
     placements = {placement_of(t) for t in tensors} - {None}
     if len(placements) != 1 or not isinstance(dim, int):
         raise Fallback
@@ -532,8 +534,10 @@ def _setitem(call: Call) -> Decision:
     split = _split_of(buffer)
     if split is None or not isinstance(buffer, Tensor):
         raise Fallback
+    whole = list(buffer.shape)
+    whole[split.dim] = split.size
     try:
-        view = buffer[index]  # (a meta tensor: the view's shape, read as torch reads the key)
+        view = _meta(buffer, whole)[index]  # the whole view's shape, read as torch reads the key
     except (IndexError, RuntimeError, TypeError, ValueError):
         raise Fallback from None
     found = _split_item(buffer, index, split)
@@ -913,7 +917,8 @@ def _heads_read(qs: int, qn: int, ratio: int, gqa: bool) -> tuple[int, int]:
     if qn % (hi - lo):
         raise Fallback
     group = qn // (hi - lo)
-    if any((qs + i) // ratio - lo != i // group for i in range(qn)) or (group > 1 and not gqa):
+    # (Without ``enable_gqa`` one key/value head still meets several query heads: it broadcasts.)
+    if any((qs + i) // ratio - lo != i // group for i in range(qn)) or (group > 1 and not gqa and hi - lo != 1):
         raise Fallback  # the local heads would not meet as the whole ones do
     return lo, hi - lo
 
@@ -923,9 +928,9 @@ def _sdpa_whole_key_value(call: Call, q: Tensor, k: Tensor, v: Tensor, sq: Split
     attention): each rank narrows them to the key/value heads its query heads read (the whole tensors' gradients
     summed over the ranks). Every rank checks every rank's heads, so that all decide alike."""
     heads, kv_heads = sq.size, k.shape[sq.dim]
-    if kv_heads == 0 or heads % kv_heads or v.shape[sq.dim] != kv_heads or (heads != kv_heads and
-                                                                           not bound["enable_gqa"]):
-        raise Fallback
+    if kv_heads == 0 or heads % kv_heads or v.shape[sq.dim] != kv_heads or (
+            heads != kv_heads and kv_heads != 1 and not bound["enable_gqa"]):
+        raise Fallback  # (one key/value head broadcasts over every query head)
     ratio = heads // kv_heads
     read = [_heads_read(qs, qn, ratio, bool(bound["enable_gqa"])) for qs, qn in sq.intervals]
     start, length = read[_state.rank(sq.group)]
