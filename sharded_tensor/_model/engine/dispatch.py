@@ -13,14 +13,18 @@ A call that does (:func:`dispatch`):
    out). On a miss, the op's rule for the leading placement (the first one that is not a
    plain ``Split``, else ``Split``) decides from metadata alone (``rules.Call``); without a rule,
    or when the rule cannot prove the call, the decision is the fallback: every placed argument
-   made whole (gathered or summed), the op run on whole tensors. A fallback that would write a
-   whole copy in place of a placed tensor is refused with what to write instead.
-3. runs the decision: moves, the op (or the rule's own computation), the outputs placed.
+   made whole (gathered or summed), the op run on whole tensors. An op that writes a placed
+   tensor in place runs on the whole tensor, which then takes its part of the result
+   (:func:`_in_place_on_whole`); one that writes it as its ``out=`` tensor is refused with
+   what to write instead.
+3. runs the decision: moves, the op (or the rule's own computation), the outputs placed; an
+   empty result (a rank holding an empty slice) tied to the moved arguments (:func:`_tied`).
 
-Every rank sees the same shapes and placements, so it takes the same decision, and the
-collectives of the moves match across ranks. Metadata reads (``x.shape``, ``x.dtype``) run as
+Every rank sees the same whole shapes and placements, and rules decide from those (never from
+one rank's local sizes), so every rank takes the same path, and the collectives of the moves,
+forward and backward, match across ranks. Metadata reads (``x.shape``, ``x.dtype``) run as
 written, except the sizes of a split activation, which are marked as this rank's
-(``split.LocalSize``), and those of a strided one, which read whole (``strided.global_sizes``).
+(``placements.SplitSize``), and those of a strided one, which read whole (``strided.global_sizes``).
 """
 
 from __future__ import annotations

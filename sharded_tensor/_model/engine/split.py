@@ -15,7 +15,9 @@ slice by slice and says where the split lands:
   other dimensions, and a sum or mean across the split (local sums, one all-reduce);
 * batched matmuls, ``linear`` and normalizations with the split on a batch dimension,
   ``scaled_dot_product_attention`` over split heads (grouped key/value heads included);
-* writes of split values into a buffer split alike (a key/value cache).
+* writes into a split buffer (a key/value cache): values split alike, whole ones cut to the
+  slice or broadcast, and writes at positions along the split, each rank its own positions;
+  an in-place op brings an operand split otherwise to the written tensor's split.
 
 A ``Packed`` activation (a fused q/k/v projection's output) is taken apart by ``split``,
 ``chunk`` or indexing at its slices' boundaries, into ordinary splits; any other op gathers
