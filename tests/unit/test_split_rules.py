@@ -131,6 +131,13 @@ class Placed:
             return blocks.narrow(p.dim + 1, start, length).flatten(p.dim, p.dim + 1)
         return value  # a pending sum's addend gets the whole gradient
 
+    def holders(self, rank: int) -> list[int]:
+        """The ranks holding the same slice as ``rank`` (replicas of it, or ``rank`` alone)."""
+        p = self.placement
+        if type(p) not in (Split, Strided) or not p.intervals[rank][1]:
+            return [rank]
+        return [r for r, interval in enumerate(p.intervals) if interval == p.intervals[rank]]
+
 
 @dataclass
 class Case:
@@ -249,8 +256,16 @@ def check(case: Case) -> None:
             continue
         for i, (a, got, want) in enumerate(zip(case.args, grads, want_grads)):
             if isinstance(a, Placed):
+                holders = a.holders(rank)
+                if len(holders) > 1:  # replicas of this rank's slice: each holds a share of its gradient
+                    if rank != holders[0]:
+                        continue
+                    shares = [results[r][1][i] for r in holders]
+                    got = None if all(g is None for g in shares) else sum(
+                        g if g is not None else torch.zeros_like(a.part(a.whole, rank)) for g in shares)
                 _close(got, None if want is None else a.part(want, rank), case.tol,
-                       f"rank {rank}: placed input {i}'s gradient")
+                       f"rank {rank}: placed input {i}'s gradient" + (f" (summed over ranks {holders})"
+                                                                      if len(holders) > 1 else ""))
             elif isinstance(a, torch.Tensor):
                 _close(got, want, case.whole_tol, f"rank {rank}: whole input {i}'s gradient")
 
@@ -261,9 +276,21 @@ def _generator(draw: Draw) -> torch.Generator:
     return torch.Generator().manual_seed(draw(hs.integers(0, 2**16), label="seed"))
 
 
-def _intervals(draw: Draw, world: int | None = None, unit: int = 1, most: int = 3, least: int = 0) -> Intervals:
-    """2 to 4 ranks' slices, uneven and often empty, ``unit`` times lengths of ``least`` (0) to ``most``."""
+def _intervals(draw: Draw, world: int | None = None, unit: int = 1, most: int = 3, least: int = 0,
+               replicas: bool = False) -> Intervals:
+    """2 to 4 ranks' slices, uneven and often empty, ``unit`` times lengths of ``least`` (0) to ``most``; with
+    ``replicas``, in some draws several ranks hold the same slice (a key/value head shared by the ranks of its
+    query heads)."""
     world = world or draw(hs.integers(2, 4), label="world")
+    if replicas and draw(hs.sampled_from([True, False]), label="replicas"):
+        parts = draw(hs.integers(1, world - 1), label="distinct slices")
+        lengths = draw(hs.lists(hs.integers(max(least, 1), most), min_size=parts, max_size=parts), label="lengths")
+        starts = [sum(lengths[:j]) for j in range(parts)]
+        # Every slice held by one rank at least, the other ranks holding a slice again (or, with least 0, none).
+        more = draw(hs.lists(hs.integers(-1 if least == 0 else 0, parts - 1), min_size=world - parts,
+                             max_size=world - parts), label="slices held again")
+        holds = draw(hs.permutations([*range(parts), *more]), label="slice of each rank")
+        return tuple((starts[j] * unit, lengths[j] * unit) if j >= 0 else (0, 0) for j in holds)
     lengths = draw(hs.lists(hs.integers(least, most), min_size=world, max_size=world).filter(lambda n: sum(n) > 0),
                    label="lengths")
     starts = [sum(lengths[:r]) * unit for r in range(world)]
@@ -276,16 +303,17 @@ def _randn(gen: torch.Generator, shape: Any, dtype: torch.dtype = torch.float64)
 
 def _split(draw: Draw, ndim: int | tuple[int, int] = (1, 4), dims: Any = None, dtype: torch.dtype = torch.float64,
            shape: list[int] | None = None, intervals: Intervals | None = None, gen: torch.Generator | None = None,
-           values: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Placed:
-    """A whole tensor split along one of ``dims`` (all by default), its other sizes 1 to 3."""
+           values: Callable[[torch.Tensor], torch.Tensor] | None = None, replicas: bool = False) -> Placed:
+    """A whole tensor split along one of ``dims`` (all by default), its other sizes 1 to 3 (``replicas``: see
+    ``_intervals``)."""
     if shape is None:
         n = ndim if isinstance(ndim, int) else draw(hs.integers(*ndim), label="ndim")
         shape = [draw(hs.integers(1, 3)) for _ in range(n)]
     shape = list(shape)
     dim = draw(hs.sampled_from(list(range(len(shape))) if dims is None else list(dims)), label="split dim")
     dim %= len(shape)
-    intervals = intervals or _intervals(draw)
-    shape[dim] = sum(n for _, n in intervals)
+    intervals = intervals or _intervals(draw, replicas=replicas)
+    shape[dim] = max(st + n for st, n in intervals)
     gen = gen or _generator(draw)
     if dtype in (torch.int64, torch.bool):
         x = torch.randint(-3, 4, shape, generator=gen).to(dtype)
@@ -378,10 +406,10 @@ ELEMENTWISE_KINDS = (Split, Strided)
 def _placed(draw: Draw, kind: type, **kwargs: Any) -> Placed:
     """A split input (``_split``), or a strided one: ``[batch * heads, seq, dim]``, its heads split."""
     if kind is Split:
-        return _split(draw, **kwargs)
+        return _split(draw, replicas=True, **kwargs)
     gen = kwargs.get("gen") or _generator(draw)
     dtype = kwargs.get("dtype", torch.float64)
-    x, _, _ = _strided(draw, gen)
+    x, _, _ = _strided(draw, gen, replicas=True)
     whole = x.whole.to(dtype) if dtype.is_floating_point else (x.whole * 3).round().to(dtype)
     if kwargs.get("values") is not None:
         whole = kwargs["values"](whole)
@@ -445,10 +473,8 @@ def _binary(draw: Draw, spelling: Any, name: str, kind: type = Split) -> Case:
     forms: tuple[str, ...] = ("whole", "broadcast", "placed", "number", "split-otherwise")
     if base in _TENSOR_ONLY:
         forms = tuple(f for f in forms if f != "number")
-    if name.endswith("_"):
-        # In place: the result keeps x's shape, so the operand must not broadcast x further; and an operand split
-        # another way is refused (``test_in_place_with_an_operand_split_another_way_is_refused``).
-        forms = tuple(f for f in forms if f not in ("broadcast", "split-otherwise"))
+    # (In place, an operand split another way is brought to x's placement: ``test_in_place_with_an_operand_split_
+    # another_way``.)
     other = _other(draw, x, gen, forms=forms)
     if base in _POSITIVE:
         other = Placed(other.whole.abs() + 0.5, other.placement) if isinstance(other, Placed) else other.abs() + 0.5
@@ -468,7 +494,7 @@ def _binary(draw: Draw, spelling: Any, name: str, kind: type = Split) -> Case:
 def _binary_integer(draw: Draw, spelling: Any, name: str, kind: type = Split) -> Case:
     gen = _generator(draw)
     x = _placed(draw, kind, dtype=torch.int64, gen=gen, values=lambda v: v.abs())
-    forms = ("whole", "placed") + (() if name.endswith("_") else ("broadcast", "split-otherwise"))
+    forms = ("whole", "placed", "broadcast", "split-otherwise")
     if not name.startswith(("gcd", "lcm")):
         forms = (*forms, "number")
     return Case(lambda t, o: spelling(t, o), (x, _other(draw, x, gen, forms=forms)))
@@ -478,7 +504,7 @@ def _binary_integer(draw: Draw, spelling: Any, name: str, kind: type = Split) ->
 def _ternary(draw: Draw, spelling: Any, name: str, kind: type = Split) -> Case:
     gen = _generator(draw)
     x = _placed(draw, kind, gen=gen)
-    forms = ("whole", "placed") + (() if name.endswith("_") else ("broadcast", "split-otherwise"))
+    forms = ("whole", "placed", "broadcast", "split-otherwise")
     a = _other(draw, x, gen, forms=forms)
     if name.startswith("lerp"):
         weight = draw(hs.sampled_from([0.25, "tensor"]), label="weight")
@@ -597,23 +623,21 @@ def _regrouped(draw: Draw, shape: list[int]) -> list[int]:
 
 @case("view", "reshape", count=30)
 def _reshape(draw: Draw, spelling: Any, name: str) -> Case:
-    x = _split(draw, ndim=(1, 4))
+    x = _split(draw, ndim=(1, 4), replicas=True)
     whole = list(x.whole.shape)
-    how = draw(hs.sampled_from(["sizes", "minus one", "from its shape", "packed args"]), label="sizes")
+    how = draw(hs.sampled_from(["sizes", "minus one", "from its shape", "a 1 put in, from its shape", "packed args"]),
+               label="sizes")
     if how == "from its shape":
-        # Sizes read off the tensor itself (``t.reshape(*t.shape[:-1], -1, 2)``): on a rank, its own sizes.
+        # Sizes read off the tensor itself (``t.reshape(*t.shape[:-1], -1, 2)``): on a rank, the split dimension's
+        # its own length, which stands for the whole size.
         i = draw(hs.integers(0, len(whole) - 1), label="factored dim")
-        # A factor of 1 (a size-1 dimension put in next to the split) is read wrongly:
-        # ``test_a_reshape_read_off_the_slice_s_own_sizes_next_to_a_new_size_1_dimension``.
-        factors = [f for f in (2, 3) if all(n % f == 0 for n in [whole[i], *[n for _, n in x.placement.intervals]])]
-        if not factors:
-            return Case(lambda t: spelling(t, tuple(whole)), (x,))
-        f = draw(hs.sampled_from(factors))
-        if any(n == 0 for _, n in x.placement.intervals):
-            # Sizes read off an empty slice make its rank fall back alone:
-            # ``test_a_reshape_with_sizes_read_off_an_empty_slice``.
-            return Case(lambda t: spelling(t, (*whole[:i], -1, f, *whole[i + 1:])), (x,))
+        f = draw(hs.sampled_from([f for f in (1, 2, 3) if whole[i] % f == 0]), label="factor")
         return Case(lambda t: spelling(t, (*t.shape[:i], -1, f, *t.shape[i + 1:])), (x,))
+    if how == "a 1 put in, from its shape":  # ``t.view(-1, 1, t.shape[1])``: a size-1 dimension beside the split
+        j = draw(hs.integers(0, len(whole)), label="at")
+        first = draw(hs.booleans(), label="-1 first") and j > 0
+        return Case(lambda t: spelling(t, (*((-1,) if first else ()), *t.shape[1 if first else 0:j], 1, *t.shape[j:])),
+                    (x,))
     target = _regrouped(draw, whole)
     if how == "minus one" and target:
         target[draw(hs.integers(0, len(target) - 1))] = -1
@@ -724,7 +748,8 @@ def _view_as_real(draw: Draw, spelling: Any, name: str) -> Case:
 def _expand(draw: Draw, spelling: Any, name: str) -> Case:
     x = _split(draw, ndim=(1, 3))
     whole = list(x.whole.shape)
-    ones = [d for d in range(len(whole)) if whole[d] == 1 and d != x.placement.dim]
+    # A split of whole size 1 may grow too (every rank then falls back alike).
+    ones = [d for d in range(len(whole)) if whole[d] == 1]
     grown = [n if d not in ones or not draw(hs.booleans()) else 3 for d, n in enumerate(whole)]
     new = [draw(hs.integers(1, 2)) for _ in range(draw(hs.integers(0, 2), label="new dims"))]
     sizes = new + grown
@@ -734,11 +759,10 @@ def _expand(draw: Draw, spelling: Any, name: str) -> Case:
     how = draw(hs.sampled_from(["whole", "-1", "from its shape"]), label="split size")
     if how == "-1":
         sizes[at] = -1
-    if how == "from its shape":
+    if how == "from its shape" and grown[x.placement.dim] == whole[x.placement.dim]:
         return Case(lambda t: spelling(t, (*new, *[t.shape[d] if d == x.placement.dim else n
                                                    for d, n in enumerate(grown)])), (x,))
-    # (``x.expand(n)``, one size unpacked, fails: ``test_expand_to_one_size_given_as_a_number``)
-    if name == "expand" and len(sizes) > 1 and draw(hs.booleans(), label="unpacked"):
+    if name == "expand" and draw(hs.booleans(), label="unpacked"):  # x.expand(2, 3), x.expand(2): sizes unpacked
         return Case(lambda t: spelling(t, *sizes), (x,))
     return Case(lambda t: spelling(t, tuple(sizes)), (x,))
 
@@ -811,7 +835,7 @@ def _roll(draw: Draw, spelling: Any, name: str) -> Case:
 @case("cat", "concat", "concatenate", "stack", count=16)
 def _cat(draw: Draw, spelling: Any, name: str) -> Case:
     gen = _generator(draw)
-    x = _split(draw, gen=gen)
+    x = _split(draw, gen=gen, replicas=True)
     n = x.whole.dim()
     d = draw(hs.integers(-n - (1 if name == "stack" else 0), n - (0 if name == "stack" else 1)), label="dim")
     count = draw(hs.integers(1, 3), label="tensors")
@@ -895,12 +919,9 @@ def _matmul(draw: Draw, spelling: Any, name: str) -> Case:
     """``a @ b`` with the split on a batch dimension, a row of ``a``, a column of ``b`` or the contraction (which
     falls back), ``a``, ``b`` or both placed; batches broadcast, and vectors."""
     gen = _generator(draw)
-    iv = _intervals(draw)
-    total = sum(n for _, n in iv)
+    iv = _intervals(draw, replicas=True)
+    total = max(st + n for st, n in iv)
     role = draw(hs.sampled_from(["batch", "row", "column", "contraction"]), label="split on")
-    if name == "bmm" and role == "batch" and total == 1:  # ``test_bmm_with_a_batch_of_one_split``
-        iv = ((0, 1), (1, 1))
-        total = 2
     m, k, p = (total if role == r else draw(hs.integers(1, 3)) for r in ("row", "contraction", "column"))
     batch = [] if name == "matmul" and not draw(hs.booleans(), label="batched") else [draw(hs.integers(1, 2))]
     if role == "batch":
@@ -929,7 +950,7 @@ def _matmul(draw: Draw, spelling: Any, name: str) -> Case:
 @case("linear", count=12)
 def _linear(draw: Draw, spelling: Any, name: str) -> Case:
     gen = _generator(draw)
-    x = _split(draw, ndim=(1, 3), gen=gen)
+    x = _split(draw, ndim=(1, 3), gen=gen, replicas=True)
     out = draw(hs.integers(1, 3), label="out features")
     w = _randn(gen, (out, x.whole.shape[-1]))
     if draw(hs.booleans(), label="bias"):
@@ -955,14 +976,37 @@ def _norm(draw: Draw, spelling: Any, name: str) -> Case:
     return Case(lambda t, w: spelling(t, shape, w, 1e-6), (x, w), tol=tol, whole_tol=SUMMED + tol)
 
 
+def _heads(draw: Draw) -> tuple[Intervals, Intervals, int]:
+    """Query and key/value heads over the ranks: ``(query intervals, key/value intervals, query heads per key/value
+    head)``. Key/value heads split as the query heads are (in proportion, replicas of them too), or, as
+    ``tensor_parallel_spec`` gives fewer key/value heads than ranks, each key/value head held by the ranks of its
+    query heads (replicas), which share them out (a rank may hold a key/value head and none of its query heads)."""
+    groups = draw(hs.integers(1, 3), label="query heads per key/value head")
+    world = draw(hs.integers(2, 4), label="world")
+    if draw(hs.booleans(), label="key/value heads held by their query heads' ranks"):
+        kv_heads = draw(hs.integers(1, world - 1), label="key/value heads")
+        holds = draw(hs.permutations([*range(kv_heads), *draw(hs.lists(hs.integers(0, kv_heads - 1),
+                                                                      min_size=world - kv_heads,
+                                                                      max_size=world - kv_heads))]), label="holders")
+        q: list[tuple[int, int]] = [(0, 0)] * world
+        for j in range(kv_heads):
+            ranks = [r for r in range(world) if holds[r] == j]
+            cuts = sorted(draw(hs.lists(hs.integers(0, groups), min_size=len(ranks) - 1, max_size=len(ranks) - 1)))
+            edges = [0, *cuts, groups]
+            for r, a, b in zip(ranks, edges, edges[1:]):
+                q[r] = (j * groups + a, b - a) if b > a else (0, 0)
+        return tuple(q), tuple((j, 1) for j in holds), groups
+    kv = _intervals(draw, world=world, replicas=True)
+    return tuple((st * groups, n * groups) for st, n in kv), kv, groups
+
+
 @case("scaled_dot_product_attention", count=20)
 def _sdpa(draw: Draw, spelling: Any, name: str) -> Case:
     gen = _generator(draw)
-    kv = _intervals(draw)
-    groups = draw(hs.integers(1, 3), label="query heads per key/value head")
+    qs, kv, groups = _heads(draw)
     b, s, d = draw(hs.integers(1, 2)), draw(hs.integers(1, 3)), draw(hs.integers(1, 3))
-    heads = sum(n for _, n in kv)
-    q = Placed(_randn(gen, (b, heads * groups, s, d)), Split(1, tuple((st * groups, n * groups) for st, n in kv)))
+    heads = max(st + n for st, n in kv)
+    q = Placed(_randn(gen, (b, heads * groups, s, d)), Split(1, qs))
     k, v = (Placed(_randn(gen, (b, heads, s, d)), Split(1, kv)) for _ in range(2))
     mask = draw(hs.sampled_from(["none", "causal", "bool", "float", "bool per head"]), label="mask")
     kwargs: dict[str, Any] = {"enable_gqa": groups > 1}
@@ -976,9 +1020,8 @@ def _sdpa(draw: Draw, spelling: Any, name: str) -> Case:
         m = _randn(gen, shape)
         m = (m > -0.5) | torch.eye(s, dtype=torch.bool) if mask != "float" else m  # no row fully masked
         args.append(m)
-        if mask == "float" and all(n for _, n in kv) and draw(hs.booleans(), label="learned bias"):
-            # A float mask that needs a gradient (a learned position bias); with a rank holding no heads it hangs:
-            # ``test_attention_with_a_learned_bias_and_a_rank_holding_no_heads``.
+        if mask == "float" and draw(hs.booleans(), label="learned bias"):
+            # A float mask that needs a gradient (a learned position bias), ranks holding no heads included.
             return Case(lambda q, k, v, m: spelling(q, k, v, attn_mask=m, **kwargs), tuple(args), tol=SUMMED,
                         whole_tol=SUMMED)
         return Case(lambda q, k, v, m: spelling(q, k, v, attn_mask=m.detach(), **kwargs), tuple(args), tol=SUMMED)
@@ -1101,11 +1144,11 @@ def _copy(draw: Draw, spelling: Any, name: str) -> Case:
 @case("setitem", count=20)
 def _setitem(draw: Draw, spelling: Any, name: str) -> Case:
     gen = _generator(draw)
-    x = _split(draw, ndim=(1, 3), gen=gen)
-    # Positions along the split dimension are refused (``test_a_write_at_positions_along_the_split_dimension``), and
-    # an integer or a new axis in the key cuts the value wrongly
-    # (``test_a_write_through_a_key_that_changes_the_number_of_dimensions``).
-    index = _index(draw, x.whole.dim(), list(x.whole.shape), keep=x.placement.dim, same_dims=True)
+    x = _split(draw, ndim=(1, 3), gen=gen, replicas=True)
+    # The key leaves the split dimension whole, or picks positions along it (each rank writes those it holds); its
+    # integers and new axes make the view's dimensions other than the buffer's.
+    along = draw(hs.booleans(), label="positions along the split")
+    index = _index(draw, x.whole.dim(), list(x.whole.shape), keep=None if along else x.placement.dim)
     probe = x.whole[index]
     form = draw(hs.sampled_from(["number", "whole", "broadcast", "placed"]), label="value")
 
@@ -1119,14 +1162,9 @@ def _setitem(draw: Draw, spelling: Any, name: str) -> Case:
     if form == "number":
         return Case(op, (x, 7.5))
     shape = list(probe.shape)
-    if x.placement.size == 1:  # a whole value of size 1 along the split reads as a broadcast one: as below
-        return Case(lambda t, v: op(t, v.detach()), (x, _randn(gen, shape)))
-    if form == "broadcast":
+    if form == "broadcast":  # needing a gradient: each rank writes it whole into its part, a share of its gradient
         shape = [1 if draw(hs.booleans()) else n for n in shape][draw(hs.integers(0, len(shape))):]
-        # A value broadcast along the split that needs a gradient gets only this rank's share of it:
-        # ``test_a_whole_value_written_across_the_split_gets_its_whole_gradient``.
-        return Case(lambda t, v: op(t, v.detach()), (x, _randn(gen, shape)))
-    return Case(op, (x, _randn(gen, shape)), whole_tol=SUMMED)
+    return Case(op, (x, _randn(gen, shape)), tol=SUMMED, whole_tol=SUMMED)
 
 
 # -- Partial: a pending sum -------------------------------------------------------------------------------
@@ -1155,8 +1193,8 @@ def _pending_scale(draw: Draw, spelling: Any, name: str) -> Case:
     gen = _generator(draw)
     x = _partial(draw)
     form = draw(hs.sampled_from(["whole", "whole no grad", "number", "pending", "divided by it"]), label="operand")
-    if name.endswith("_") and form in ("whole", "pending", "divided by it"):
-        form = "whole no grad"  # refused: ``test_in_place_scaling_of_a_pending_sum``
+    if name.endswith("_") and form == "divided by it":
+        form = "whole"  # (a whole tensor divided in place by a pending sum: a leaf written in place, on either side)
     if form == "number":
         return Case(lambda p: spelling(p, -2.5), (x,), tol=SUMMED)
     if form == "pending":
@@ -1222,13 +1260,13 @@ def _pending_dropout(draw: Draw, spelling: Any, name: str) -> Case:
 
 # -- Strided: heads merged with the batch -----------------------------------------------------------------
 
-def _strided(draw: Draw, gen: torch.Generator, intervals: Intervals | None = None, trailing: int | None = None
-             ) -> tuple[Placed, int, int]:
+def _strided(draw: Draw, gen: torch.Generator, intervals: Intervals | None = None, trailing: int | None = None,
+             replicas: bool = False) -> tuple[Placed, int, int]:
     """``[batch * heads, seq, dim]`` with the heads split: ``batch`` blocks, each rank its heads of each."""
     batch, seq = draw(hs.integers(1, 3), label="batch"), draw(hs.integers(1, 3), label="seq")
     dim = trailing or draw(hs.integers(1, 3), label="head dim")
-    intervals = intervals or _intervals(draw)
-    heads = sum(n for _, n in intervals)
+    intervals = intervals or _intervals(draw, replicas=replicas)
+    heads = max(st + n for st, n in intervals)
     x = _randn(gen, (batch * heads, seq, dim))
     return Placed(x, Strided(0, intervals, batch)), batch, heads
 
@@ -1258,13 +1296,11 @@ def _strided_transpose(draw: Draw, spelling: Any, name: str) -> Case:
 @case("bmm", "matmul", "baddbmm", kind=Strided, count=12)
 def _strided_batched(draw: Draw, spelling: Any, name: str) -> Case:
     gen = _generator(draw)
-    iv = _intervals(draw)
-    if sum(n for _, n in iv) == 1:  # 1 head: its size 1 reads as a broadcast (``test_bmm_with_a_batch_of_one_split``)
-        iv = ((0, 1), (1, 1))
+    iv = _intervals(draw, replicas=True)
     q, batch, heads = _strided(draw, gen, iv)
     k, _, _ = _strided(draw, gen, iv, trailing=q.whole.shape[2])
-    if k.whole.shape[0] != q.whole.shape[0]:
-        k = Placed(_randn(gen, q.whole.shape), q.placement)
+    if k.whole.shape[0] != q.whole.shape[0] or (name == "baddbmm" and k.whole.shape != q.whole.shape):
+        k = Placed(_randn(gen, q.whole.shape), q.placement)  # (baddbmm's bias is as long as the queries)
     form = draw(hs.sampled_from(["both placed", "whole full", "whole broadcast"]), label="second")
     second: Any = k
     if form == "whole full":
@@ -1320,9 +1356,8 @@ def _ce_case(draw: Draw, boundaries: bool = False) -> Case:
     gen = _generator(draw)
     dtype = draw(hs.sampled_from([torch.float64, torch.float32]), label="dtype")
     rows = draw(hs.integers(1, 6), label="rows")
-    # Every rank holds part of the vocabulary: a rank holding none fails (``test_cross_entropy_with_a_rank_holding_no_
-    # vocabulary``).
-    logits = _split(draw, shape=[rows, 1], dims=[1], gen=gen, dtype=dtype, intervals=_intervals(draw, least=1))
+    # (A rank may hold no class: ``test_cross_entropy_with_a_rank_holding_no_vocabulary``.)
+    logits = _split(draw, shape=[rows, 1], dims=[1], gen=gen, dtype=dtype, intervals=_intervals(draw))
     vocab = logits.whole.shape[1]
     # Targets at every slice boundary (each rank's first and last class), anywhere, and ignored.
     edges = sorted({i for s, n in logits.placement.intervals if n for i in (s, s + n - 1)})
@@ -1427,12 +1462,16 @@ def test_cross_entropy_at_every_slice_boundary(intervals: Intervals, reduction: 
          gathers=0)
 
 
-@pytest.mark.xfail(strict=True, reason="loss.py gathers target index 0 from an empty slice: IndexError")
-def test_cross_entropy_with_a_rank_holding_no_vocabulary() -> None:
-    """Logits [1, 1] split on the vocabulary as [(0, 0), (0, 1)]: rank 0 holds no class; F.cross_entropy raises
-    'index 0 is out of bounds for dimension 1 with size 0' on it (``shifted.gather(1, local)``)."""
-    _run(lambda t, y: F.cross_entropy(t, y, reduction="none"), Placed(_g(1, 1), Split(1, ONE_EMPTY)),
-         torch.tensor([0]))
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("intervals", [ONE_EMPTY, ((0, 2), (2, 0), (2, 1))], ids=["1-class", "3-classes"])
+def test_cross_entropy_with_a_rank_holding_no_vocabulary(intervals: Intervals, reduction: str) -> None:
+    """Logits split on the vocabulary with a rank holding no class (it once raised 'index 0 is out of bounds for
+    dimension 1 with size 0' there): that rank holds no target, and its share of every sum is zero; the loss and
+    each rank's slice of the gradient as the unsharded op's, no gather."""
+    vocab = sum(n for _, n in intervals)
+    targets = torch.tensor([vocab - 1, 0, -100])
+    _run(lambda t, y: F.cross_entropy(t, y, reduction=reduction), Placed(_g(3, vocab), Split(1, intervals)), targets,
+         tol=1e-12, gathers=0)
 
 
 # -- families: an embedding split on the vocabulary -----------------------------------------------------------
@@ -1517,19 +1556,26 @@ def test_a_cache_sized_from_the_keys_when_one_rank_holds_every_head() -> None:
     _run(op, Placed(_g(1, 1, 1), Split(1, ONE_EMPTY)))
 
 
-@pytest.mark.xfail(strict=True, reason="setitem of a whole value broadcast along the split: no copy_to_ranks")
-def test_a_whole_value_written_across_the_split_gets_its_whole_gradient() -> None:
-    """``b = t * 1; b[...] = w``: t [2] split as [(0, 1), (1, 1)], w whole [1] needing a gradient. Every rank writes
-    w into its slice, but ``_setitem`` uses w as it is (no ``copy_to_ranks``), so each rank's w.grad is its slice's
-    share (0.99) where the whole gradient is the sum over the ranks (-2.69 in the case found): silently wrong.
-    The same when w is not a broadcast but the split dimension's whole size is 1 (t [1] split as [(0, 0), (0, 1)],
-    ``b[:] = w``, w [1]): its size 1 reads as a broadcast one, and rank 0's w.grad is 0."""
+@pytest.mark.parametrize("form", ["broadcast", "the split of size 1", "replicas"])
+def test_a_whole_value_written_across_the_split_gets_its_whole_gradient(form: str) -> None:
+    """``b[key] = w`` with w whole, needing a gradient, broadcast along the split dimension: every rank writes it
+    into its slice, so each holds its slice's share of w's gradient, which the ranks sum (it was once used as it
+    was: silently wrong). Also where the split's whole size is 1 (its size 1 is the split's, not a broadcast), and
+    with ranks holding replicas of a slice."""
+    key: Any = ...
+    if form == "broadcast":
+        t, w = Placed(_g(2), Split(0, EVEN)), _g(1, seed=1)
+    elif form == "the split of size 1":
+        t, w, key = Placed(_g(1), Split(0, ONE_EMPTY)), _g(1, seed=1), slice(None)
+    else:
+        t, w, key = Placed(_g(3, 2), Split(0, ((0, 2), (0, 2), (2, 1)))), _g(1, seed=1), (slice(None), slice(1, None))
+
     def op(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         b = t * 1.0
-        b[...] = w
+        b[key] = w
         return b
 
-    _run(op, Placed(_g(2), Split(0, EVEN)), _g(1, seed=1), whole_tol=SUMMED)
+    _run(op, t, w, whole_tol=SUMMED, gathers=0)
 
 
 def test_a_static_cache_written_by_setitem() -> None:
@@ -1545,26 +1591,29 @@ def test_a_static_cache_written_by_setitem() -> None:
     _run(op, Placed(_g(1, 2, 1, 1), Split(1, EVEN)))
 
 
-@pytest.mark.xfail(strict=True, reason="_setitem counts the value's dimensions from the buffer's, not the view's")
-@pytest.mark.parametrize("key", ["an integer position", "a new axis"])
+@pytest.mark.parametrize("key", ["an integer position", "a new axis", "a new axis and positions",
+                                 "an integer position, a broadcast value", "an integer position, a placed value"])
 def test_a_write_through_a_key_that_changes_the_number_of_dimensions(key: str) -> None:
-    """``b[:, :, 0] = v`` (a decoding step into a static cache) and ``b[None] = v``, b [1, 2, 3] split on dim 1
-    as [(0, 1), (1, 1)]. With the integer, ``_setitem`` finds the view's split dimension (1) but looks for it in
-    the value at ``1 - (b.dim() - v.dim()) = 0``, counting from the buffer's dimensions where the view has one
-    fewer: dimension 0 of v, of size 1, is taken for a broadcast one, and the whole v is written into the rank's
-    half: "The expanded size of the tensor (1) must match the existing size (2)". (With one more, ``None``, the
-    same count goes the other way; ``b[None] = v`` is refused as an in-place op on a split activation, and keys
-    such as ``b[None, :, -1:]`` cut the value at the wrong dimension.)"""
+    """``b[:, :, 0] = v`` (a decoding step into a static cache), ``b[None] = v``, ``b[None, :, :, -1:] = v``: b
+    [1, 2, 3] split on dim 1 as [(0, 1), (1, 1)]; the value's dimensions count from the view's, which has one less
+    or one more than the buffer (once counted from the buffer's: the value cut at the wrong dimension, or the
+    write refused). Values whole, broadcast (needing a gradient) and placed as the view."""
     def op(t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = t * 1.0
         if key == "a new axis":
             b[None] = v
+        elif key == "a new axis and positions":
+            b[None, :, :, -1:] = v
+        elif key == "an integer position, a placed value":
+            b[:, :, 0] = t[:, :, 1] * v
         else:
             b[:, :, 0] = v
         return b
 
-    value = _g(1, 2, seed=1) if key == "an integer position" else _g(1, 1, 2, 3, seed=1)
-    _run(op, Placed(_g(1, 2, 3), Split(1, EVEN)), value)
+    value = {"an integer position": _g(1, 2, seed=1), "a new axis": _g(1, 1, 2, 3, seed=1),
+             "a new axis and positions": _g(1, 1, 2, 1, seed=1), "an integer position, a broadcast value": _g(1, seed=1),
+             "an integer position, a placed value": _g(1, seed=1)}[key]
+    _run(op, Placed(_g(1, 2, 3), Split(1, EVEN)), value, whole_tol=SUMMED, gathers=0)
 
 
 def test_a_cache_filled_through_a_view_by_copy_() -> None:
@@ -1580,16 +1629,70 @@ def test_a_cache_filled_through_a_view_by_copy_() -> None:
     _run(op, Placed(_g(1, 2, 1, 1), Split(1, EVEN)))
 
 
-@pytest.mark.xfail(strict=True, reason="a write along the split dimension is refused, not computed")
-def test_a_write_at_positions_along_the_split_dimension() -> None:
-    """``buffer[0:1] = 7.5`` on a [2] tensor split as [(0, 1), (1, 1)]: RuntimeError "in-place op '__setitem__'
-    on an activation split ... cannot be run slice by slice" (the unsharded program runs)."""
-    def op(t: torch.Tensor) -> torch.Tensor:
+UNEVEN_5 = ((0, 2), (2, 0), (2, 3))
+
+
+@pytest.mark.parametrize("form", ["a slice, a number", "a slice with a step", "an integer", "an integer held nowhere",
+                                  "a list", "a tensor of positions", "a value split otherwise", "a pending sum",
+                                  "replicas"])
+def test_a_write_at_positions_along_the_split_dimension(form: str) -> None:
+    """``b[key] = value`` with the key picking positions along the split dimension (once refused): each rank writes
+    the positions it holds, with the value's part for them; a rank holding none of them writes an empty part. The
+    value (whole, or made whole) gets the sum of the ranks' shares of its gradient. No gather of the buffer (but
+    where the value is a pending sum, which leads: exact on the gathered buffer)."""
+    x = Placed(_g(5, 2), Split(0, UNEVEN_5))
+    gathers = 0
+    key: Any
+    if form == "a slice, a number":
+        key, args = slice(0, 1), (Placed(_g(2), Split(0, EVEN)), 7.5)
+    elif form == "a slice with a step":
+        key, args = slice(1, None, 2), (x, _g(2, 2, seed=1))
+    elif form == "an integer":
+        key, args = 3, (x, _g(2, seed=1))
+    elif form == "an integer held nowhere":  # rank 1 holds nothing, rank 0 not position -1
+        key, args = -1, (x, _g(1, seed=1))
+    elif form == "a list":
+        key, args = (slice(None), [4, 0, 2]), (Placed(_g(2, 5), Split(1, ((0, 2), (2, 3)))), _g(2, 3, seed=1))
+    elif form == "a tensor of positions":
+        key, args = torch.tensor([1, -1]), (x, _g(1, 2, seed=1))
+    elif form == "a value split otherwise":
+        key, args, gathers = slice(1, 4), (x, Placed(_g(3, 2, seed=1), Split(1, ((0, 1), (1, 0), (1, 1))))), 1
+    elif form == "a pending sum":  # (the pending sum's rules lead, and have none for a write: the buffer gathered)
+        a = [_g(3, 2, seed=i) for i in (1, 2, 3)]
+        key, args, gathers = slice(1, 4), (x, Placed(a[0] + a[1] + a[2], Partial(), tuple(a))), 1
+    else:
+        key, args = slice(1, 4), (Placed(_g(5, 2), Split(0, ((0, 2), (0, 2), (2, 3)))), _g(3, 2, seed=1))
+
+    def op(t: torch.Tensor, v: Any) -> torch.Tensor:
         b = t * 1.0
-        b[0:1] = 7.5
+        b[key] = v
         return b
 
-    _run(op, Placed(_g(2), Split(0, EVEN)))
+    _run(op, *args, tol=SUMMED, whole_tol=SUMMED, gathers=gathers)
+
+
+@pytest.mark.parametrize("op", ["index_fill_ along the split", "strided", "pending sum written through a key"])
+def test_an_in_place_op_no_rule_computes_on_the_whole_tensor(op: str) -> None:
+    """An in-place op on a placed tensor that no rule computes on its part runs on the whole tensor (a split one
+    gathered, a pending sum summed) and the tensor takes its part of the result, keeping its placement (this was
+    refused): values and every gradient as the unsharded op's, and the ops after it too."""
+    if op == "index_fill_ along the split":
+        _run(lambda t: (t * 1).index_fill_(0, torch.tensor([0, 3]), 0.5) * 2, Placed(_g(4, 3), Split(0, UNEVEN_4)))
+    elif op == "strided":
+        _run(lambda t: (t * 1).cumsum_(0) + t, Placed(_g(6, 1, 2), Strided(0, ((0, 1), (1, 0), (1, 2)), 2)))
+    else:
+        a = [_g(3, 2, seed=i) for i in (1, 2)]
+
+        def written(t: torch.Tensor) -> torch.Tensor:
+            p = t * 1.0
+            view = p.view(6)  # a view of the pending sum: written through p, it reads what p holds
+            p[1] = 5.0
+            return p * 2 + view.sum()
+
+        _run(written, Placed(a[0] + a[1], Partial(), tuple(a)), tol=SUMMED)
+
+
+UNEVEN_4 = ((0, 1), (1, 0), (1, 3))
 
 
 # -- families: attention ----------------------------------------------------------------------------------
@@ -1614,15 +1717,27 @@ def test_attention_with_a_mask_and_grouped_key_value_heads(mask: str, groups: in
          tol=SUMMED, gathers=0)
 
 
-@pytest.mark.xfail(strict=True, reason="ranks hang in backward: the rank with no heads never all-reduces the bias")
-def test_attention_with_a_learned_bias_and_a_rank_holding_no_heads() -> None:
-    """q, k, v [1, 1, 1, 1] split on heads as [(0, 0), (0, 1)], a float mask [1, 1, 1, 1] that needs a gradient
-    (a learned position bias): rank 1 reaches the bias's ``copy_to_ranks`` all-reduce in backward, rank 0 (no
-    heads) does not; the ranks hang (here: the barrier times out). With a mask that needs no gradient, or every
-    rank holding a head, it is exact."""
-    q, k, v = (Placed(_g(1, 1, 1, 1, seed=i), Split(1, ONE_EMPTY)) for i in range(3))
-    check(Case(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), (q, k, v, _g(1, 1, 1, 1)),
-               tol=SUMMED, whole_tol=SUMMED, timeout=5.0))
+@pytest.mark.parametrize("form", ["one head", "per-head bias", "whole keys and values", "narrowed key/value heads"])
+def test_attention_with_a_learned_bias_and_a_rank_holding_no_heads(form: str) -> None:
+    """A float mask that needs a gradient (a learned position bias) with a rank holding no query heads: attention
+    over no heads leaves its operands out of autograd, and the ranks once hung in backward (the empty rank never
+    reached the bias's all-reduce). Every operand moved before the op is tied to the empty result: each rank runs
+    its backward. Also a bias per head (cut: a gather in backward), whole keys and values (multi-query: each rank
+    narrows them), and key/value heads a rank narrows to the ones its query heads read (replicas)."""
+    bias = _g(1, 1, 1, 1, seed=3)
+    if form == "one head":
+        q, k, v = (Placed(_g(1, 1, 1, 1, seed=i), Split(1, ONE_EMPTY)) for i in range(3))
+    elif form == "per-head bias":
+        q, k, v = (Placed(_g(1, 3, 2, 2, seed=i), Split(1, ONE_EMPTY_OF_3)) for i in range(3))
+        bias = _g(1, 3, 2, 2, seed=3)
+    elif form == "whole keys and values":
+        q = Placed(_g(1, 2, 2, 2), Split(1, ((0, 0), (0, 2))))
+        k, v = _g(1, 1, 2, 2, seed=1), _g(1, 1, 2, 2, seed=2)
+    else:  # 2 key/value heads, each held by the ranks of its query head, one rank with no query head
+        q = Placed(_g(1, 2, 2, 2), Split(1, ((0, 1), (1, 1), (0, 0))))
+        k, v = (Placed(_g(1, 2, 2, 2, seed=i), Split(1, ((0, 1), (1, 1), (1, 1)))) for i in (1, 2))
+    check(Case(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), (q, k, v, bias),
+               tol=SUMMED, whole_tol=SUMMED, timeout=5.0, gathers=0))
 
 
 # -- families: dropout, precision, operands split two ways -------------------------------------------------
@@ -1661,11 +1776,17 @@ def test_operands_split_two_ways_fall_back_exactly(other: str) -> None:
 
 # -- the engine's limits and faults, each the smallest case found -----------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="signatures bind x.expand(n) with one int as size=n: TypeError in _expand")
-def test_expand_to_one_size_given_as_a_number() -> None:
-    """``t.expand(2)`` on a [2] tensor split as [(0, 1), (1, 1)]: split.py ``list(bound["size"])`` raises
-    "TypeError: 'int' object is not iterable" (``t.expand((2,))`` works)."""
-    _run(lambda t: t.expand(2), Placed(_g(2), Split(0, EVEN)))
+@pytest.mark.parametrize("form", ["a number", "a split of 1 kept", "a split of 1 expanded"])
+def test_expand_to_one_size_given_as_a_number(form: str) -> None:
+    """``t.expand(2)``: sizes given as one number (once a TypeError in the rule). Where the split's whole size is 1,
+    a number other than 1 expands it (every rank falls back alike: a rank of length 0 and one of 1 both read it
+    whole), and 1 keeps it."""
+    if form == "a number":
+        _run(lambda t: t.expand(2), Placed(_g(2), Split(0, EVEN)), gathers=0)
+    elif form == "a split of 1 kept":
+        _run(lambda t: t.expand(1) * 2, Placed(_g(1), Split(0, ONE_EMPTY)), gathers=0)
+    else:
+        _run(lambda t: t.expand(0) * 2 + t.expand(3).sum(), Placed(_g(1), Split(0, ONE_EMPTY)))
 
 
 def test_a_strided_split_reshaped_to_separate_its_blocks() -> None:
@@ -1674,55 +1795,76 @@ def test_a_strided_split_reshaped_to_separate_its_blocks() -> None:
     _run(lambda t: t.view(1, 2, 1, 1), Placed(_g(2, 1, 1), Strided(0, EVEN, 1)))
 
 
-@pytest.mark.xfail(strict=True, reason="moved() scales whole intervals by local sizes next to a size-1 dimension")
-def test_a_reshape_read_off_the_slice_s_own_sizes_next_to_a_new_size_1_dimension() -> None:
-    """[1, 4] split on dim 1 as [(0, 2), (2, 2)], ``t.view(-1, 1, t.shape[1])``: the unsharded result is [1, 1, 4],
-    the split on dim 2. Reading the sizes locally ([1, 2] -> [1, 1, 2]), ``shapes.moved`` puts the split on the
-    new size-1 dimension 1 with intervals halved by the local size 2; the output made whole is [1, 2, 2]
-    (RuntimeError on the upstream gradient here). With slices [(0, 2), (2, 1)] the ranks disagree (the one of
-    length 1 puts it on dim 1, the other on dim 2): "start (0) + length (2) exceeds dimension size (1)"."""
-    _run(lambda t: t.view(-1, 1, t.shape[1]), Placed(_g(1, 4), Split(1, ((0, 2), (2, 2)))))
+@pytest.mark.parametrize("intervals", [((0, 2), (2, 2)), ((0, 2), (2, 1)), ((0, 1), (1, 0), (1, 3))],
+                         ids=["even", "uneven", "one-empty"])
+def test_a_reshape_read_off_the_slice_s_own_sizes_next_to_a_new_size_1_dimension(intervals: Intervals) -> None:
+    """``t.view(-1, 1, t.shape[1])`` of [1, n] split on dim 1: the size read off the split dimension stands for its
+    whole size, so the call is read as the unsharded program reads it ([1, 1, n], the split on dim 2) on every
+    rank. Read against the local slice ([1, 2] -> [1, 1, 2]) it once put the split on the new size-1 dimension,
+    its intervals halved (silently wrong), or, with uneven slices, on different dimensions on different ranks."""
+    n = sum(length for _, length in intervals)
+    _run(lambda t: t.view(-1, 1, t.shape[1]), Placed(_g(1, n), Split(1, intervals)), gathers=0)
 
 
-@pytest.mark.xfail(strict=True, reason="a rank with an empty slice falls back where the others reshape locally")
-def test_a_reshape_with_sizes_read_off_an_empty_slice() -> None:
-    """x [3, 3] split on dim 1 as [(0, 0), (0, 3)], ``t.view(-1, 3, t.shape[1])``: rank 0 reads its sizes [3, 0]
-    and cannot place the split on a reshape of 0 elements (``shapes.moved`` gives up on a 0 size; ``-1`` cannot
-    be inferred), so it falls back (gathers its 2-d slice) while rank 1 reshapes its slice locally and gathers a
-    3-d one: the collectives do not match ("output with shape [3, 3] doesn't match the broadcast shape
-    [1, 3, 3]" in ``_gather``; on real ranks, mismatched all-gathers). The same without -1
-    (``t.view(1, 3, *t.shape)`` of [3, 3, 1] split as [(0, 0), (0, 3)]). With slices [(0, 1), (1, 2)] it is exact."""
-    _run(lambda t: t.view(-1, 3, t.shape[1]), Placed(_g(3, 3), Split(1, ONE_EMPTY_OF_3)))
+@pytest.mark.parametrize("form", ["-1", "no -1", "computed from the local length"])
+def test_a_reshape_with_sizes_read_off_an_empty_slice(form: str) -> None:
+    """A rank with an empty slice reads the same call as the others (it once fell back alone: a 2-d slice gathered
+    where the others gathered a 3-d one). ``t.view(-1, 3, t.shape[1])`` of [3, 3] and ``t.view(1, 3,
+    *t.shape[1:])`` of [3, 3, 1], split on dim 1 as [(0, 0), (0, 3)]; and sizes computed from the local length
+    (``t.view(t.shape[0], t.shape[1] // 2, 2)``: a plain number, this rank's), which every rank reads against
+    its own slice alike."""
+    if form == "-1":
+        _run(lambda t: t.view(-1, 3, t.shape[1]), Placed(_g(3, 3), Split(1, ONE_EMPTY_OF_3)), gathers=0)
+    elif form == "no -1":
+        _run(lambda t: t.view(1, 3, *t.shape[1:]), Placed(_g(3, 3, 1), Split(1, ONE_EMPTY_OF_3)), gathers=0)
+    else:
+        _run(lambda t: t.view(t.shape[0], t.shape[1] // 2, 2), Placed(_g(3, 8), Split(1, ((0, 4), (4, 0), (4, 4)))),
+             gathers=0)
 
 
-@pytest.mark.xfail(strict=True, reason="bmm's rule takes a batch of 1 for a broadcast one; bmm does not broadcast")
-def test_bmm_with_a_batch_of_one_split() -> None:
-    """``torch.bmm(a, b)``, a [1, 1, 1] split on its batch as [(0, 0), (0, 1)], b whole [1, 1, 1]: the rule uses b
-    whole on every rank (its batch is 1, as a broadcast one is), and on rank 0 bmm of [0, 1, 1] and [1, 1, 1]
-    raises "Expected size for first two dimensions of batch2 tensor to be: [0, 1] but got: [1, 1]". strided.py's
-    ``_batched`` does the same with a whole operand of the strided dimension's full size when that size is 1
-    (``baddbmm`` with one head over 2 ranks, [(0, 0), (0, 1)], batch 1)."""
-    _run(lambda a, b: torch.bmm(a, b), Placed(_g(1, 1, 1), Split(0, ONE_EMPTY)), _g(1, 1, 1))
+@pytest.mark.parametrize("op", ["bmm", "strided baddbmm"])
+def test_bmm_with_a_batch_of_one_split(op: str) -> None:
+    """A batch of 1 split over 2 ranks as [(0, 0), (0, 1)] with a whole operand of batch 1: its batch is the split's
+    whole size, so it is cut (it was once used whole, as a broadcast one: bmm raised "Expected size for first two
+    dimensions of batch2 tensor to be: [0, 1]"). ``torch.bmm`` on a split batch, and ``baddbmm`` with one head
+    over 2 ranks merged with a batch of 1 (a strided split), its bias of the whole extent."""
+    if op == "bmm":
+        _run(lambda a, b: torch.bmm(a, b), Placed(_g(1, 1, 1), Split(0, ONE_EMPTY)), _g(1, 1, 1), tol=SUMMED,
+             whole_tol=SUMMED, gathers=0)
+    else:
+        _run(lambda a, b, c: torch.baddbmm(c, a, b), Placed(_g(1, 2, 3), Strided(0, ONE_EMPTY, 1)), _g(1, 3, 2),
+             _g(1, 2, 2), tol=SUMMED, whole_tol=SUMMED, gathers=0)
 
 
-@pytest.mark.xfail(strict=True, reason="an in-place op on a pending sum that no rule keeps pending is refused")
-@pytest.mark.parametrize("by", ["a whole tensor that needs a gradient", "another pending sum"])
+@pytest.mark.parametrize("by", ["a whole tensor that needs a gradient", "another pending sum", "a split tensor"])
 def test_in_place_scaling_of_a_pending_sum(by: str) -> None:
-    """``p.mul_(w)`` on a pending sum ([2], 2 ranks): RuntimeError "in-place op 'mul_' on a pending sum ... make
-    the op out-of-place", where ``p * w`` sums first and computes (the unsharded program runs)."""
+    """``p.mul_(w)`` on a pending sum, w needing a gradient, another pending sum, or split (once refused): the
+    addends are summed first, the op runs on the sum, and p becomes an addend of the result again (the result on
+    the first rank), its sum kept: the op after it reads that sum with no second all-reduce."""
     a0, a1 = _g(2, seed=1), _g(2, seed=2)
     p = Placed(a0 + a1, Partial(), (a0, a1))
     if by == "another pending sum":
-        _run(lambda t: (t * 1).mul_(t * 0.5), p, tol=SUMMED)
+        _run(lambda t: (t * 1).mul_(t * 0.5) + 1, p, tol=SUMMED)
+    elif by == "a split tensor":
+        _run(lambda t, s: torch.tanh((t * 1).mul_(s)), p, Placed(_g(2, seed=3), Split(0, EVEN)), tol=SUMMED)
     else:
-        _run(lambda t, w: (t * 1).mul_(w), p, _g(2, seed=3), tol=SUMMED, whole_tol=SUMMED)
+        _run(lambda t, w: (t * 1).mul_(w).exp(), p, _g(2, seed=3), tol=SUMMED, whole_tol=SUMMED)
 
 
-@pytest.mark.xfail(strict=True, reason="an in-place op with an operand split another way is refused")
-def test_in_place_with_an_operand_split_another_way() -> None:
-    """``x.add_(y)``, x [2] split as [(0, 1), (1, 1)], y as [(0, 2), (2, 0)]: RuntimeError "in-place op 'add_' on
-    an activation split across ranks ... cannot be run slice by slice" (``x + y`` computes exactly)."""
-    _run(lambda t, o: (t * 1).add_(o), Placed(_g(2), Split(0, EVEN)), Placed(_g(2, seed=1), Split(0, ((0, 2), (2, 0)))))
+@pytest.mark.parametrize("other", ["same dim, other slices", "other dim", "broadcast along the split", "strided",
+                                   "a pending sum"])
+def test_in_place_with_an_operand_split_another_way(other: str) -> None:
+    """``x.add_(y)`` with y placed otherwise than x (once refused): y is brought to x's placement (made whole,
+    then cut to x's slices, or used whole where it broadcasts along x's split); a pending sum, which leads, runs
+    the op on the gathered x. Values and every gradient as ``x + y``'s."""
+    x = Placed(_g(2, 3), Split(0, EVEN))
+    y = {"same dim, other slices": Placed(_g(2, 3, seed=1), Split(0, ((0, 2), (2, 0)))),
+         "other dim": Placed(_g(2, 3, seed=1), Split(1, ((0, 1), (1, 2)))),
+         "broadcast along the split": Placed(_g(1, 3, seed=1), Split(1, ((0, 3), (3, 0)))),
+         "strided": Placed(_g(2, 3, seed=1), Strided(0, ((0, 1), (1, 1)), 1)),
+         "a pending sum": Placed(_g(2, 3, seed=1) + _g(2, 3, seed=2), Partial(), (_g(2, 3, seed=1), _g(2, 3, seed=2)))
+         }[other]
+    _run(lambda t, o: (t * 1).add_(o) * 2, x, y, tol=SUMMED)
 
 
 # -- pending sums (Partial): each rank holds an addend, the logical tensor is their sum ------------

@@ -96,10 +96,12 @@ def test_grouped_query_sdpa_accepts_kv_split_in_proportion():
     assert split_of(out) == Split(1, ((0, 2), (2, 2)))
 
 
-def test_in_place_op_on_a_split_activation_is_refused():
+def test_an_op_writing_a_split_activation_as_its_out_tensor_is_refused():
+    """An in-place op on a split activation runs on the gathered tensor, which the activation then takes its slice
+    of (``test_split_rules``); an ``out=`` tensor is written by the op itself, at the whole tensor's shape."""
     x = _tagged((4, 3), 0)
-    with pytest.raises(RuntimeError, match=r"in-place op 'index_fill_' on an activation split"):
-        _run(lambda t: t.index_fill_(0, torch.tensor([0]), 0.0), x)
+    with pytest.raises(RuntimeError, match=r"op 'cumsum' writes into an activation split .* out= tensor"):
+        _run(lambda t: torch.cumsum(torch.ones(8, 3), 0, out=t), x)
 
 
 def test_a_key_value_cache_keeps_its_heads_split_and_its_length_reads_no_values(monkeypatch):

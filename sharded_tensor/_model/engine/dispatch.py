@@ -13,14 +13,18 @@ A call that does (:func:`dispatch`):
    out). On a miss, the op's rule for the leading placement (the first one that is not a
    plain ``Split``, else ``Split``) decides from metadata alone (``rules.Call``); without a rule,
    or when the rule cannot prove the call, the decision is the fallback: every placed argument
-   made whole (gathered or summed), the op run on whole tensors. A fallback that would write a
-   whole copy in place of a placed tensor is refused with what to write instead.
-3. runs the decision: moves, the op (or the rule's own computation), the outputs placed.
+   made whole (gathered or summed), the op run on whole tensors. An op that writes a placed
+   tensor in place runs on the whole tensor, which then takes its part of the result
+   (:func:`_in_place_on_whole`); one that writes it as its ``out=`` tensor is refused with
+   what to write instead.
+3. runs the decision: moves, the op (or the rule's own computation), the outputs placed; an
+   empty result (a rank holding an empty slice) tied to the moved arguments (:func:`_tied`).
 
-Every rank sees the same shapes and placements, so it takes the same decision, and the
-collectives of the moves match across ranks. Metadata reads (``x.shape``, ``x.dtype``) run as
+Every rank sees the same whole shapes and placements, and rules decide from those (never from
+one rank's local sizes), so every rank takes the same path, and the collectives of the moves,
+forward and backward, match across ranks. Metadata reads (``x.shape``, ``x.dtype``) run as
 written, except the sizes of a split activation, which are marked as this rank's
-(``split.LocalSize``), and those of a strided one, which read whole (``strided.global_sizes``).
+(``placements.SplitSize``), and those of a strided one, which read whole (``strided.global_sizes``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from . import loss as _loss  # noqa: F401 - declares its rule
 from . import pending as _pending  # noqa: F401 - declares its rules
 from . import split as _split
 from . import strided as _strided
-from .placements import SUM, TAG, Partial, Split, SplitSize, Strided, placement_of
+from .placements import SUM, TAG, Packed, Partial, Split, SplitSize, Strided, placement_of, tie
 from .rules import (
     GENERATION,
     METADATA,
@@ -432,41 +436,85 @@ def _decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], entry: OpR
 
 
 def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], why: str) -> Decision:
-    """Every placed argument made whole, the op run on whole tensors; refused if it writes a placed tensor."""
+    """Every placed argument made whole, the op run on whole tensors.
+
+    An op that writes a placed argument in place (``x.add_(y)``, ``x[i] = v``) runs on a whole
+    copy of it, whose result is then written back as that argument's placement holds it
+    (:func:`_in_place_on_whole`). Refused: an ``out=`` tensor that is placed, a packed one, and
+    an in-place op that changes its tensor's shape.
+    """
     written = kwargs.get("out")
     name = getattr(func, "__name__", "")
     if written is None and args and (name in _SIDE_EFFECTS or in_place(func)):
         written = args[0]
     placement = placement_of(written)
-    if placement is not None and isinstance(written, Tensor):
-        return Decision(run=functools.partial(_refuse_in_place, name=name or repr(func), shape=tuple(written.shape),
-                                              placement=placement), gathered=why)
-    moves = tuple((i, p.whole) for i, x in enumerate(leaves) if (p := placement_of(x)) is not None)
-    summed = all(type(placement_of(leaves[i])) is Partial for i, _ in moves)
     # A split dimension's size read off a split activation, given to an op no rule reads it for: the whole size.
     sizes = tuple((i, _whole_size) for i, x in enumerate(leaves) if type(x) is SplitSize)
+    if placement is not None and isinstance(written, Tensor):
+        if written is kwargs.get("out") or type(placement) not in (Split, Strided, Partial) or name in _RESHAPING:
+            return Decision(run=functools.partial(_refuse_in_place, name=name or repr(func),
+                                                  shape=tuple(written.shape), placement=placement), gathered=why)
+        at = next(i for i, x in enumerate(leaves) if x is written)
+        moves = tuple((i, p.whole) for i, x in enumerate(leaves) if i != at and (p := placement_of(x)) is not None)
+        summed = type(placement) is Partial and all(type(placement_of(leaves[i])) is Partial for i, _ in moves)
+        return Decision(moves + sizes, run=functools.partial(_in_place_on_whole, func=func, placement=placement),
+                        gathered=why, summed=summed)
+    moves = tuple((i, p.whole) for i, x in enumerate(leaves) if (p := placement_of(x)) is not None)
+    summed = all(type(placement_of(leaves[i])) is Partial for i, _ in moves)
     if not moves:
         return Decision(sizes)
     return Decision(moves + sizes, gathered=why, summed=summed)
+
+
+# In-place ops that change their tensor's shape or storage: a placed tensor cannot take a whole result's part.
+_RESHAPING = {"resize_", "resize_as_", "set_", "squeeze_", "unsqueeze_", "transpose_", "t_", "swapaxes_",
+              "swapdims_", "as_strided_"}
 
 
 def _whole_size(size: SplitSize) -> int:
     return size.whole()
 
 
-def _refuse_in_place(*args: Any, name: str, shape: tuple[int, ...], placement: Any, **kwargs: Any) -> Any:
+def _in_place_on_whole(x: Tensor, *args: Any, func: Any, placement: Any, **kwargs: Any) -> Any:
+    """``func`` writing ``x`` in place, run on the whole tensor ``x`` is part of; ``x`` then takes its part of the
+    result and keeps its placement.
+
+    A pending sum is summed first (one all-reduce, or the sum already taken), the op runs on a
+    copy of the sum, and ``x`` becomes an addend of the result again: the result on the group's
+    first rank, zeros elsewhere (``Partial.add_once``), the result kept as its sum. A split (or
+    strided) ``x`` is gathered, the op runs on the gathered copy, and ``x`` takes its slice of the
+    result (``cut``). Exact forward and backward, as every fallback: the gradient that reaches
+    the result is whole on every rank.
+    """
+    whole = placement.whole(x)
     if type(placement) is Partial:
-        msg = (f"in-place op {name!r} on a pending sum (the output of a layer split on its input features, "
-               f"shape {shape}, of which each rank holds one addend until it is summed) cannot be run on the "
-               f"addends, nor on their sum in their place; make the op out-of-place (y = y + z instead of y += z).")
-    elif type(placement) is Split:
-        msg = (f"in-place op {name!r} on an activation split across ranks along dimension {placement.dim} "
-               f"(shape {shape} here, {placement.size} in full) cannot be run slice by slice; keep the layers "
-               f"that produce it whole, or make the op out-of-place.")
+        whole = whole.clone()  # (the sum may be kept on x, and read by other ops already)
+    out = func(whole, *args, **kwargs)
+    if type(placement) is Partial:
+        x.copy_(placement.add_once(whole))
+        x.__dict__[SUM] = (x._version, whole)
     else:
-        msg = (f"in-place op {name!r} on an activation split across ranks as {type(placement).__name__} (shape "
-               f"{shape} here) cannot be run on this rank's slices; keep the layers that produce it whole, or make "
-               f"the op out-of-place.")
+        x.copy_(placement.cut(whole, placement.dim))
+    return x if out is whole else out
+
+
+def _refuse_in_place(*args: Any, name: str, shape: tuple[int, ...], placement: Any, **kwargs: Any) -> Any:
+    if type(placement) is Packed:
+        msg = (f"in-place op {name!r} on a packed activation (a fused projection's output, shape {shape} here, of "
+               f"which each rank holds several slices side by side) cannot be run on this rank's slices; take it "
+               f"apart first (split or chunk it at its parts: q, k, v), or make the op out-of-place.")
+        raise RuntimeError(msg)
+    if type(placement) is Partial:
+        held = (f"a pending sum (the output of a layer split on its input features, shape {shape}, of which each "
+                f"rank holds one addend until it is summed)")
+    elif type(placement) is Split:
+        held = (f"an activation split across ranks along dimension {placement.dim} (shape {shape} here, "
+                f"{placement.size} in full)")
+    else:
+        held = f"an activation split across ranks as {type(placement).__name__} (shape {shape} here)"
+    msg = (f"op {name!r} writes into {held}, as its out= tensor or changing its shape, which this rank's part "
+           f"cannot hold; make the op out-of-place (y = op(x) instead of op(x, out=y), x.reshape(...) instead "
+           f"of x.resize_(...)), or keep the layers that produce it whole.")
     raise RuntimeError(msg)
 
 
@@ -482,6 +530,26 @@ def _place(out: Any, placement: Each | tuple[Any, ...]) -> None:
                 o.__dict__[TAG] = p
 
 
+def _tied(out: Any, leaves: list[Any], moves: tuple[tuple[int, Any], ...]) -> Any:
+    """``out`` with its empty results tied to the moved arguments that need a gradient (``placements.tie``): a
+    rank whose slice is empty runs their backward (a collective, for some) as the other ranks do."""
+    items = [out] if isinstance(out, Tensor) else list(out) if isinstance(out, (tuple, list)) else []
+    empty = [i for i, o in enumerate(items) if isinstance(o, Tensor) and not o.numel()
+             and (o.is_floating_point() or o.is_complex()) and not any(o is leaf for leaf in leaves)]
+    if not empty:
+        return out
+    others = [leaves[i] for i, _ in moves if isinstance(leaves[i], Tensor) and leaves[i].requires_grad]
+    if not others:
+        return out
+    for i, o in zip(empty, tie([items[i] for i in empty], others)):
+        items[i] = o
+    if isinstance(out, Tensor):
+        return items[0]
+    if isinstance(out, list) or type(out) is tuple:
+        return type(out)(items)
+    return type(out)(items) if not hasattr(out, "_fields") else type(out)(*items)  # a named tuple, a return type
+
+
 def execute(decision: Decision, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``decision`` on the real arguments."""
     leaves: list[Any] = []
@@ -493,6 +561,8 @@ def execute(decision: Decision, func: Any, args: tuple[Any, ...], kwargs: dict[s
         args, kwargs = with_leaves(args, kwargs, leaves)
     run = decision.run
     out = func(*args, **kwargs) if run is None else run(*args, **kwargs)
+    if decision.moves and _grad_enabled():
+        out = _tied(out, leaves, decision.moves)
     placement = decision.out
     if placement is not None:
         if type(placement) is Each or type(placement) is tuple:

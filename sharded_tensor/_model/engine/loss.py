@@ -42,7 +42,10 @@ class _VocabParallelCE(torch.autograd.Function):
         total = _comm.all_reduced(exp.sum(dim=1), split.group)
         inside = (target >= start) & (target < start + length)
         local = torch.where(inside, target - start, torch.zeros_like(target))
-        picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * inside
+        if length:
+            picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * inside
+        else:  # a rank holding no class holds no target: its share of the sum is zero
+            picked = shifted.new_zeros(target.shape)
         picked = _comm.all_reduced(picked, split.group)
         valid = target != ignore
         loss = (total.log() - picked) * valid
@@ -54,7 +57,8 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         exp, total, local, inside, valid = ctx.saved_tensors
         probs = exp / total.unsqueeze(1)
-        probs.scatter_add_(1, local.unsqueeze(1), -inside.to(probs.dtype).unsqueeze(1))
+        if probs.shape[1]:  # (no class here, no target to subtract one at)
+            probs.scatter_add_(1, local.unsqueeze(1), -inside.to(probs.dtype).unsqueeze(1))
         scale = (grad.to(probs.dtype) * valid).unsqueeze(1)
         return (probs * scale).to(ctx.dtype), None, None, None
 

@@ -15,6 +15,9 @@ views, reshapes, transposes, indexing     its addend reshaped
 ``dropout`` with ``p=0`` or in eval       the identity
 ========================================  ==========================================================
 
+An in-place op that none of these keeps pending (``p.mul_(w)``, ``w`` needing a gradient)
+runs on the sum, and ``p`` becomes an addend of the result again (``dispatch``'s fallback).
+
 Any other op sums the addends first (``Partial.whole``: one all-reduce forward, the identity
 backward), once per tensor: the sum is kept on the tensor until it is written to, and once
 taken it is what every later op reads (the dispatcher puts it in place of the tensor before

@@ -46,7 +46,7 @@ from . import state as _state
 
 __all__ = ["Intervals", "Split", "Packed", "Partial", "Strided", "Placement", "TAG", "SUM",
            "SplitSize", "tag", "placement_of", "to_whole", "shared_copy", "copy_to_ranks", "reduce_from_ranks",
-           "gather", "scatter", "share_gradient"]
+           "gather", "scatter", "share_gradient", "tie"]
 
 Intervals = tuple[tuple[int, int], ...]
 """``(start, length)`` along one dimension for each group rank (length may be 0)."""
@@ -236,6 +236,33 @@ def share_gradient(tensor: Tensor, dim: int, intervals: Sequence[tuple[int, int]
     if _comm.rank_and_world(group)[1] == 1 or not tensor.requires_grad:
         return tensor
     return _Mirror.apply(tensor, dim, tuple(intervals), group, _identity, _shared)  # type: ignore[no-any-return]
+
+
+class _Tie(torch.autograd.Function):
+    """The first ``count`` tensors as they are, made to depend on the others: their gradient is zero."""
+
+    @staticmethod
+    def forward(ctx: Any, count: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.count = count
+        ctx.others = [(t.shape, t.dtype, t.device) for t in tensors[count:]]
+        return tuple(t.clone() for t in tensors[:count])  # empty: a clone costs nothing
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.others]
+        return (None, *grads, *zeros)
+
+
+def tie(empty: Sequence[Tensor], others: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """``empty`` (tensors with no element) made to depend on ``others`` in autograd, with a zero gradient.
+
+    An op on a rank's empty slice may return a result that autograd does not connect to every
+    operand (attention over no heads ignores its mask). An operand moved before the op whose
+    backward is a collective (``copy_to_ranks``, a cut) must still run that backward on this
+    rank, as on every other, or the ranks' collectives no longer match: tied to the empty result,
+    its backward runs, with the zero gradient an empty result gives.
+    """
+    return _Tie.apply(len(empty), *empty, *others)  # type: ignore[no-any-return]
 
 
 def _identity(tensor: Tensor, dim: int, intervals: Intervals, group: _comm.ProcessGroup) -> Tensor:

@@ -292,9 +292,15 @@ def op_objects(name: str) -> list[Any]:
         obj = getattr(owner, name, None)
         if owner is torch.Tensor and isinstance(obj, types.GetSetDescriptorType):
             found.append(obj.__get__)
-        elif obj is not None and callable(obj) and not isinstance(obj, type):
+        elif obj is not None and callable(obj) and not isinstance(obj, type) and not _module_own(obj):
             found.append(obj)
     return found
+
+
+def _module_own(obj: Any) -> bool:
+    """Whether ``obj`` is a method of a module object itself (``torch.__eq__``, ``F.__hash__``): what a module
+    inherits from ``object``, which compares or hashes the module, never a tensor."""
+    return isinstance(getattr(obj, "__self__", None), types.ModuleType) and obj.__name__.startswith("__")
 
 
 VALUE_GETTERS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -320,10 +326,10 @@ def pointwise_names() -> set[str]:
 
 
 @functools.cache
-def _metadata_objects() -> frozenset[Any]:
+def _metadata_objects() -> tuple[Any, ...]:
     getters = {name for name in dir(torch.Tensor) if name not in VALUE_GETTERS
                and isinstance(getattr(torch.Tensor, name, None), types.GetSetDescriptorType)}
-    return frozenset(o for name in _METADATA_NAMES | getters for o in op_objects(name))
+    return tuple(o for name in sorted(_METADATA_NAMES | getters) for o in op_objects(name))
 
 
 def table() -> dict[Any, Any]:
@@ -335,7 +341,8 @@ def table() -> dict[Any, Any]:
                 for obj in _metadata_objects():
                     RULES.setdefault(obj, METADATA)
                 for names, kind, rule in _DECLARED:
-                    for name in (names() if callable(names) else names):
+                    # In name order: a family's names may come from a set, whose order follows the hash seed.
+                    for name in sorted(names() if callable(names) else names):
                         for obj in op_objects(name):
                             entry = RULES.setdefault(obj, OpRules())
                             if entry is not METADATA:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import TypeVar
 
 from sharding import layout
 
 _S = TypeVar("_S", bound=layout.Split)
 
-__all__ = ["groups", "moved", "merged"]
+__all__ = ["groups", "moved", "merged", "local_reading"]
 
 
 def groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
@@ -92,3 +93,51 @@ def merged(whole: Sequence[int], out: Sequence[int], dim: int) -> tuple[int, int
     if len(gj) != 1 or gi[0] == dim:
         return None
     return gj[0], math.prod(whole[d] for d in gi if d < dim), math.prod(whole[d] for d in gi if d > dim)
+
+
+def _readings(local: Sequence[int], out: Sequence[int], dim: int, intervals: Sequence[tuple[int, int]]
+              ) -> list[tuple[int, Fraction]]:
+    """Every ``(output dimension, ratio)`` where a reshape of the local ``local`` (split on ``dim``) to ``out`` may
+    land the split slice by slice: the dimensions before it regroup into those before the output dimension,
+    the ones after it into the ones after, and every rank's interval times the ratio is whole."""
+    if any(n == 0 for d, n in enumerate(local) if d != dim):
+        return []
+    length = local[dim]
+    after = math.prod(local[dim + 1:])
+    found = []
+    for o in range(len(out)):
+        inner = math.prod(out[o + 1:])
+        if not inner or groups(local[:dim], out[:o]) is None:
+            continue
+        ratio = Fraction(after, inner)
+        if out[o] != length * ratio or any((s * ratio).denominator != 1 or (n * ratio).denominator != 1
+                                           for s, n in intervals):
+            continue
+        rest_in, rest_out = local[dim + 1:], out[o + 1:]
+        if any(groups(rest_in[k:], rest_out[m:]) is not None and math.prod(rest_in[k:]) == math.prod(rest_out[m:])
+               for k in range(len(rest_in) + 1) for m in range(len(rest_out) + 1)):
+            found.append((o, ratio))
+    return found
+
+
+def local_reading(local: Sequence[int], out: Sequence[int], split: _S) -> _S | None:
+    """Where ``split`` lands when this rank's slice, of shape ``local``, is reshaped to ``out`` with sizes computed
+    from its own length; ``None`` unless every rank lands it at the same one place.
+
+    A rank sees only its own sizes, and where its length is 0 or 1 next to dimensions of size 1
+    several places may fit (``[1, 2] -> [1, 1, 2]`` on a length of 2: dimension 1 or 2). The one
+    place is taken only when it is the only one this rank reads and the only one each other rank
+    reads from its own sizes (this rank's, its length put in): then every rank decides alike.
+    """
+    found = _readings(local, out, split.dim, split.intervals)
+    if len(found) != 1:
+        return None
+    o, ratio = found[0]
+    for _, n in split.intervals:
+        theirs_in = list(local)
+        theirs_in[split.dim] = n
+        theirs_out = list(out)
+        theirs_out[o] = int(n * ratio)
+        if _readings(theirs_in, theirs_out, split.dim, split.intervals) != found:
+            return None
+    return split.scaled(o, ratio.numerator, ratio.denominator)  # type: ignore[return-value]

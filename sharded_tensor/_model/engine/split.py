@@ -15,7 +15,9 @@ slice by slice and says where the split lands:
   other dimensions, and a sum or mean across the split (local sums, one all-reduce);
 * batched matmuls, ``linear`` and normalizations with the split on a batch dimension,
   ``scaled_dot_product_attention`` over split heads (grouped key/value heads included);
-* writes of split values into a buffer split alike (a key/value cache).
+* writes into a split buffer (a key/value cache): values split alike, whole ones cut to the
+  slice or broadcast, and writes at positions along the split, each rank its own positions;
+  an in-place op brings an operand split otherwise to the written tensor's split.
 
 A ``Packed`` activation (a fused q/k/v projection's output) is taken apart by ``split``,
 ``chunk`` or indexing at its slices' boundaries, into ordinary splits; any other op gathers
@@ -34,7 +36,16 @@ from torch import Tensor
 
 from . import shapes as _shapes
 from . import state as _state
-from .placements import Packed, Split, SplitSize, Strided, placement_of, reduce_from_ranks, shared_copy
+from .placements import (
+    Packed,
+    Split,
+    SplitSize,
+    Strided,
+    copy_to_ranks,
+    placement_of,
+    reduce_from_ranks,
+    shared_copy,
+)
 from .rules import Call, Decision, Each, Fallback, declare, in_place, norm_dim, pointwise_names
 
 __all__ = ["elementwise", "whole_operand", "sizes_read", "whole_sizes", "reshape"]
@@ -79,8 +90,16 @@ def elementwise(call: Call) -> Decision:
     if call.name in ("to", "type_as") and call.args:
         tensors = tensors[:1]  # ``x.to(other)`` reads other's dtype and device, not its values
     out_ndim = max(t.dim() for _, t in tensors)
+    first = call.args[0] if call.args else None
+    # In place on a placed tensor: the result keeps its placement, and an operand placed otherwise is brought to it.
+    written = placement_of(first) if in_place(call.func) and isinstance(first, Tensor) else None
     found: Split | Strided | None = None
-    for _, t in tensors:
+    if type(written) is Split or type(written) is Strided:
+        if first.dim() != out_ndim:  # type: ignore[union-attr]
+            raise Fallback
+        found = written
+    elsewhere: list[tuple[int, Tensor]] = []  # operands placed otherwise than the written tensor
+    for i, t in tensors:
         placement = placement_of(t)
         if placement is None:
             continue
@@ -88,16 +107,28 @@ def elementwise(call: Call) -> Decision:
             raise Fallback
         aligned = placement if out_ndim == t.dim() else placement.moved(out_ndim - t.dim() + placement.dim)
         if found is not None and aligned != found:
-            raise Fallback
+            if written is None:
+                raise Fallback
+            elsewhere.append((i, t))
+            continue
         found = aligned
     if found is None:
         raise Fallback  # only a size read off a split dimension: it stands for the whole size
-    first = call.args[0] if call.args else None
     if isinstance(first, Tensor) and placement_of(first) is None and in_place(call.func):
         raise Fallback  # a whole tensor updated in place must receive whole values
     moves: list[tuple[int, Any]] = list(whole_sizes(call))  # a split dimension's size as an operand: the whole
     local: dict[int, Tensor] = {}
     length = found.length()
+    for i, t in elsewhere:
+        local_dim = found.dim - (out_ndim - t.dim())
+        size = _whole_shape(t)[local_dim] if local_dim >= 0 else 1
+        if size not in (1, found.extent()):
+            raise Fallback
+        moves.append((i, _brought(placement_of(t), found, local_dim, size != found.extent())))
+        shape = _whole_shape(t)
+        if size == found.extent():
+            shape[local_dim] = length
+        local[i] = torch.empty(shape, dtype=t.dtype, device="meta")
     for i, t in tensors:
         if placement_of(t) is not None:
             continue
@@ -156,6 +187,9 @@ def _masked(x: Tensor, *args: Any, split: Split, p: float, **kwargs: Any) -> Ten
 # -- shapes -----------------------------------------------------------------------------------------
 
 _VIEWS = {"view", "view_as", "unflatten", "squeeze", "unsqueeze"}  # the others may copy: reshape, flatten
+# The ones given sizes (which code may compute from a split dimension's local size), not dimensions: the shape of
+# their output follows from the sizes alone (``squeeze``'s, from which dimensions have size 1).
+_SIZED = {"view", "reshape", "unflatten"}
 
 
 def _to_shape(x: Tensor, *args: Any, shape: tuple[int, ...], view: bool, **kwargs: Any) -> Tensor:
@@ -191,29 +225,31 @@ def whole_sizes(call: Call) -> tuple[tuple[int, Any], ...]:
 def reshape(call: Call) -> Decision:
     """view / reshape / flatten / unflatten / (un)squeeze / view_as, on this rank's slice.
 
-    A size read off a split dimension (:class:`SplitSize`, as in ``x.reshape(*x.shape[:-1],
-    -1, 2)``) is this rank's: the call is read against the local slice. Other sizes are read
-    first as the unsharded program reads them, against the whole tensor (``view(b, s,
-    num_heads, 3, head_dim)`` with a fixed ``num_heads``), then against the local slice. A split
-    merged with dimensions outside it (``reshape(batch * heads, ...)``, by ``view`` or
-    ``reshape``) gives a strided split.
+    Sizes are read as the unsharded program reads them, against the whole tensor (``view(b, s,
+    num_heads, 3, head_dim)`` with a fixed ``num_heads``; ``view(-1, 1, x.shape[1])``): a size read
+    off a split dimension (:class:`SplitSize`) stands for that dimension's whole size, so every
+    rank reads the same call and decides alike. Sizes computed from a split dimension's size
+    (plain numbers: this rank's) are read against the local slice where the whole reading fails
+    (:func:`shapes.local_readings`), only when every rank's reading is unambiguous. A split merged
+    with dimensions outside it (``reshape(batch * heads, ...)``, by ``view`` or ``reshape``) gives
+    a strided split.
     """
     x, split = _first_split(call)
     view = call.name in _VIEWS
-    readings = (_read_locally, _read_whole)
-    if not any(type(v) is SplitSize for v in call.leaves[1:]):
-        readings = readings[::-1]
-    for reading in readings:
-        found = reading(call, x, split, view)
-        if found is not None:
-            return found
-    raise Fallback
+    found = _read_whole(call, x, split, view)
+    if found is None and call.name in _SIZED and not any(type(v) is SplitSize for v in call.leaves[1:]):
+        found = _read_locally(call, x, split, view)
+    if found is None:
+        raise Fallback
+    return found
 
 
 def _read_whole(call: Call, x: Tensor, split: Split, view: bool) -> Decision | None:
     whole = list(x.shape)
     whole[split.dim] = split.size
-    out = call.meta_out({0: _meta(x, whole)})
+    replaced: dict[int, Any] = {i: v.whole() for i, v in enumerate(call.leaves) if type(v) is SplitSize}
+    replaced[0] = _meta(x, whole)
+    out = call.meta_out(replaced)
     if not isinstance(out, Tensor):
         return None
     shape = list(out.shape)
@@ -237,10 +273,15 @@ def _read_whole(call: Call, x: Tensor, split: Split, view: bool) -> Decision | N
 
 
 def _read_locally(call: Call, x: Tensor, split: Split, view: bool) -> Decision | None:
+    """Sizes computed from this rank's length (``x.view(b, s, x.shape[-1] // d, d)``): read against the local
+    slice. Each rank checks that every rank, reading its own sizes so, lands the split at the one same place:
+    the empty slice's rank and a rank of length 1 next to dimensions of size 1 may read several."""
+    if any(v == -1 for v in call.leaves[1:] if type(v) is int) and any(n == 0 for _, n in split.intervals):
+        return None  # a -1 against an empty slice reads nothing: that rank could not read it
     out = call.meta_out()
     if not isinstance(out, Tensor):
         return None
-    found = _shapes.moved(list(x.shape), list(out.shape), split)
+    found = _shapes.local_reading(list(x.shape), list(out.shape), split)
     if found is None:
         return None
     return Decision(run=functools.partial(_to_shape, shape=tuple(out.shape), view=view), out=found)
@@ -338,6 +379,15 @@ def _getitem(call: Call) -> Decision:
     return Decision(out=_indexed(x, call.args[1], split))
 
 
+def _size_list(sizes: Any) -> list[Any]:
+    """Sizes as an op was given them, as a list: one int (``x.expand(2)``, ``torch.zeros(n)``) is one size."""
+    if isinstance(sizes, int):
+        return [sizes]
+    if isinstance(sizes, (list, tuple)):
+        return list(sizes)
+    raise Fallback
+
+
 def _expand_to(x: Tensor, *args: Any, sizes: tuple[int, ...], **kwargs: Any) -> Tensor:
     return x.expand(sizes)
 
@@ -346,9 +396,7 @@ def _expand_whole(call: Call, x: Tensor) -> Decision:
     """A whole ``x`` expanded to sizes among which one was read off a split dimension (``k_pe.expand(
     *k.shape[:-1], -1)``): this rank's slice of what the unsharded program expands, ``x`` cut to it (or, where
     it broadcasts, used whole by every rank)."""
-    sizes = call.bound().get("size")
-    if not isinstance(sizes, (list, tuple)):
-        raise Fallback
+    sizes = _size_list(call.bound().get("size"))
     marked = [i for i, v in enumerate(sizes) if type(v) is SplitSize]
     if len(marked) != 1:
         raise Fallback
@@ -368,10 +416,9 @@ def _factory(call: Call) -> Decision:
     """``torch.zeros(..)``, ``x.new_empty(..)`` and the like given a size read off a split dimension: this rank's
     slice of the tensor the unsharded program makes."""
     bound = call.bound()
-    sizes = bound.get("size")
+    sizes = _size_list(bound.get("size"))
     source = bound.get("self")  # ``x.new_empty``: x gives only its dtype and device
-    if not isinstance(sizes, (list, tuple)) or any(isinstance(v, Tensor) and v is not source and
-                                                    placement_of(v) is not None for v in call.leaves):
+    if any(isinstance(v, Tensor) and v is not source and placement_of(v) is not None for v in call.leaves):
         raise Fallback
     marked = [i for i, v in enumerate(sizes) if type(v) is SplitSize]
     if len(marked) != 1:
@@ -394,10 +441,20 @@ def _expand(call: Call) -> Decision:
             raise Fallback
         sizes = list(other.shape)
     else:
-        sizes = list(bound["size"])
+        sizes = _size_list(bound["size"])
     new = len(sizes) - x.dim()
     at = new + split.dim
-    if new < 0 or sizes[at] not in (-1, x.shape[split.dim], split.size):
+    if new < 0:
+        raise Fallback
+    given = sizes[at]
+    # The split dimension kept: -1, its whole size, or a size read off it; a plain int equal to this rank's length
+    # is read the same way (sizes read locally), except where the whole size is 1, which expands to any size: only
+    # -1, 1 or a size read off it say the dimension is kept, on every rank alike.
+    if type(given) is SplitSize:
+        kept = given.whole() == split.size
+    else:
+        kept = given in (-1, split.size) or (split.size != 1 and given == x.shape[split.dim])
+    if not kept:
         raise Fallback
     sizes[at] = x.shape[split.dim]
     return Decision(run=functools.partial(_expand_to, sizes=tuple(sizes)), out=split.moved(at))
@@ -409,8 +466,10 @@ def _concatenated(call: Call) -> Decision:
     """cat / stack along another dimension than the split; a whole operand is cut to this rank's slice."""
     bound = call.bound()
     dim = bound.get("dim", 0)
-    # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
-    tensors = [t for t in bound["tensors"] if not (call.name != "stack" and t.dim() == 1 and t.numel() == 0)]
+    # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split. (Whole ones only:
+    # a placed one's slice is empty on some ranks, not on every one, which must decide alike.)
+    tensors = [t for t in bound["tensors"] if not (call.name != "stack" and t.dim() == 1 and t.numel() == 0
+                                                   and placement_of(t) is None)]
     placements = {placement_of(t) for t in tensors} - {None}
     if len(placements) != 1 or not isinstance(dim, int):
         raise Fallback
@@ -461,24 +520,194 @@ def _roll(call: Call) -> Decision:
 # -- writes -----------------------------------------------------------------------------------------
 
 def _setitem(call: Call) -> Decision:
-    """``buffer[key] = value`` where ``key`` leaves the buffer's split whole; a whole value is cut to the slice."""
-    if len(call.args) != 3 or call.kwargs or _split_of(call.args[0]) is None:
+    """``buffer[key] = value`` on a split buffer.
+
+    A key that leaves the split dimension whole writes each rank's slice of the view: a whole
+    value of the view's size along the split is cut to the slice; one that broadcasts along it is
+    written whole by every rank (its gradient summed over the ranks, each holding its slice's
+    share); a value placed as the view is written as it is, one placed otherwise is brought to the
+    view's placement. A key that picks positions along the split dimension (``b[0:1]``,
+    ``b[:, :, pos]``, ``b[:, [2, 0]]``) has each rank write the positions it holds, the matching
+    part of the value (:func:`_write_positions`).
+    """
+    if len(call.args) != 3 or call.kwargs:
         raise Fallback
     buffer, index, value = call.args
-    target = _indexed(buffer, index, _split_of(buffer))  # type: ignore[arg-type]
+    split = _split_of(buffer)
+    if split is None or not isinstance(buffer, Tensor):
+        raise Fallback
+    whole = list(buffer.shape)
+    whole[split.dim] = split.size
+    try:
+        view = _meta(buffer, whole)[index]  # the whole view's shape, read as torch reads the key
+    except (IndexError, RuntimeError, TypeError, ValueError):
+        raise Fallback from None
+    found = _split_item(buffer, index, split)
+    if found is None:
+        raise Fallback
+    item, at, view_dim = found
+    if isinstance(item, slice) and item == slice(None):
+        return _write_slices(call, view, value, split.moved(view_dim))
+    return _write_positions_decision(call, buffer, view, value, split, item, at, view_dim)
+
+
+def _split_item(x: Tensor, index: Any, split: Split) -> tuple[Any, int, int] | None:
+    """``(the key's item at the split dimension, its place in the key with the ellipsis expanded, the view's
+    dimension it gives or would give)``; ``None`` for a key the writes below do not read (several lists of
+    positions, a list with integers, a mask)."""
+    items = index if isinstance(index, tuple) else (index,)
+    listed = [i for i in items if isinstance(i, (list, Tensor))]
+    for i in items:
+        if isinstance(i, bool) or not (i is None or i is Ellipsis or isinstance(i, (int, slice, list, Tensor))):
+            return None
+        if isinstance(i, list) and not all(type(p) is int for p in i):
+            return None
+        if isinstance(i, Tensor) and (i.dim() != 1 or placement_of(i) is not None or i.is_floating_point()
+                                      or i.is_complex() or i.dtype == torch.bool):
+            return None
+    if len(listed) > 1 or (listed and any(isinstance(i, int) for i in items)):
+        return None  # positions that torch pairs, or moves to the front: not this rank's part of one dimension
+    if sum(1 for i in items if i is Ellipsis) > 1:
+        return None
+    found = _index_positions(x, index)
+    assert found is not None
+    src = out_dim = 0
+    for at, i in enumerate(found[0]):
+        if i is None:
+            out_dim += 1
+            continue
+        if src == split.dim:
+            if isinstance(i, slice) and (i.step or 1) <= 0:
+                return None
+            if isinstance(i, int) and not -split.size <= i < split.size:
+                return None  # out of range: the whole tensor's own error, from the gathered one
+            return i, at, out_dim
+        if not isinstance(i, int):
+            out_dim += 1
+        src += 1
+    return None
+
+
+def _brought(placement: Any, target: Split | Strided, dim: int, broadcast: bool) -> Any:
+    """The move bringing a value placed as ``placement`` to ``target`` along its dimension ``dim``: made whole,
+    then cut to this rank's slice (its gradient gathered back) or, where it broadcasts, used whole by every rank
+    (its gradient summed over the ranks)."""
+    if broadcast:
+        return functools.partial(_whole_copied, placement=placement, group=target.group)
+    return functools.partial(_whole_cut, placement=placement, target=target, dim=dim)
+
+
+def _whole_cut(x: Tensor, *, placement: Any, target: Split | Strided, dim: int) -> Tensor:
+    return target.cut(placement.whole(x), dim)
+
+
+def _whole_copied(x: Tensor, *, placement: Any, group: Any) -> Tensor:
+    return copy_to_ranks(placement.whole(x), group)
+
+
+def _whole_shape(t: Tensor) -> list[int]:
+    """The whole tensor's shape of a placed (or whole) ``t``."""
+    placement = placement_of(t)
+    shape = list(t.shape)
+    if type(placement) is Split:
+        shape[placement.dim] = placement.size
+    elif type(placement) is Strided:
+        shape[placement.dim] = placement.extent()
+    elif type(placement) is Packed:
+        shape[placement.dim] = placement.size
+    return shape
+
+
+def _write_slices(call: Call, view: Tensor, value: Any, target: Split) -> Decision:
+    """``buffer[key] = value`` with the split dimension whole in the view: each rank writes its slice."""
     if not isinstance(value, Tensor):
         return Decision()  # a number written everywhere
+    if value.dim() > view.dim():
+        raise Fallback
+    local_dim = target.dim - (view.dim() - value.dim())  # the value's dimensions count from the view's
     held = placement_of(value)
     if held is not None:
-        if held != target or value.dim() > buffer.dim():
+        if type(held) is Split and local_dim >= 0 and held == target.moved(local_dim):
+            return Decision()
+        if type(held) is Packed:
             raise Fallback
-        return Decision()
-    local_dim = target.dim - (buffer.dim() - value.dim())  # the view has at most the buffer's dimensions
+        size = _whole_shape(value)[local_dim] if local_dim >= 0 else 1
+        if size not in (1, target.size):
+            raise Fallback
+        return Decision(((call.index(value), _brought(held, target, local_dim, size != target.size)),))
+    if local_dim >= 0 and value.shape[local_dim] == target.size:
+        return Decision((_cut(call, value, local_dim, target),))
     if local_dim < 0 or value.shape[local_dim] == 1:
-        return Decision()
-    if value.shape[local_dim] != target.size:
-        raise Fallback
-    return Decision((_cut(call, value, local_dim, target),))
+        # Every rank writes it whole into its slice: each holds its slice's share of its gradient.
+        return Decision(whole_operand(call, value, target.group))
+    raise Fallback
+
+
+def _write_positions_decision(call: Call, buffer: Tensor, view: Tensor, value: Any, split: Split, item: Any,
+                              at: int, view_dim: int) -> Decision:
+    """``buffer[key] = value`` with the key picking positions along the split dimension: each rank writes those
+    it holds. A value is used whole by every rank (a placed one made whole first), each taking the part that
+    goes to its positions; the ranks' shares of its gradient are summed."""
+    moves: tuple[tuple[int, Any], ...] = ()
+    if isinstance(value, Tensor):
+        held = placement_of(value)
+        if value.dim() > view.dim():
+            raise Fallback
+        if held is not None:
+            if type(held) is Packed:
+                raise Fallback
+            moves = ((call.index(value), functools.partial(_whole_copied, placement=held, group=split.group)),)
+        else:
+            moves = whole_operand(call, value, split.group)
+    return Decision(moves, run=functools.partial(_write_positions, split=split, at=at, view_dim=view_dim,
+                                                 view_ndim=view.dim()))
+
+
+def _write_positions(buffer: Tensor, index: Any, value: Any, *, split: Split, at: int, view_dim: int,
+                     view_ndim: int) -> None:
+    """Write this rank's positions of ``buffer[index] = value`` (the key's item ``at`` picks positions along the
+    split dimension): its local positions, and the value's part for them.
+
+    A rank that holds none of them writes an empty part, which keeps the value in its autograd
+    graph: its backward (a sum over the ranks) runs on every rank.
+    """
+    start, length = split.intervals[_state.rank(split.group)]
+    items = list(_index_positions(buffer, index)[0])  # type: ignore[index]
+    item = items[at]
+    total = split.size
+    # The value's dimension along the positions (its dimensions count from the view's).
+    vdim = view_dim - (view_ndim - value.dim()) if isinstance(value, Tensor) else -1
+    if isinstance(item, int):
+        position = item % total
+        if start <= position < start + length:
+            items[at] = position - start
+        else:
+            items[at] = slice(0, 0)
+            if isinstance(value, Tensor):
+                empty = buffer[tuple(items)]
+                shape = [n for d, n in enumerate(empty.shape) if d != view_dim]
+                value = value.expand(shape).unsqueeze(view_dim).narrow(view_dim, 0, 0)
+        buffer[tuple(items)] = value
+        return
+    if isinstance(item, slice):
+        first, stop, step = item.indices(total)
+        count = len(range(first, stop, step))
+        low = max(0, -(-(start - first) // step))  # the first position at or after this rank's start
+        high = min(count, max(0, -(-(start + length - first) // step)))  # past the last one before its end
+        high = max(high, low)
+        items[at] = slice(first + low * step - start, first + (high - 1) * step - start + 1, step) if high > low \
+            else slice(0, 0)
+        if isinstance(value, Tensor) and vdim >= 0 and value.shape[vdim] == count:
+            value = value.narrow(vdim, low, high - low)
+        buffer[tuple(items)] = value
+        return
+    positions = item.tolist() if isinstance(item, Tensor) else list(item)
+    mine = [(j, p % total - start) for j, p in enumerate(positions) if start <= p % total < start + length]
+    device = buffer.device
+    items[at] = torch.tensor([p for _, p in mine], dtype=torch.long, device=device)
+    if isinstance(value, Tensor) and vdim >= 0 and value.shape[vdim] == len(positions):
+        value = value.index_select(vdim, torch.tensor([j for j, _ in mine], dtype=torch.long, device=value.device))
+    buffer[tuple(items)] = value
 
 
 def _write_split(call: Call) -> Decision:
@@ -595,16 +824,18 @@ def _matmul(call: Call) -> Decision:
         found = mine
     assert found is not None
     moves: list[tuple[int, Any]] = []
-    if found.dim < nd - 2:  # a batch split: the other operand broadcasts along it, or takes its slice
+    if found.dim < nd - 2:  # a batch split: the other operand takes its slice, or broadcasts along it
         for t, s in ((a, sa), (b, sb)):
             if s is None:
                 local = found.dim - (nd - t.dim())
-                if local >= 0 and t.shape[local] != 1:
-                    if t.shape[local] != found.size:
-                        raise Fallback
+                # A batch of the split's whole size is cut, 1 included (``bmm`` does not broadcast; for
+                # ``matmul`` a batch of 1 against a split of 1 is the same either way).
+                if local >= 0 and t.shape[local] == found.size:
                     moves.append(_cut(call, t, local, found))
-                else:
+                elif local < 0 or t.shape[local] == 1:
                     moves.extend(whole_operand(call, t, found.group))
+                else:
+                    raise Fallback
     elif (found.dim == nd - 2 and sb is not None) or (found.dim == nd - 1 and sa is not None):
         raise Fallback
     else:  # rows of a split, or columns of b: the other operand is used whole by every rank
@@ -667,17 +898,7 @@ def _sdpa(call: Call) -> Decision:
         moves += _narrowed_heads(call, k, v, sq, sk, ratio, bool(bound["enable_gqa"]))
     elif ratio > 1 and not bound["enable_gqa"]:
         raise Fallback
-    mask = bound["attn_mask"]
-    if isinstance(mask, Tensor):
-        if placement_of(mask) is not None:
-            raise Fallback
-        local = sq.dim - (q.dim() - mask.dim())
-        if local >= 0 and mask.shape[local] != 1:
-            if mask.shape[local] != sq.size:
-                raise Fallback
-            moves.append(_cut(call, mask, local, sq))
-        else:
-            moves.extend(whole_operand(call, mask, sq.group))
+    moves += _mask_moves(call, bound["attn_mask"], q, sq)
     return Decision(tuple(moves), out=sq)
 
 
@@ -689,55 +910,65 @@ def _shared_narrow(x: Tensor, *, group: Any, dim: int, start: int, length: int) 
     return shared_copy(x, group).narrow(dim, start, length) if x.requires_grad else x.narrow(dim, start, length)
 
 
+def _heads_read(qs: int, qn: int, ratio: int, gqa: bool) -> tuple[int, int]:
+    """``(first, count)`` of the key/value heads that query heads ``[qs, qs + qn)`` read, ``ratio`` query heads to
+    one key/value head; ``Fallback`` where their local attention would not pair them as the whole one does."""
+    if not qn:
+        return 0, 0
+    lo, hi = qs // ratio, -(-(qs + qn) // ratio)
+    if qn % (hi - lo):
+        raise Fallback
+    group = qn // (hi - lo)
+    # (Without ``enable_gqa`` one key/value head still meets several query heads: it broadcasts.)
+    if any((qs + i) // ratio - lo != i // group for i in range(qn)) or (group > 1 and not gqa and hi - lo != 1):
+        raise Fallback  # the local heads would not meet as the whole ones do
+    return lo, hi - lo
+
+
 def _sdpa_whole_key_value(call: Call, q: Tensor, k: Tensor, v: Tensor, sq: Split, bound: dict[str, Any]) -> Decision:
     """Split queries attending whole keys and values (fewer key/value heads than ranks, kept whole: multi-query
     attention): each rank narrows them to the key/value heads its query heads read (the whole tensors' gradients
-    summed over the ranks)."""
+    summed over the ranks). Every rank checks every rank's heads, so that all decide alike."""
     heads, kv_heads = sq.size, k.shape[sq.dim]
-    if kv_heads == 0 or heads % kv_heads or v.shape[sq.dim] != kv_heads or (heads != kv_heads and
-                                                                           not bound["enable_gqa"]):
-        raise Fallback
+    if kv_heads == 0 or heads % kv_heads or v.shape[sq.dim] != kv_heads or (
+            heads != kv_heads and kv_heads != 1 and not bound["enable_gqa"]):
+        raise Fallback  # (one key/value head broadcasts over every query head)
     ratio = heads // kv_heads
-    rank = _state.rank(sq.group)
-    qs, qn = sq.intervals[rank]
-    if not qn:
-        raise Fallback
-    lo, hi = qs // ratio, -(-(qs + qn) // ratio)
-    group = qn // (hi - lo) if qn % (hi - lo) == 0 else 0
-    if not group or any((qs + i) // ratio - lo != i // group for i in range(qn)) or (group > 1 and
-                                                                                      not bound["enable_gqa"]):
-        raise Fallback
-    narrow = functools.partial(_shared_narrow, group=sq.group, dim=sq.dim, start=lo, length=hi - lo)
+    read = [_heads_read(qs, qn, ratio, bool(bound["enable_gqa"])) for qs, qn in sq.intervals]
+    start, length = read[_state.rank(sq.group)]
+    narrow = functools.partial(_shared_narrow, group=sq.group, dim=sq.dim, start=start, length=length)
     moves: list[tuple[int, Any]] = [(call.index(k), narrow), (call.index(v), narrow)]
-    mask = bound["attn_mask"]
-    if isinstance(mask, Tensor):
-        if placement_of(mask) is not None:
-            raise Fallback
-        local = sq.dim - (q.dim() - mask.dim())
-        if local >= 0 and mask.shape[local] != 1:
-            if mask.shape[local] != sq.size:
-                raise Fallback
-            moves.append(_cut(call, mask, local, sq))
-        else:
-            moves.extend(whole_operand(call, mask, sq.group))
+    moves += _mask_moves(call, bound["attn_mask"], q, sq)
     return Decision(tuple(moves), out=sq)
+
+
+def _mask_moves(call: Call, mask: Any, q: Tensor, sq: Split) -> list[tuple[int, Any]]:
+    """A mask cut to this rank's heads or, when it broadcasts over them, used whole by every rank."""
+    if not isinstance(mask, Tensor):
+        return []
+    if placement_of(mask) is not None:
+        raise Fallback
+    local = sq.dim - (q.dim() - mask.dim())
+    if local >= 0 and mask.shape[local] == sq.size:
+        return [_cut(call, mask, local, sq)]
+    if local < 0 or mask.shape[local] == 1:
+        return list(whole_operand(call, mask, sq.group))
+    raise Fallback
 
 
 def _narrowed_heads(call: Call, k: Tensor, v: Tensor, sq: Split, sk: Split, ratio: int,
                     gqa: bool) -> list[tuple[int, Any]]:
     """The moves narrowing this rank's key and value heads to the ones its query heads read (a local view,
-    its gradient zero elsewhere: a share of the whole, as replicas' are); ``Fallback`` if they do not hold them."""
-    rank = _state.rank(sq.group)
-    (qs, qn), (ks, kn) = sq.intervals[rank], sk.intervals[rank]
-    if not qn:
-        raise Fallback
-    lo, hi = qs // ratio, -(-(qs + qn) // ratio)
-    if lo < ks or hi > ks + kn or qn % (hi - lo):
-        raise Fallback
-    group = qn // (hi - lo)
-    if any((qs + i) // ratio - lo != i // group for i in range(qn)) or (group > 1 and not gqa):
-        raise Fallback  # the local heads would not meet as the whole ones do
-    narrow = functools.partial(_narrow_to, dim=sk.dim, start=lo - ks, length=hi - lo)
+    its gradient zero elsewhere: a share of the whole, as replicas' are); ``Fallback`` if a rank does not hold
+    them (every rank checks every rank's, so that all decide alike)."""
+    found = []
+    for (qs, qn), (ks, kn) in zip(sq.intervals, sk.intervals):
+        lo, count = _heads_read(qs, qn, ratio, gqa)
+        if count and (lo < ks or lo + count > ks + kn):
+            raise Fallback
+        found.append((lo - ks if count else 0, count))
+    start, length = found[_state.rank(sq.group)]
+    narrow = functools.partial(_narrow_to, dim=sk.dim, start=start, length=length)
     return [(call.index(k), narrow), (call.index(v), narrow)]
 
 

@@ -96,27 +96,24 @@ def _batched(call: Call) -> Decision:
     if type(placement) is not Strided or placement.dim >= ndim - 2:
         raise Fallback
     moves: list[tuple[int, Any]] = []
+    rank = _state.rank(placement.group)
+    replaced = {}
     for t in tensors:
         if placement_of(t) is not None:
             if t.dim() != ndim:
                 raise Fallback
             continue
         local = placement.dim - (ndim - t.dim())
-        if local < 0 or t.shape[local] == 1:
-            moves.extend(_split.whole_operand(call, t, placement.group))
-        elif t.shape[local] == placement.blocks * placement.size:
+        # The strided dimension's whole extent is cut, 1 included (``bmm``'s batches do not broadcast).
+        if local >= 0 and t.shape[local] == placement.extent():
             moves.append((call.index(t), functools.partial(placement.cut, dim=local)))
+            shape = list(t.shape)
+            shape[local] = placement.blocks * placement.intervals[rank][1]  # this rank's rows of each block
+            replaced[call.index(t)] = torch.empty(shape, dtype=t.dtype, device="meta")
+        elif local < 0 or t.shape[local] == 1:
+            moves.extend(_split.whole_operand(call, t, placement.group))
         else:
             raise Fallback
-    rank = _state.rank(placement.group)
-    replaced = {}
-    for i, _ in moves:
-        t = call.leaves[i]
-        local = placement.dim - (ndim - t.dim())
-        if local >= 0 and t.shape[local] != 1:  # cut: this rank's rows of each block
-            shape = list(t.shape)
-            shape[local] = placement.blocks * placement.intervals[rank][1]
-            replaced[i] = torch.empty(shape, dtype=t.dtype, device="meta")
     out = call.meta_out(replaced)
     if out is not None and (not isinstance(out, Tensor) or out.dim() != ndim):
         raise Fallback
