@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from _shardkit import comm as _comm

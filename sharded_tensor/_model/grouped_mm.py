@@ -42,8 +42,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, linear: 
     fits = x.dim() == 2 and weight.dim() == 3 and counts.dim() == 1 and counts.shape[0] == weight.shape[0]
     if not fits or x.shape[1] != weight.shape[2 if linear else 1] or x.dtype != weight.dtype:
         layout = "[G, out, in]" if linear else "[G, in, out]"
-        msg = (f"grouped_mm takes x [R, in], weight {layout} of x's dtype and counts [G]; got x "
-               f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, counts {tuple(counts.shape)}.")
+        msg = (f"grouped_mm takes x [R, in], weight {layout} of x's dtype and counts [G]; got x {tuple(x.shape)} "
+               f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, counts {tuple(counts.shape)}.")
         raise ValueError(msg)
     return int(weight.shape[1] if linear else weight.shape[2])
 
