@@ -28,7 +28,17 @@ fewer bytes than the all-reduce whenever some token skips some rank's experts. I
 tensor-parallel model the tokens are already on every rank, so the dispatch itself (tokens to
 their experts' ranks) moves nothing. :func:`combine_bytes` counts the ways; the layer takes
 the all-to-all only when it moves fewer bytes in total (the routing is replicated, so every
-rank decides the same).
+rank decides the same). That choice reads the routing on the host; under ``torch.compile``,
+where the routing has no value while tracing, the layer always takes the all-reduce.
+
+Computing: a rank's (token, chosen expert) pairs are sorted by expert, and each expert
+matrix is one grouped product over the sorted rows (``grouped_mm``, an operator with a fake
+implementation and its own backward), so the shapes in the layer do not depend on the
+routing's values and ``torch.compile`` traces it whole, with the code eager runs. The one
+difference: eager keeps only the pairs of this rank's experts (their number is read once per
+layer), the compiled layer keeps all ``T * k`` (a static shape), those of other ranks' experts
+sorted last and adding exact zeros. Llama 4's stacked experts need no routing: every expert
+runs on its own block of rows.
 """
 
 from __future__ import annotations
@@ -244,10 +254,10 @@ def _rows(index: torch.Tensor, first: int, count: int, every: bool) -> _Rows:
     """The rows of the pairs routed to experts ``first .. first + count`` (``every``: all experts are local).
 
     The pairs are sorted by expert, those of other ranks' experts last. Eager keeps only the
-    local ones: one read of their number, the only value the layer takes to the host (none
-    when every expert is local). Traced (``torch.compile``), no value exists yet: all ``T * k``
-    pairs stay, a static shape; the others add zeros (see :class:`_Rows`), so the compiled
-    layer computes what eager does.
+    local ones, their number read on the host (no read when every expert is local). Traced
+    (``torch.compile``), no value exists yet: all ``T * k`` pairs stay, a static shape; the
+    others add zeros (see :class:`_Rows`), so the compiled layer computes what eager does, row
+    for row.
     """
     flat = index.reshape(-1)
     local = flat - first if first else flat
@@ -283,7 +293,12 @@ def _mix(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: t
 
 
 class ShardedExperts(_registry.ShardedModule):
-    """transformers' fused experts (Mixtral, Qwen2-MoE, Qwen3-MoE, ...) split by features or by experts."""
+    """transformers' fused experts (Mixtral, Qwen2-MoE, Qwen3-MoE, ...) split by features or by experts.
+
+    The layer traces whole under ``torch.compile`` (static shapes: see the module's docstring);
+    split by experts, the compiled layer sums the ranks' outputs with an all-reduce, where eager
+    may choose an all-to-all (:func:`_combine`).
+    """
 
     def plan(self, module: nn.Module, layouts: Mapping[str, Any], *, name: str) -> ExpertsPlan:
         return _plan(module, layouts, name)
@@ -377,7 +392,7 @@ class ShardedBiasedExperts(_registry.ShardedModule):
     features: an even run of the interleaved columns), so the clamped activation is the
     module's. Split by features, the down projection's bias is added once after the sum over
     ranks, weighted by the routing weights as in the module; split by experts, each expert
-    adds its own.
+    adds its own. Like :class:`ShardedExperts`, it traces whole under ``torch.compile``.
     """
 
     def plan(self, module: nn.Module, layouts: Mapping[str, Any], *, name: str) -> ExpertsPlan:
