@@ -416,9 +416,10 @@ class ShardedBiasedExperts(_registry.ShardedModule):
         y = grouped_mm(apply_gate(h), down, rows.counts, linear=False)
         if plan.mode == "expert":
             y = y + down_bias[rows.expert]
-            return _combine(call, plan, rows.add_up((y * rows.weights(weights)).to(x.dtype), x.shape[0]),
-                            router_indices)
-        total = call.reduce(rows.add_up((y * rows.weights(weights)).to(x.dtype), x.shape[0]))
+        partial = rows.add_up((y * rows.weights(weights)).to(x.dtype), x.shape[0])
+        if plan.mode == "expert":
+            return _combine(call, plan, partial, router_indices)
+        total = call.reduce(partial)
         # Each chosen expert's bias, weighted as in the module; from the routing weights as they come
         # (not the shared copy above, whose gradient is summed over the ranks), the same on every rank.
         bias = down_bias[rows.expert] * rows.weights(routing_weights)
