@@ -70,13 +70,14 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int]] = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                dict(DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96,
                     interleave_moe_layer_step=1, no_rope_layers=[1, 1], attention_chunk_size=64), "tensor", 1),
-    # Gated delta-net (linear attention) layers beside full attention (transformers' plan gathers their
-    # projections' outputs): exact; all-gathers not counted.
+    # Gated delta-net (linear attention) layers beside full attention: transformers' plan gathers their
+    # projections' outputs; split by key heads instead (the convolution over packed q/k/v channels, the delta
+    # rule per head), only the returned logits are gathered.
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(DECODER, head_dim=16, num_experts=4, linear_num_value_heads=4, linear_num_key_heads=2,
                         linear_key_head_dim=16, linear_value_head_dim=16,
                         layer_types=["linear_attention", "full_attention"], shared_expert_intermediate_size=32,
-                        num_experts_per_tok=2, moe_intermediate_size=32), "tensor", None),
+                        num_experts_per_tok=2, moe_intermediate_size=32), "tensor", 1),
 }
 
 

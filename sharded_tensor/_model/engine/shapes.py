@@ -140,4 +140,4 @@ def local_reading(local: Sequence[int], out: Sequence[int], split: _S) -> _S | N
         theirs_out[o] = int(n * ratio)
         if _readings(theirs_in, theirs_out, split.dim, split.intervals) != found:
             return None
-    return split.scaled(o, ratio.numerator, ratio.denominator)  # type: ignore[return-value]
+    return split.scaled(o, ratio.numerator, ratio.denominator)
