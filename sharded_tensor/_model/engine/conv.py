@@ -11,7 +11,8 @@ queries, keys and values, each split on its heads) convolves them with their own
   this rank's channels, in the input's order (its gradient gathered back whole in backward), and
   the output holds the input's channels;
 * ``pad`` of a split or packed activation along other dimensions than the split one (the
-  convolution's causal padding, the chunked delta rule's padding of the sequence): slice by slice.
+  convolution's causal padding, the chunked delta rule's padding of the sequence): slice by slice
+  (in a mode other than ``constant``, only where every rank holds part of the split dimension).
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ def _conv1d(call: Call) -> Decision:
     return Decision(tuple(moves), run=run, out=placement)
 
 
+def _holds_none(placement: Split | Packed) -> bool:
+    """Whether some rank holds nothing of the placed dimension."""
+    if type(placement) is Packed:
+        return any(not sum(n for _, n in slices) for slices in placement.pieces)
+    return any(not n for _, n in placement.intervals)  # type: ignore[union-attr]
+
+
 def _pad(call: Call) -> Decision:
     """``F.pad`` along dimensions other than the split (or packed) one, in any mode: slice by slice."""
     bound = call.bound()
@@ -134,6 +142,8 @@ def _pad(call: Call) -> Decision:
             raise Fallback  # along the split: the padding is at the whole tensor's ends, not each slice's
     if isinstance(bound.get("value"), Tensor):
         raise Fallback
+    if bound.get("mode", "constant") != "constant" and _holds_none(placement):
+        raise Fallback  # reflect, replicate: torch refuses a tensor empty along a dimension it does not pad
     out = call.meta_out()
     if not isinstance(out, Tensor) or out.dim() != x.dim():
         raise Fallback

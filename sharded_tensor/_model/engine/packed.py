@@ -64,6 +64,12 @@ def _world_of(placement: Any) -> int:
 
 # -- cat --------------------------------------------------------------------------------------------
 
+def _taking_part(tensors: Any) -> list[Tensor]:
+    """The operands of ``cat`` but the whole 1-d empty ones (a cache's first state), which torch skips; a placed
+    one is kept, empty or not (a rank holding nothing of it), so that every rank decides alike."""
+    return [t for t in tensors if not (t.dim() == 1 and t.numel() == 0 and placement_of(t) is None)]
+
+
 def _along_placed(call: Call) -> Decision | None:
     """``cat`` along the dimension every operand is split or packed on: packed; ``None`` along another dimension.
 
@@ -73,8 +79,7 @@ def _along_placed(call: Call) -> Decision | None:
     """
     bound = call.bound()
     dim = bound.get("dim", 0)
-    # torch.cat skips 1-d empty tensors (a cache's first state): they take no part in the split.
-    tensors = [t for t in bound["tensors"] if not (t.dim() == 1 and t.numel() == 0)]
+    tensors = _taking_part(bound["tensors"])
     if not isinstance(dim, int) or not tensors or any(t.dim() != tensors[0].dim() for t in tensors):
         raise Fallback
     d = norm_dim(dim, tensors[0].dim())
@@ -113,7 +118,7 @@ def _concatenated_packed(call: Call) -> Decision:
     found = _along_placed(call)
     if found is not None:
         return found
-    tensors = [t for t in call.bound()["tensors"] if not (t.dim() == 1 and t.numel() == 0)]
+    tensors = _taking_part(call.bound()["tensors"])
     placements = {placement_of(t) for t in tensors}
     if len(placements) != 1:
         raise Fallback  # a whole operand (it would need cutting to this rank's slices) or another packing
@@ -151,8 +156,8 @@ def _elementwise(call: Call) -> Decision:
         if local_dim >= 0 and t.shape[local_dim] != 1:
             raise Fallback  # whole along the packed dimension: each rank would need its slices of it
         moves.extend(_split.whole_operand(call, t, found.group))
-    out = call.meta_out()
-    if not (isinstance(out, Tensor) and out.dim() == out_ndim):
+    out = call.meta_out()  # (None for an op meta tensors refuse: in place on one that needs a gradient)
+    if out is not None and not (isinstance(out, Tensor) and out.dim() == out_ndim):
         raise Fallback  # not one tensor of the broadcast shape: an op that only looks element-wise
     return Decision(tuple(moves), out=found)
 
@@ -200,11 +205,12 @@ def _copied(call: Call) -> Decision:
     if type(packed) is not Packed or not isinstance(dest, Tensor) or not isinstance(source, Tensor) \
             or dest.shape != source.shape:
         raise Fallback
+    # An untagged buffer of the source's local shape is this rank's part (a buffer of the whole size, on a rank
+    # holding less, fails the shape check above, there and on every rank). On a rank holding every slice the two
+    # sizes agree: it takes the buffer as its part too, as the ranks beside it do with theirs, made alike; a buffer
+    # made whole on purpose there, beside ranks holding nothing, is the one layout read otherwise than meant.
     held = placement_of(dest)
-    if held is None:
-        if source.shape[packed.dim] == packed.size:
-            raise Fallback  # a buffer of the whole size: it wants the whole values
-    elif held != packed:
+    if held is not None and held != packed:
         raise Fallback
     return Decision(out=packed, written=((call.index(dest), packed),))
 
