@@ -1573,9 +1573,10 @@ def _repeat_interleave(draw: Draw, spelling: Any, name: str) -> Case:
     gen = _generator(draw)
     x = _split(draw, ndim=(1, 3), gen=gen, replicas=True)
     n = x.whole.dim()
-    form = draw(hs.sampled_from(["an int", "per element", "flattened", "output size"]), label="repeats")
-    d = draw(hs.integers(-n, n - 1), label="dim")
-    repeats = draw(hs.integers(0, 3), label="repeats")
+    form = draw(hs.sampled_from(["an int", "an int", "per element", "flattened", "output size"]), label="repeats")
+    along = x.placement.dim
+    d = draw(hs.sampled_from([along, along - n, *range(n)]), label="dim")
+    repeats = draw(hs.sampled_from([2, 3, 1, 0]), label="repeats")
     if form == "flattened":
         return Case(lambda t: spelling(t, repeats), (x,))
     if form == "per element":
@@ -1586,7 +1587,7 @@ def _repeat_interleave(draw: Draw, spelling: Any, name: str) -> Case:
     return Case(lambda t: spelling(t, repeats, dim=d), (x,))
 
 
-@case("linalg_solve_triangular", count=20)
+@case("linalg_solve_triangular", count=30)
 def _solve_triangular(draw: Draw, spelling: Any, name: str) -> Case:
     """``solve_triangular(A, B)`` split on a batch dimension (A, B or both placed; the other whole, or broadcast
     along it), on B's independent columns (``left=False``: rows) with A whole, or on what the solve mixes (gathers).
@@ -1596,7 +1597,8 @@ def _solve_triangular(draw: Draw, spelling: Any, name: str) -> Case:
     total = max(st + n for st, n in iv)
     left, upper, unit = (draw(hs.booleans(), label=what) for what in ("left", "upper", "unitriangular"))
     m, k = draw(hs.integers(1, 3), label="m"), draw(hs.integers(1, 3), label="k")
-    role = draw(hs.sampled_from(["batch", "independent", "solved", "triangular"]), label="split on")
+    role = draw(hs.sampled_from(["batch", "batch", "independent", "independent", "solved", "triangular"]),
+                label="split on")
     if role == "triangular":
         m = total
     if role == "independent":
@@ -1654,19 +1656,27 @@ def _like(draw: Draw, spelling: Any, name: str) -> Case:
 
 @case("sum", "mean", "amax", "amin", "logsumexp", "special_logsumexp", "var", "std", kind=Strided, count=12)
 def _strided_reduce(draw: Draw, spelling: Any, name: str) -> Case:
+    """Over other dimensions than the strided one (first, or moved last by a transpose), or over it (gathers)."""
     x, _, _ = _strided(draw, _generator(draw), replicas=True)
     n = x.whole.dim()
+    moved = draw(hs.booleans(), label="strided dimension last")
     keepdim = draw(hs.booleans(), label="keepdim")
     form = draw(hs.sampled_from(["one", "list", "all"]), label="dims")
     if form == "all":
-        return Case(lambda t: spelling(t, list(range(n)), keepdim=keepdim) * 1, (x,), tol=SUMMED)
-    if form == "one":
-        d: Any = draw(hs.integers(-n, n - 1), label="dim")
+        d: Any = list(range(n))
+    elif form == "one":
+        d = draw(hs.integers(-n, n - 1), label="dim")
     else:
         d = sorted(set(draw(hs.lists(hs.integers(0, n - 1), min_size=1, max_size=n), label="dim list")))
-    if name in ("var", "std") and draw(hs.booleans(), label="correction"):
-        return Case(lambda t: spelling(t, d, correction=0, keepdim=keepdim), (x,), tol=SUMMED)
-    return Case(lambda t: spelling(t, d, keepdim=keepdim), (x,), tol=SUMMED)
+    correction = name in ("var", "std") and draw(hs.booleans(), label="correction")
+
+    def op(t: torch.Tensor) -> torch.Tensor:
+        t = t.transpose(0, -1) if moved else t
+        if correction:
+            return spelling(t, d, correction=0, keepdim=keepdim) * 1
+        return spelling(t, d, keepdim=keepdim) * 1
+
+    return Case(op, (x,), tol=SUMMED)
 
 
 # -- cross-entropy on vocabulary-split logits --------------------------------------------------------------
