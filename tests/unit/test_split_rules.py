@@ -1618,8 +1618,10 @@ def _solve_triangular(draw: Draw, spelling: Any, name: str) -> Case:
     which = draw(hs.sampled_from(["A", "B", "both"]) if role == "batch" else hs.just("B"), label="placed")
     if role == "triangular":
         which = "A"
+    if role == "batch" and (a_shape[0] != total or len(a_shape) != len(b_shape)):
+        which = "B"  # A broadcast along the batch: whole
     args: list[Any] = []
-    if which in ("A", "both") and len(a_shape) == len(b_shape):
+    if which in ("A", "both"):
         a_dim = 0 if role == "batch" else len(a_shape) - 2
         args.append(Placed(a_whole, Split(a_dim, iv)))
     else:
@@ -2102,6 +2104,76 @@ def test_operands_split_two_ways_fall_back_exactly(other: str) -> None:
          "other dim": Placed(_g(4, 4, seed=1), Split(1, ((0, 2), (2, 2)))),
          "packed": Placed(_g(4, 4, seed=1), Packed(0, (((0, 1), (2, 1)), ((1, 1), (3, 1)))))}[other]
     _run(lambda a, b: torch.cat([a * b + b, b], dim=1), x, y)
+
+
+# -- families: linear attention (Qwen3-Next's gated delta net) on split heads -------------------------------
+
+# Key heads over 2 ranks, unevenly, and the value heads they serve (2 per key head): each rank the value heads of
+# its key heads, as an output split of the net's projections by key groups gives them.
+KEY_HEADS, VALUE_HEADS = ((0, 2), (2, 1)), ((0, 4), (4, 2))
+
+
+@pytest.mark.parametrize("form", ["chunked", "chunked from a state", "recurrent from a state"])
+def test_the_gated_delta_rule_on_split_heads_without_gathers(form: str) -> None:
+    """transformers' reference gated delta rule (queries and keys repeated to the value heads, padded to chunks,
+    triangular solves per chunk, a state per head) on each rank's heads: exact, its final state split too."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    b, s, dk, dv = 2, 5, 3, 2
+    q, k = (Placed(_g(b, s, 3, dk, seed=i), Split(2, KEY_HEADS)) for i in range(2))
+    v = Placed(_g(b, s, 6, dv, seed=2), Split(2, VALUE_HEADS))
+    g = Placed(-_g(b, s, 6, seed=3).abs(), Split(2, VALUE_HEADS))  # a decay in log space: at most 0
+    beta = Placed(_g(b, s, 6, seed=4).sigmoid(), Split(2, VALUE_HEADS))
+    state = Placed(_g(b, 6, dk, dv, seed=5), Split(1, VALUE_HEADS))
+
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           state: torch.Tensor) -> Any:
+        initial = None if form == "chunked" else state
+        if form.startswith("recurrent"):
+            return qwen3_next.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial,
+                                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return qwen3_next.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, initial_state=initial,
+                                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    _run(op, q, k, v, g, beta, state, tol=1e-12, gathers=0)
+
+
+def test_a_causal_convolution_over_queries_keys_and_values_packed_without_gathers() -> None:
+    """The gated delta net's short convolution: queries, keys and values (each split on its heads) concatenated into
+    the channels of one depthwise convolution (packed: each rank its channels of each), its causal padding, the
+    cached state made from the channels' shape and updated for the next token, the channels split apart again."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    b, s, kernel, dk, dv = 2, 5, 3, 2, 1
+    key_dim, value_dim = 3 * dk, 6 * dv
+    q, k = (Placed(_g(b, s + 1, key_dim, seed=i), Split(2, ((0, 2 * dk), (2 * dk, dk)))) for i in range(2))
+    v = Placed(_g(b, s + 1, value_dim, seed=2), Split(2, ((0, 4 * dv), (4 * dv, 2 * dv))))
+    weight = _g(2 * key_dim + value_dim, kernel, seed=3)
+
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Any:
+        mixed = torch.cat((q, k, v), dim=-1).transpose(1, 2)
+        prompt, token = mixed[:, :, :s], mixed[:, :, s:]
+        out = qwen3_next.causal_conv1d_fn(prompt, w, None, activation="silu")
+        conv_state = torch.zeros((*prompt.shape[:-1], kernel), dtype=prompt.dtype)
+        conv_state.copy_(prompt[..., -kernel:])
+        step = qwen3_next.causal_conv1d_update(token, conv_state, w, None, "silu")
+        parts = torch.split(torch.cat((out, step), -1).transpose(1, 2), [key_dim, key_dim, value_dim], dim=-1)
+        return [*parts, conv_state.transpose(1, 2)]
+
+    _run(op, q, k, v, weight, tol=SUMMED, whole_tol=SUMMED, gathers=0)
+
+
+def test_a_strided_norm_reshaped_back_with_sizes_read_off_the_split() -> None:
+    """The gated delta net's output norm: heads merged with the rows (``reshape(-1, head_dim)``), normalized per
+    row, and reshaped back to the gate's shape read off the split gate (``z.shape``): its heads' size is this
+    rank's, as the strided rows' are."""
+    def op(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        shape = z.shape
+        rows, gate = x.reshape(-1, x.shape[-1]), z.reshape(-1, z.shape[-1])
+        normed = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6) * w * F.silu(gate)
+        return normed.reshape(shape).reshape(shape[0], shape[1], -1)
+
+    heads = ((0, 2), (2, 1))
+    _run(op, Placed(_g(2, 3, 3, 2), Split(2, heads)), Placed(_g(2, 3, 3, 2, seed=1), Split(2, heads)),
+         _g(2, seed=2), tol=1e-12, whole_tol=SUMMED, gathers=0)
 
 
 # -- the engine's limits and faults, each the smallest case found -----------------------------------------------
