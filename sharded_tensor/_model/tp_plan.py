@@ -13,7 +13,8 @@ Two sources, in order:
    A style that gathers a layer's output (``colwise_gather_output``, ``colwise_rep``) does so
    because the model's code slices that output; a fused projection whose slices are known
    (``qkv_proj``: q, k and v by heads; ``gate_up_proj``: gate and up) is split so that each rank
-   holds its share of every slice (a packed split), which the model's slicing then keeps split.
+   holds its share of every slice (a packed split), which the model's slicing then keeps split;
+   a gated delta net's projections (Qwen3-Next's linear attention) are split by key heads.
 2. for architectures whose config has no plan (GPT-2, OPT, Falcon, BLOOM, BERT and RoBERTa,
    DistilBERT, T5, ViT, ...), the projections are recognised by the block structure
    (``_BLOCKS``): attention inputs and the first MLP projection split on output features, the
@@ -273,11 +274,13 @@ def tensor_parallel_spec(model: nn.Module, ranks: Sequence[str | RemoteDevice | 
     ``colwise_gather_output`` and ``colwise_rep`` split on output features like ``colwise``; on
     a fused projection whose parts the model's code slices apart (Phi-3's ``qkv_proj``: q, k
     and v; ``gate_up_proj``: gate and up) each rank holds its share of every part, so the
-    slices stay split and nothing is gathered. As in transformers' own plan, the input
-    embedding (``embed_tokens``) is split on the vocabulary unless the plan names it, and a
-    head's entries are added (``lm_head`` split on the vocabulary: a loss computed in the
-    forward takes the split logits, the logits returned are gathered, or stay split inside
-    ``st.loss_parallel()``). Styles that only change the forward (``moe_tp_experts``,
+    slices stay split and nothing is gathered; a gated delta net's (Qwen3-Next's linear
+    attention) input projections, one group per key head, are split by key heads and its
+    output projection on its input features, when the key heads divide over the ranks. As in
+    transformers' own plan, the input embedding (``embed_tokens``) is split on the vocabulary
+    unless the plan names it, and a head's entries are added (``lm_head`` split on the
+    vocabulary: a loss computed in the forward takes the split logits, the logits returned are
+    gathered, or stay split inside ``st.loss_parallel()``). Styles that only change the forward (``moe_tp_experts``,
     ``all_reduce``, ...) add nothing: shardkit derives the communication from the layouts.
 
     Where the plan leaves attention, an MLP or GPT-OSS's experts whole (GPT-OSS, HunYuan,
