@@ -32,7 +32,7 @@ __all__: list[str] = []
 
 def _repeat_interleave(call: Call) -> Decision:
     """``x.repeat_interleave(repeats, dim)`` with an int ``repeats``: along the split, each rank's slice repeated."""
-    x, split = _split._first_split(call)
+    x, split = _split.first_split(call)
     bound = call.bound()
     repeats, dim = bound.get("repeats"), bound.get("dim")
     if type(repeats) is not int or not isinstance(dim, int) or repeats < 0:
@@ -91,7 +91,7 @@ def _solve_triangular(call: Call) -> Decision:
 
 def _like(call: Call) -> Decision:
     """``zeros_like(x)`` and its kin of a split ``x``: this rank's slice of the whole tensor they make."""
-    x, split = _split._first_split(call)
+    x, split = _split.first_split(call)
     if any(isinstance(v, Tensor) and v is not x and placement_of(v) is not None for v in call.leaves) \
             or any(type(v) is SplitSize for v in call.leaves):
         raise Fallback

@@ -110,7 +110,7 @@ def concatenated(call: Call) -> Decision:
     """``cat`` of split tensors: along the split dimension packed (see :func:`_along_placed`), along another
     dimension as ``split`` concatenates them."""
     found = _along_placed(call)
-    return found if found is not None else _split._along_dim(call)
+    return found if found is not None else _split.along_dim(call)
 
 
 def _concatenated_packed(call: Call) -> Decision:
@@ -183,7 +183,7 @@ def _getitem(call: Call) -> Decision:
     """Indexing at the slices' bounds (an ordinary split, ``split``'s rule), or indexing that leaves the packed
     dimension whole (still packed)."""
     try:
-        return _split._packed(call)
+        return _split.packed_parts(call)
     except Fallback:
         pass
     x = call.args[0] if call.args else None
@@ -191,7 +191,7 @@ def _getitem(call: Call) -> Decision:
     assert isinstance(x, Tensor)
     # Where the packed dimension lands is where a split of it would: one interval stands for the slices.
     probe = Split(packed.dim, ((0, x.shape[packed.dim]),), packed.group)
-    return Decision(out=moved(packed, _split._indexed(x, call.args[1], probe).dim))
+    return Decision(out=moved(packed, _split.indexed(x, call.args[1], probe).dim))
 
 
 # -- writes -----------------------------------------------------------------------------------------
