@@ -28,7 +28,17 @@ fewer bytes than the all-reduce whenever some token skips some rank's experts. I
 tensor-parallel model the tokens are already on every rank, so the dispatch itself (tokens to
 their experts' ranks) moves nothing. :func:`combine_bytes` counts the ways; the layer takes
 the all-to-all only when it moves fewer bytes in total (the routing is replicated, so every
-rank decides the same).
+rank decides the same). That choice reads the routing on the host; under ``torch.compile``,
+where the routing has no value while tracing, the layer always takes the all-reduce.
+
+Computing: a rank's (token, chosen expert) pairs are sorted by expert, and each expert
+matrix is one grouped product over the sorted rows (``grouped_mm``, an operator with a fake
+implementation and its own backward), so the shapes in the layer do not depend on the
+routing's values and ``torch.compile`` traces it whole, with the code eager runs. The one
+difference: eager keeps only the pairs of this rank's experts (their number is read once per
+layer), the compiled layer keeps all ``T * k`` (a static shape), those of other ranks' experts
+sorted last and adding exact zeros. Llama 4's stacked experts need no routing: every expert
+runs on its own block of rows.
 """
 
 from __future__ import annotations
@@ -39,13 +49,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from _shardkit import comm as _comm
 
 from . import registry as _registry
 from .engine.placements import Intervals, copy_to_ranks, gather
+from .grouped_mm import grouped_mm
 
 __all__ = ["ExpertsPlan", "ShardedExperts", "ShardedBiasedExperts", "ShardedStackedExperts", "biased_experts_layout",
            "is_biased_experts", "is_fused_experts", "is_stacked_experts", "register_experts_of", "combine_bytes"]
@@ -205,24 +215,90 @@ def _expert_plan(num: int, gate_up: Intervals, down: Intervals, name: str) -> Ex
     return ExpertsPlan("expert", gate_up)
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """The (token, slot) pairs a rank computes, one row each, grouped by its local expert.
+
+    ``order``: each row's position among the flattened ``[T * k]`` pairs (sorted by local
+    expert, stably, so a token's pairs keep their order within an expert); ``tokens``: its
+    token; ``expert``: its local expert; ``counts``: rows per local expert (``[G]``), the
+    grouping ``grouped_mm`` takes. ``valid`` is ``None`` when every row belongs to a local
+    expert, else which do: under ``torch.compile`` the rows are all ``T * k`` pairs (a static
+    shape), those of other ranks' experts sorted last, where ``grouped_mm`` leaves zeros and the
+    routing weight is taken as zero.
+    """
+
+    order: torch.Tensor
+    tokens: torch.Tensor
+    expert: torch.Tensor
+    counts: torch.Tensor
+    valid: torch.Tensor | None
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's token of ``x`` ``[T, ...]``."""
+        return x[self.tokens]
+
+    def weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """Each row's routing weight from ``weights`` ``[T, k]``, as ``[R, 1]`` (zero for another rank's expert)."""
+        w = weights.reshape(-1)[self.order]
+        if self.valid is not None:
+            w = torch.where(self.valid, w, torch.zeros_like(w))
+        return w.unsqueeze(-1)
+
+    def add_up(self, y: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The ``[tokens, ...]`` sums of the rows ``y`` per token."""
+        return y.new_zeros(tokens, *y.shape[1:]).index_add(0, self.tokens, y)
+
+
+def _rows(index: torch.Tensor, first: int, count: int, every: bool) -> _Rows:
+    """The rows of the pairs routed to experts ``first .. first + count`` (``every``: all experts are local).
+
+    The pairs are sorted by expert, those of other ranks' experts last. Eager keeps only the
+    local ones, their number read on the host (no read when every expert is local). Traced
+    (``torch.compile``), no value exists yet: all ``T * k`` pairs stay, a static shape; the
+    others add zeros (see :class:`_Rows`), so the compiled layer computes what eager does, row
+    for row.
+    """
+    flat = index.reshape(-1)
+    local = flat - first if first else flat
+    key = local if every else torch.where((local >= 0) & (local < count), local, torch.full_like(local, count))
+    groups = count if every else count + 1
+    counts = key.new_zeros(groups).index_add_(0, key, torch.ones_like(key))
+    sorted_key, order = torch.sort(key, stable=True)
+    valid = None
+    if not every:
+        counts = counts[:count]
+        if torch.compiler.is_compiling():
+            valid = sorted_key < count
+        else:
+            kept = int(counts.sum())
+            order, sorted_key = order[:kept], sorted_key[:kept]
+    tokens = torch.div(order, index.shape[-1], rounding_mode="floor")
+    expert = sorted_key if valid is None else sorted_key.clamp(max=count - 1)
+    return _Rows(order, tokens, expert, counts, valid)
+
+
 def _mix(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-         down: torch.Tensor, first: int, act: Any) -> torch.Tensor:
+         down: torch.Tensor, first: int, act: Any, every: bool) -> torch.Tensor:
     """Sum over the local experts ``first..`` of their weighted outputs, per token.
 
-    Every local expert runs, even on no token: its parameters then get a zero gradient, as
-    in the unsharded model, so an optimizer updates them the same way.
+    The (token, slot) pairs are sorted by expert and each matrix is one grouped product over
+    them (``grouped_mm``). Every local expert's parameters get a gradient, zero for an expert
+    no token chose, as in the unsharded model, so an optimizer updates them the same way.
     """
-    out = x.new_zeros(x.shape[0], down.shape[1])
-    for local in range(gate_up.shape[0]):
-        token, slot = torch.where(index == first + local)
-        gate, up = F.linear(x[token], gate_up[local]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, down[local]) * weights[token, slot, None]
-        out = out.index_add(0, token, y.to(out.dtype))
-    return out
+    rows = _rows(index, first, gate_up.shape[0], every)
+    gate, up = grouped_mm(rows.take(x), gate_up, rows.counts, linear=True).chunk(2, dim=-1)
+    y = grouped_mm(act(gate) * up, down, rows.counts, linear=True) * rows.weights(weights)
+    return rows.add_up(y.to(x.dtype), x.shape[0])
 
 
 class ShardedExperts(_registry.ShardedModule):
-    """transformers' fused experts (Mixtral, Qwen2-MoE, Qwen3-MoE, ...) split by features or by experts."""
+    """transformers' fused experts (Mixtral, Qwen2-MoE, Qwen3-MoE, ...) split by features or by experts.
+
+    The layer traces whole under ``torch.compile`` (static shapes: see the module's docstring);
+    split by experts, the compiled layer sums the ranks' outputs with an all-reduce, where eager
+    may choose an all-to-all (:func:`_combine`).
+    """
 
     def plan(self, module: nn.Module, layouts: Mapping[str, Any], *, name: str) -> ExpertsPlan:
         return _plan(module, layouts, name)
@@ -238,7 +314,7 @@ class ShardedExperts(_registry.ShardedModule):
         x, weights = _shared_inputs(call, hidden_states, top_k_weights)
         first = plan.intervals[call.rank][0] if plan.mode == "expert" else 0
         gate_up, down = cast(torch.Tensor, module.gate_up_proj), cast(torch.Tensor, module.down_proj)
-        partial = _mix(x, top_k_index, weights, gate_up, down, first, module.act_fn)
+        partial = _mix(x, top_k_index, weights, gate_up, down, first, module.act_fn, plan.mode == "tensor")
         return _combine(call, plan, partial, top_k_index)
 
 
@@ -252,8 +328,14 @@ def _shared_inputs(call: _registry.ShardedCall, hidden_states: torch.Tensor,
 
 def _combine(call: _registry.ShardedCall, plan: ExpertsPlan, partial: torch.Tensor,
              top_k_index: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks of every rank's partial ``[T, H]`` output: all-reduce, or all-to-all where cheaper."""
-    if plan.mode == "expert" and call.world_size > 1:
+    """The sum over ranks of every rank's partial ``[T, H]`` output: all-reduce, or all-to-all where cheaper.
+
+    Which moves fewer bytes depends on the routing's values (:func:`combine_bytes`), read on the
+    host in eager. Under ``torch.compile`` they have no value while tracing, and the all-to-all's
+    message sizes would depend on them: the compiled layer always takes the all-reduce (the
+    same sum), with no value taken to the host.
+    """
+    if plan.mode == "expert" and call.world_size > 1 and not torch.compiler.is_compiling():
         hits = _hits(top_k_index, plan.intervals)
         bytes_ = [combine_bytes(top_k_index, plan.intervals, partial.shape[1], partial.element_size(), r)
                   for r in range(call.world_size)]
@@ -310,7 +392,7 @@ class ShardedBiasedExperts(_registry.ShardedModule):
     features: an even run of the interleaved columns), so the clamped activation is the
     module's. Split by features, the down projection's bias is added once after the sum over
     ranks, weighted by the routing weights as in the module; split by experts, each expert
-    adds its own.
+    adds its own. Like :class:`ShardedExperts`, it traces whole under ``torch.compile``.
     """
 
     def plan(self, module: nn.Module, layouts: Mapping[str, Any], *, name: str) -> ExpertsPlan:
@@ -329,23 +411,19 @@ class ShardedBiasedExperts(_registry.ShardedModule):
         gate_up, gate_up_bias = cast(torch.Tensor, module.gate_up_proj), cast(torch.Tensor, module.gate_up_proj_bias)
         down, down_bias = cast(torch.Tensor, module.down_proj), cast(torch.Tensor, module.down_proj_bias)
         apply_gate = cast(Any, module)._apply_gate
-        out = x.new_zeros(x.shape[0], down.shape[-1])
-        for local in range(gate_up.shape[0]):
-            token, slot = torch.where(router_indices == first + local)
-            y = apply_gate(x[token] @ gate_up[local] + gate_up_bias[local]) @ down[local]
-            if plan.mode == "expert":
-                y = y + down_bias[local]
-            out = out.index_add(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        rows = _rows(router_indices, first, gate_up.shape[0], plan.mode == "tensor")
+        h = grouped_mm(rows.take(x), gate_up, rows.counts, linear=False) + gate_up_bias[rows.expert]
+        y = grouped_mm(apply_gate(h), down, rows.counts, linear=False)
         if plan.mode == "expert":
-            return _combine(call, plan, out, router_indices)
-        total = call.reduce(out)
+            y = y + down_bias[rows.expert]
+        partial = rows.add_up((y * rows.weights(weights)).to(x.dtype), x.shape[0])
+        if plan.mode == "expert":
+            return _combine(call, plan, partial, router_indices)
+        total = call.reduce(partial)
         # Each chosen expert's bias, weighted as in the module; from the routing weights as they come
         # (not the shared copy above, whose gradient is summed over the ranks), the same on every rank.
-        bias = x.new_zeros(x.shape[0], down.shape[-1])
-        for expert in range(gate_up.shape[0]):
-            token, slot = torch.where(router_indices == expert)
-            bias = bias.index_add(0, token, (down_bias[expert] * routing_weights[token, slot, None]).to(bias.dtype))
-        return total + bias
+        bias = down_bias[rows.expert] * rows.weights(routing_weights)
+        return total + rows.add_up(bias.to(x.dtype), x.shape[0])
 
 
 def _stacked_plan(module: nn.Module, layouts: Mapping[str, Any], name: str) -> ExpertsPlan:
@@ -421,7 +499,10 @@ class _SharedInputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_x: torch.Tensor, grad_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         both = torch.cat([grad_x.reshape(-1), grad_w.reshape(-1)])
-        _comm.all_reduce(both, ctx.group, what="experts backward (all_reduce)")
+        if torch.compiler.is_compiling():  # a functional all-reduce returns a new tensor: no copy back into ``both``
+            both = _comm.all_reduced(both, ctx.group, what="experts backward (all_reduce)")
+        else:
+            _comm.all_reduce(both, ctx.group, what="experts backward (all_reduce)")
         n = grad_x.numel()
         return both[:n].view_as(grad_x), both[n:].view_as(grad_w), None
 

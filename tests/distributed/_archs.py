@@ -23,8 +23,8 @@ import torch
 import sharded_tensor as st
 from sharding import CompositeShardingSpec, composite, single_split
 
-__all__ = ["ARCHS", "BY_NAME", "Arch", "BATCH", "SEQ", "VOCAB", "gpt2_spec", "inputs", "loss", "max_diff",
-           "objective", "spec_of"]
+__all__ = ["ARCHS", "BY_NAME", "LAYERS", "MOE_MODELS", "Arch", "BATCH", "SEQ", "VOCAB", "gpt2_spec", "inputs",
+           "loss", "max_diff", "objective", "spec_of"]
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 96, 64, 96, 4, 2, 16, 2
 BATCH, SEQ = 2, 8
@@ -215,6 +215,17 @@ def _mixtral() -> torch.nn.Module:
     return _seeded(MixtralForCausalLM, MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2))
 
 
+def _gpt_oss() -> torch.nn.Module:
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return _seeded(GptOssForCausalLM, GptOssConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2))
+
+
+def _llama4() -> torch.nn.Module:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    return _seeded(Llama4ForCausalLM, Llama4TextConfig(**DECODER, intermediate_size_mlp=FFN, num_local_experts=4,
+                                                       num_experts_per_tok=1, interleave_moe_layer_step=1))
+
+
 def _phi3() -> torch.nn.Module:
     from transformers import Phi3Config, Phi3ForCausalLM
     return _seeded(Phi3ForCausalLM, Phi3Config(**{k: v for k, v in DECODER.items() if k != "head_dim"}))
@@ -364,6 +375,9 @@ ARCHS = [
                        ("attention.o_proj", "mlp.fc2")), L2, inputs="pixels"),
 ]
 BY_NAME = {arch.name: arch for arch in ARCHS}
+# Mixture-of-experts models whose experts ``st.tensor_parallel_spec`` splits either way (``experts=``): Mixtral's
+# fused experts, GPT-OSS's (interleaved gate and up, biases) and Llama 4's (every expert on its own block of rows).
+MOE_MODELS: dict[str, Callable[[], torch.nn.Module]] = {"mixtral": _mixtral, "gpt_oss": _gpt_oss, "llama4": _llama4}
 
 
 # --- one batch, one loss -----------------------------------------------------------------------

@@ -5,22 +5,25 @@ defaults, ``use_cache=True`` included; batches with an attention mask and ``labe
 plain MLP, architectures of the matrix (tests/distributed/test_arch_matrix.py), a Llama sharded
 with ``st.tensor_parallel_spec`` (embedding and lm_head split on the vocabulary: the whole
 model is the outermost zone; the loss computed in the forward from labels, once plainly and
-once inside ``st.loss_parallel()``), Mixtral planned the same way with both expert layouts,
-and greedy ``generate`` through a compiled forward (the dynamic and the static cache). On
-every rank, for each case (``test_compiled_matches_eager[<case>]``):
+once inside ``st.loss_parallel()``), mixtures of experts planned the same way (Mixtral with
+both expert layouts, GPT-OSS with its experts divided among the ranks; ``SHARDKIT_COMPILE_MOE``
+adds GPT-OSS's other layout and Llama 4's two), and greedy ``generate`` through a compiled
+forward (the dynamic and the static cache). On every rank, for each case
+(``test_compiled_matches_eager[<case>]``):
 
 * the compiled model's logits equal the eager sharded model's (relative difference below
   ``FORWARD_TOL``: the compiled graph runs the same local ops and the same collectives);
 * every parameter's gradient from the compiled forward and backward, the split ones
   gathered whole, equals the unsharded model's (``full_mismatches``: rtol 1e-4);
-* dynamo records no graph break and captures one graph;
+* dynamo records no graph break and captures one graph, the mixtures of experts included (their
+  routing sorts the (token, expert) pairs into a static shape; see sharded_tensor/_model/experts.py);
 * with labels, the compiled loss equals the eager sharded one bit for bit; an id past the
   vocabulary is refused in eager (``IndexError``) and by the compiled graph's assertion;
 * with ``aot_eager``, the forward and backward graphs hold the collectives the layout needs
   (the matrix's count of forward all-reduces; as many in backward for the decoders, whose
-  column-parallel inputs need their gradients summed) and no copy around them: no clone
-  feeding a functional all-reduce, no copy of its result (a functional collective returns a
-  new tensor; a copy there would be paid on every step);
+  column-parallel inputs need their gradients summed; ``MOE_ALL_REDUCES`` for the mixtures of
+  experts) and no copy around them: no clone feeding a functional all-reduce, no copy of its
+  result (a functional collective returns a new tensor; a copy there would be paid on every step);
 * generating through the compiled forward gives the unsharded model's tokens.
 
 A case that fails today for a reason known in the compute engine is listed in
@@ -51,8 +54,8 @@ import torch
 pytest.importorskip("transformers")
 
 import sharded_tensor as st  # noqa: E402
-from sharding import composite, single_split  # noqa: E402
-from tests.distributed._archs import BY_NAME, VOCAB, inputs, loss, max_diff, objective, spec_of  # noqa: E402
+from sharding import CompositeShardingSpec, composite, single_split  # noqa: E402
+from tests.distributed._archs import BY_NAME, LAYERS, MOE_MODELS, VOCAB, inputs, loss, max_diff, objective, spec_of  # noqa: E402
 from tests.distributed._grads import full_grads, full_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 
@@ -69,8 +72,19 @@ ARCHITECTURES = ["llama", "gpt2"]
 VOCAB_SPLIT = "llama_vocab_split"
 # The same, compiled and called inside ``st.loss_parallel()`` (as scripts/bench/tp_llama.py --plan full does).
 VOCAB_SPLIT_LOSS_PARALLEL = "llama_vocab_split_loss_parallel"
-# Mixtral planned by ``st.tensor_parallel_spec``, each expert's features split, or the experts divided.
-MOE_CASES = {"mixtral_experts_tensor": "tensor", "mixtral_experts_expert": "expert"}
+# Mixture-of-experts models planned by ``st.tensor_parallel_spec``, each expert's features split, or the experts
+# divided: Mixtral (fused experts), GPT-OSS (biased, interleaved), Llama 4 (stacked); ``SHARDKIT_COMPILE_MOE`` picks.
+MOE_CASES = {f"{model}_experts_{layout}": (model, layout) for model in MOE_MODELS for layout in ("tensor", "expert")}
+# Compiled by default: Mixtral both ways, and GPT-OSS divided among the ranks (its biases on the rows of other ranks'
+# experts, which the compiled layer keeps, a static shape). SHARDKIT_COMPILE_MOE=gpt_oss,llama4,... adds models
+# (both layouts) or single cases.
+MOE_DEFAULT = ["mixtral", "gpt_oss_experts_expert"]
+# All-reduces per MoE layer, (forward, backward), besides the embedding's and the loss's: attention's row-parallel
+# output and the experts' sum (compiled, the expert-parallel layer always all-reduces: see experts._combine), and in
+# backward the gradients of attention's and the experts' inputs. Llama 4 adds its shared expert (row-parallel) to
+# both, and its experts divided among the ranks gather their rows rather than sum them.
+MOE_ALL_REDUCES = {("mixtral", "tensor"): (2, 2), ("mixtral", "expert"): (2, 2), ("gpt_oss", "tensor"): (2, 2),
+                   ("gpt_oss", "expert"): (2, 2), ("llama4", "tensor"): (3, 3), ("llama4", "expert"): (2, 3)}
 # Greedy generation through a compiled forward, with the dynamic and the static key/value cache.
 GENERATE = "llama_generate"
 NEW_TOKENS = 4
@@ -164,8 +178,18 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
         build, spec, x = arch.build, spec_of(arch, world), dict(inputs(arch.inputs, 0), use_cache=False)
         all_reduces = (arch.all_reduces, arch.all_reduces)
     elif name in MOE_CASES:
-        build, x = BY_NAME["mixtral"].build, inputs("padded", 0)
-        spec = st.tensor_parallel_spec(build(), ranks, experts=MOE_CASES[name])  # type: ignore[arg-type]
+        model_name, layout = MOE_CASES[name]
+        build, x = MOE_MODELS[model_name], inputs("padded", 0)
+        if model_name == "llama4" and layout == "expert":  # transformers has no expert-parallel plan for it
+            planned = st.tensor_parallel_spec(build(), ranks).param_placement
+            experts = "model.layers.*.feed_forward.experts"
+            spec = CompositeShardingSpec({**planned, f"{experts}.gate_up_proj": single_split(0, ranks),
+                                          f"{experts}.down_proj": single_split(0, ranks)})
+        else:
+            spec = st.tensor_parallel_spec(build(), ranks, experts=layout)  # type: ignore[arg-type]
+        # As for the vocabulary-split Llama: the embedding's and the loss's three forward, lm_head's input backward.
+        forward, backward = MOE_ALL_REDUCES[MOE_CASES[name]]
+        all_reduces = (1 + forward * LAYERS + 3, backward * LAYERS + 1)
         grad_of = lambda out: out.loss  # noqa: E731
     else:
         arch = BY_NAME[name]
@@ -195,13 +219,6 @@ def _compile_one(name: str, rank: int, world: int) -> dict[str, Any]:
            "grads": full_mismatches(full_grads(model, rank), {n: p.grad for n, p in ref.named_parameters()}),
            "graph_breaks": sum(counters["graph_break"].values()),
            "graphs": counters["stats"]["unique_graphs"], "refused": None}
-    if name in MOE_CASES:  # the experts' routing makes shapes that depend on values: the unsharded model breaks too
-        torch._dynamo.reset()
-        counters.clear()
-        plain = build()
-        plain.load_state_dict(ref.state_dict())
-        grad_of(torch.compile(plain, backend="aot_eager")(**x)).backward()
-        out["unsharded_graph_breaks"] = sum(counters["graph_break"].values())
     if name == VOCAB_SPLIT:  # an id past the vocabulary: refused in eager and by the compiled graph's own check
         ids = x["input_ids"].clone().fill_(model.config.vocab_size)
         bad = dict(x, input_ids=ids, labels=ids)  # the ids alias the labels, as in the first call: no retrace
@@ -252,7 +269,9 @@ def _run(rank: int, world: int, names: list[str]) -> dict[str, dict[str, Any]]:
 
 def _cases() -> list[str]:
     archs = os.environ.get("SHARDKIT_COMPILE_ARCHS", ",".join(ARCHITECTURES)).split(",")
-    return ["mlp", VOCAB_SPLIT, VOCAB_SPLIT_LOSS_PARALLEL, *archs, NO_CACHE, *MOE_CASES, GENERATE]
+    moe = os.environ.get("SHARDKIT_COMPILE_MOE", ",".join(MOE_DEFAULT)).split(",")
+    return ["mlp", VOCAB_SPLIT, VOCAB_SPLIT_LOSS_PARALLEL, *archs, NO_CACHE,
+            *(name for name, (model, _) in MOE_CASES.items() if model in moe or name in moe), GENERATE]
 
 
 @pytest.fixture(scope="module")
@@ -278,18 +297,6 @@ def _expected_failure(name: str, got: dict[str, Any]) -> None:
     raise AssertionError(msg)
 
 
-@pytest.mark.parametrize("name", list(MOE_CASES))
-@pytest.mark.xfail(strict=True, reason="the sharded experts route tokens with torch.where, whose shapes depend on "
-                   "values: AOTAutograd cannot trace the zone, dynamo breaks the graph around it and the model runs "
-                   "eagerly, where the unsharded model (transformers' grouped experts) compiles whole")
-def test_moe_graph_breaks_no_more_than_unsharded(compile_runs, name) -> None:
-    for rank, per_model in enumerate(compile_runs):
-        got = per_model[name]
-        assert "error" not in got, (rank, name, got)
-        assert got["graph_breaks"] <= got["unsharded_graph_breaks"], (rank, name, got["graph_breaks"],
-                                                                     got["unsharded_graph_breaks"])
-
-
 @pytest.mark.parametrize("name", _cases())
 def test_compiled_matches_eager(compile_runs, name) -> None:
     for rank, per_model in enumerate(compile_runs):
@@ -305,14 +312,13 @@ def test_compiled_matches_eager(compile_runs, name) -> None:
             compiled, eager, unsharded = got["losses"]
             assert compiled == eager, (rank, name, got)
             assert abs(compiled - unsharded) <= FORWARD_TOL * abs(unsharded), (rank, name, got)
-        if name not in MOE_CASES:  # their graph breaks: test_moe_graph_breaks_no_more_than_unsharded
-            assert got["graph_breaks"] == 0 and got["graphs"] == 1, (rank, name, got)
+        assert got["graph_breaks"] == 0 and got["graphs"] == 1, (rank, name, got)
         if got["refused"] is not None:
             eager_error, compiled_error = got["refused"]
             bounds = f"[0, {VOCAB})"
             assert eager_error.startswith("IndexError") and bounds in eager_error, (rank, eager_error)
             assert compiled_error.startswith("RuntimeError") and bounds in compiled_error, (rank, compiled_error)
-        if BACKEND != "aot_eager" or name in MOE_CASES:
+        if BACKEND != "aot_eager":
             continue
         stats = got["graph_stats"]
         assert len(stats["forward"]) == len(stats["backward"]) == 1, (rank, name, stats)

@@ -2224,6 +2224,18 @@ def test_a_reshape_with_sizes_read_off_an_empty_slice(form: str) -> None:
              gathers=0)
 
 
+@pytest.mark.parametrize("intervals", [((0, 2), (2, 2)), ((0, 4), (4, 2)), ((0, 2), (2, 0), (2, 4))],
+                         ids=["even", "uneven", "one-empty"])
+def test_a_reshape_with_a_size_divided_off_the_split_next_to_a_size_1_dimension(intervals: Intervals) -> None:
+    """Grouped attention's decode step (transformers' ``pack_gqa``): ``q.reshape(b, q.shape[1] // n_rep, n_rep, d)``
+    of [b, heads, 1, d] split on the heads. The quotient is a size of the split scaled (each rank's key/value
+    heads), read as the unsharded program reads it: the split on dim 1, halved. As a plain number read against
+    the local slice it fit dim 1 and dim 2 alike, and the call fell back with this rank's sizes (a shape error)."""
+    n = sum(length for _, length in intervals)
+    _run(lambda t: t.reshape(t.shape[0], t.shape[1] // 2, 2, t.shape[-1]), Placed(_g(2, n, 1, 3), Split(1, intervals)),
+         gathers=0)
+
+
 @pytest.mark.parametrize("op", ["bmm", "strided baddbmm"])
 def test_bmm_with_a_batch_of_one_split(op: str) -> None:
     """A batch of 1 split over 2 ranks as [(0, 0), (0, 1)] with a whole operand of batch 1: its batch is the split's

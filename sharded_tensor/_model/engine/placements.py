@@ -480,7 +480,10 @@ class SplitSize(int):
     the engine knows what it measured: to ``view``/``reshape`` it means this rank's extent; to
     ``expand`` or a factory (``torch.zeros``, ``x.new_empty``) it makes this rank's slice of the
     tensor the unsharded program makes; anywhere else (an operand, a size no rule reads) it
-    stands for the whole size. Arithmetic on it gives a plain ``int``.
+    stands for the whole size. A multiple or an exact quotient of it by a plain number
+    (``heads // n_rep``, ``heads * head_dim``) is such a size too, of the split scaled alike
+    (every rank's interval scaled exactly), so the engine reads it as the unsharded program
+    does; any other arithmetic on it gives a plain ``int``.
     """
 
     placement: Split
@@ -498,6 +501,20 @@ class SplitSize(int):
     def whole(self) -> int:
         """The whole tensor's size along the split dimension."""
         return self.placement.size
+
+    def _scaled(self, value: int, num: int, den: int) -> int:
+        split = self.placement.scaled(self.placement.dim, num, den) if num > 0 and den > 0 else None
+        return value if split is None else SplitSize(value, split)
+
+    def __mul__(self, other: Any) -> Any:
+        product = int(self) * other
+        return self._scaled(product, other, 1) if type(other) is int else product
+
+    __rmul__ = __mul__
+
+    def __floordiv__(self, other: Any) -> Any:
+        quotient = int(self) // other
+        return self._scaled(quotient, 1, other) if type(other) is int else quotient
 
 
 def tag(x: Tensor, placement: Placement) -> Tensor:
