@@ -649,6 +649,8 @@ def _reshape(draw: Draw, spelling: Any, name: str) -> Case:
 @case("view_as", "reshape_as", count=12)
 def _reshape_as(draw: Draw, spelling: Any, name: str) -> Case:
     x = _split(draw)
+    if draw(hs.booleans(), label="the other split alike"):  # x.view_as(x), as a module hook's identity does
+        return Case(lambda t, o: spelling(t, o), (x, Placed(torch.zeros(x.whole.shape), x.placement)), gathers=0)
     return Case(lambda t, o: spelling(t, o), (x, torch.zeros(_regrouped(draw, list(x.whole.shape)))))
 
 

@@ -249,6 +249,10 @@ def _read_whole(call: Call, x: Tensor, split: Split, view: bool) -> Decision | N
     whole = list(x.shape)
     whole[split.dim] = split.size
     replaced: dict[int, Any] = {i: v.whole() for i, v in enumerate(call.leaves) if type(v) is SplitSize}
+    for i, v in enumerate(call.leaves[1:], 1):  # a split shape to take (view_as, reshape_as): its whole one
+        other = placement_of(v)
+        if type(other) is Split and isinstance(v, Tensor):
+            replaced[i] = _meta(v, [other.size if d == other.dim else n for d, n in enumerate(v.shape)])
     replaced[0] = _meta(x, whole)
     out = call.meta_out(replaced)
     if not isinstance(out, Tensor):
