@@ -13,7 +13,8 @@ Two sources, in order:
    A style that gathers a layer's output (``colwise_gather_output``, ``colwise_rep``) does so
    because the model's code slices that output; a fused projection whose slices are known
    (``qkv_proj``: q, k and v by heads; ``gate_up_proj``: gate and up) is split so that each rank
-   holds its share of every slice (a packed split), which the model's slicing then keeps split.
+   holds its share of every slice (a packed split), which the model's slicing then keeps split;
+   a gated delta net's projections (Qwen3-Next's linear attention) are split by key heads.
 2. for architectures whose config has no plan (GPT-2, OPT, Falcon, BLOOM, BERT and RoBERTa,
    DistilBERT, T5, ViT, ...), the projections are recognised by the block structure
    (``_BLOCKS``): attention inputs and the first MLP projection split on output features, the
@@ -273,11 +274,13 @@ def tensor_parallel_spec(model: nn.Module, ranks: Sequence[str | RemoteDevice | 
     ``colwise_gather_output`` and ``colwise_rep`` split on output features like ``colwise``; on
     a fused projection whose parts the model's code slices apart (Phi-3's ``qkv_proj``: q, k
     and v; ``gate_up_proj``: gate and up) each rank holds its share of every part, so the
-    slices stay split and nothing is gathered. As in transformers' own plan, the input
-    embedding (``embed_tokens``) is split on the vocabulary unless the plan names it, and a
-    head's entries are added (``lm_head`` split on the vocabulary: a loss computed in the
-    forward takes the split logits, the logits returned are gathered, or stay split inside
-    ``st.loss_parallel()``). Styles that only change the forward (``moe_tp_experts``,
+    slices stay split and nothing is gathered; a gated delta net's (Qwen3-Next's linear
+    attention) input projections, one group per key head, are split by key heads and its
+    output projection on its input features, when the key heads divide over the ranks. As in
+    transformers' own plan, the input embedding (``embed_tokens``) is split on the vocabulary
+    unless the plan names it, and a head's entries are added (``lm_head`` split on the
+    vocabulary: a loss computed in the forward takes the split logits, the logits returned are
+    gathered, or stay split inside ``st.loss_parallel()``). Styles that only change the forward (``moe_tp_experts``,
     ``all_reduce``, ...) add nothing: shardkit derives the communication from the layouts.
 
     Where the plan leaves attention, an MLP or GPT-OSS's experts whole (GPT-OSS, HunYuan,
@@ -584,6 +587,8 @@ def _entries(key: str, style: _Style, packed: int, ctx: _Context) -> dict[str, P
     name, module = matched[0]
     if style.gathered:
         fused = _fused(key, module, ctx)
+        if fused is None:
+            fused = _linear_attention(key, name, ctx)
         if fused is not None:
             return fused
     own = dict(module.named_parameters(recurse=False))
@@ -632,6 +637,50 @@ def _fused(key: str, module: nn.Module, ctx: _Context) -> dict[str, PlacementSpe
                             f"gathered")
         return {key: SingleSplitShardingSpec(ranks * 3, 0, sizes)}
     return None
+
+
+# A gated delta net (Qwen3-Next's linear attention) by the names of its projections, and the method that
+# reads its fused input projections as one group per key head: [q, k, v, z] and [b, a] side by side.
+_DELTA_NET = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+_DELTA_NET_GROUPED = "fix_query_key_value_ordering"
+
+
+def _linear_attention(key: str, name: str, ctx: _Context) -> dict[str, PlacementSpec] | None:
+    """A split by key heads for a gated delta net's projections, which transformers' plan gathers.
+
+    The net's input projections hold one group per key head (its query and key, then the
+    values and gates of the value heads it serves), so an output split on whole groups gives
+    each rank its heads of every part, and the model's code (the grouped view, the
+    convolution over q, k and v, the delta rule per head) computes them there; the output
+    projection then takes those value heads, split on its input features, and hands out a
+    pending sum. ``None`` (a plain output split, gathered where the code needs it whole) for
+    another module, or when the key heads do not divide over the ranks.
+    """
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf not in _DELTA_NET or "." not in name:
+        return None
+    net = ctx.modules.get(name.rsplit(".", 1)[0])
+    if net is None or not callable(getattr(type(net), _DELTA_NET_GROUPED, None)):
+        return None
+    layers = [getattr(net, n, None) for n in _DELTA_NET]
+    heads = [getattr(net, a, None) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")]
+    qkvz, ba, out = layers
+    if not (isinstance(qkvz, nn.Linear) and isinstance(ba, nn.Linear) and isinstance(out, nn.Linear)) or not all(
+            type(v) is int and v > 0 for v in heads):
+        return None
+    k_heads, v_heads, k_dim, v_dim = (int(v) for v in heads)  # type: ignore[arg-type]
+    if v_heads % k_heads or k_heads % ctx.world:
+        return None
+    if (qkvz.out_features != 2 * k_heads * k_dim + 2 * v_heads * v_dim or ba.out_features != 2 * v_heads
+            or out.in_features != v_heads * v_dim):
+        return None
+    if leaf == "out_proj":
+        ctx.inferred.append(f"{key}: a gated delta net's output projection (the plan gathers its output): split on "
+                            f"its input features, the value heads of this rank's key heads, its output a pending sum")
+        return {f"{key}.weight": SingleSplitShardingSpec(ctx.placements, 1)}
+    ctx.inferred.append(f"{key}: a gated delta net's input projection, one group per key head (the plan gathers its "
+                        f"output): split on output features by key heads, {k_heads // ctx.world} per rank")
+    return {key: SingleSplitShardingSpec(ctx.placements, 0)}
 
 
 def _exact(pattern: Sequence[str], name: str) -> bool:

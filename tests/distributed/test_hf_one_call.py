@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 
 import sharded_tensor as st  # noqa: E402
 from sharding import CompositeShardingSpec, composite, single_split  # noqa: E402
-from tests.distributed._grads import full_grads, full_mismatches  # noqa: E402
+from tests.distributed._grads import full_grads, full_mismatches, full_params  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -70,13 +70,14 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int]] = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                dict(DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96,
                     interleave_moe_layer_step=1, no_rope_layers=[1, 1], attention_chunk_size=64), "tensor", 1),
-    # Gated delta-net (linear attention) layers beside full attention (transformers' plan gathers their
-    # projections' outputs): exact; all-gathers not counted.
+    # Gated delta-net (linear attention) layers beside full attention: transformers' plan gathers their
+    # projections' outputs; split by key heads instead (the convolution over packed q/k/v channels, the delta
+    # rule per head), only the returned logits are gathered.
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(DECODER, head_dim=16, num_experts=4, linear_num_value_heads=4, linear_num_key_heads=2,
                         linear_key_head_dim=16, linear_value_head_dim=16,
                         layer_types=["linear_attention", "full_attention"], shared_expert_intermediate_size=32,
-                        num_experts_per_tok=2, moe_intermediate_size=32), "tensor", None),
+                        num_experts_per_tok=2, moe_intermediate_size=32), "tensor", 1),
 }
 
 
@@ -164,6 +165,33 @@ def _llama4_experts(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _trains_and_generates(name: str, rank: int, world: int, steps: int = 3, new_tokens: int = 4) -> dict[str, Any]:
+    """``steps`` SGD steps on the loss of ``labels=`` (the logits before each, every parameter after them), then
+    greedy ``generate`` with the config's cache (the tokens, and the all-gathers of the decode steps)."""
+    ranks = [f"rank:{r}/cpu" for r in range(world)]
+    ref, model = _build(name), _build(name)
+    model.load_state_dict(ref.state_dict())
+    st.shard_model(model, st.tensor_parallel_spec(model, ranks, experts=MODELS[name][3]), src_rank=0)
+    x = _batch()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    logits = []
+    for _ in range(steps):
+        outs = []
+        for m, optimizer in zip((model, ref), optimizers):
+            optimizer.zero_grad()
+            out = m(**x)
+            out.loss.backward()
+            optimizer.step()
+            outs.append(out.logits.detach())
+        logits.append(_relative(*outs))
+    params = full_mismatches(full_params(model, rank), {n: p.detach() for n, p in ref.named_parameters()})
+    prompt = x["input_ids"][:, :5]
+    with torch.no_grad(), st.CommCounter() as comm:
+        got = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    want = ref.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    return {"logits": logits, "params": params, "tokens": torch.equal(got, want), "decode": dict(comm.counts)}
+
+
 def _run(rank: int, world: int) -> dict[str, Any]:
     import warnings
     warnings.filterwarnings("ignore")
@@ -174,6 +202,10 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - reported per model
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     results["llama4_experts"] = _llama4_experts(rank, world)
+    try:
+        results["qwen3_next_steps"] = _trains_and_generates("qwen3_next", rank, world)
+    except Exception as exc:  # noqa: BLE001 - reported by its test
+        results["qwen3_next_steps"] = {"error": f"{type(exc).__name__}: {exc}"}
     return results
 
 
@@ -206,6 +238,9 @@ def test_what_the_plans_inferred_is_listed(one_call_runs):
         "model.layers.*.self_attn", "model.layers.*.mlp.experts"]
     assert len(out["gpt_bigcode"]["kept_whole"]) == 1 and "multi-query" in out["gpt_bigcode"]["kept_whole"][0]
     assert out["gemma"]["inferred"] == [] and out["gpt2"]["inferred"] == []
+    assert [line.split(":")[0] for line in out["qwen3_next"]["inferred"]] == [
+        "model.layers.*.linear_attn.in_proj_qkvz", "model.layers.*.linear_attn.in_proj_ba",
+        "model.layers.*.linear_attn.out_proj"]
 
 
 def test_llama4_experts_split_by_features_and_by_experts(one_call_runs):
@@ -215,3 +250,16 @@ def test_llama4_experts_split_by_features_and_by_experts(one_call_runs):
             assert out[mode]["out"] < 1e-6 and out[mode]["input_grad"] < 1e-6, (mode, out[mode])
             assert out[mode]["grads"] == {}, (mode, out[mode])
         assert out["refused"] is not None and "single_split(2, ranks * 2)" in out["refused"]
+
+
+def test_qwen3_next_trains_and_generates_on_split_heads(one_call_runs):
+    """The gated delta net split by key heads through 3 SGD steps, and through generate's decode steps (the
+    convolution's cached state packed, the recurrent rule on each rank's heads): the unsharded model's numbers and
+    tokens, each decode step gathering only its logits."""
+    for rank, run in enumerate(one_call_runs):
+        out = run["qwen3_next_steps"]
+        assert "error" not in out, f"rank {rank}: {out.get('error')}"
+        assert max(out["logits"]) < 1e-5, f"rank {rank}: logits differ by {out['logits']}"
+        assert out["params"] == {}, f"rank {rank}: parameters after the steps differ: {out['params']}"
+        assert out["tokens"], f"rank {rank}: generated tokens differ"
+        assert out["decode"].get("all_gather", 0) == 1 + 3, f"rank {rank}: {out['decode']}"  # prefill, 3 decodes

@@ -1322,16 +1322,20 @@ def _strided_batched(draw: Draw, spelling: Any, name: str) -> Case:
 
 # -- Packed: a fused projection's slices ------------------------------------------------------------------
 
-def _packed(draw: Draw, gen: torch.Generator) -> tuple[Placed, list[int]]:
-    """``[..., q | k | v]`` with each part split over the ranks: each rank its slices of each, side by side."""
+def _packed(draw: Draw, gen: torch.Generator, lead: list[int] | None = None, trailing: list[int] | None = None,
+            dtype: torch.dtype = torch.float64) -> tuple[Placed, list[int]]:
+    """``[..., q | k | v, ...]`` with each part split over the ranks: each rank its slices of each, side by side
+    (``lead`` and ``trailing``: the sizes before and after the packed dimension; 0 to 2 drawn before, none after,
+    by default)."""
     world = draw(hs.integers(2, 4), label="world")
     parts = draw(hs.integers(2, 3), label="parts")
     splits = [_intervals(draw, world) for _ in range(parts)]
     sizes = [sum(n for _, n in s) for s in splits]
     offsets = [sum(sizes[:j]) for j in range(parts)]
     pieces = tuple(tuple((offsets[j] + splits[j][r][0], splits[j][r][1]) for j in range(parts)) for r in range(world))
-    lead = [draw(hs.integers(1, 2)) for _ in range(draw(hs.integers(0, 2)))]
-    x = _randn(gen, (*lead, sum(sizes)))
+    if lead is None:
+        lead = [draw(hs.integers(1, 2)) for _ in range(draw(hs.integers(0, 2)))]
+    x = _randn(gen, (*lead, sum(sizes), *(trailing or [])), dtype)
     return Placed(x, Packed(len(lead), pieces)), sizes
 
 
@@ -1347,9 +1351,336 @@ def _packed_parts(draw: Draw, spelling: Any, name: str) -> Case:
     if name == "split":
         cut = sizes if at_boundaries else draw(hs.integers(1, 3))
         return Case(lambda t: [p * 1 for p in spelling(t, cut, -1)], (x,))
+    if draw(hs.booleans(), label="other dimensions"):  # the packed dimension left whole: still packed
+        x, _ = _packed(draw, gen, trailing=[draw(hs.integers(1, 3)) for _ in range(draw(hs.integers(0, 1)))])
+        index = _index(draw, x.whole.dim(), list(x.whole.shape), keep=x.placement.dim)
+        return Case(lambda t: spelling(t, index if len(index) != 1 else index[0]), (x,))
     low = sum(sizes[:1]) if at_boundaries else draw(hs.integers(0, sum(sizes)))
     high = sum(sizes[:2]) if at_boundaries else draw(hs.integers(low, sum(sizes)))
     return Case(lambda t: spelling(t, (..., slice(low, high))) * 1, (x,))
+
+
+# -- Packed: carried through the model's code (a convolution over q, k and v concatenated) -------------------
+
+def _packed_some(draw: Draw, gen: torch.Generator, dtype: torch.dtype = torch.float64) -> Placed:
+    """A packed activation with 0 to 2 dimensions before the packed one and 0 or 1 after it."""
+    lead = [draw(hs.integers(1, 2)) for _ in range(draw(hs.integers(0, 2), label="dims before"))]
+    trailing = [draw(hs.integers(1, 3)) for _ in range(draw(hs.integers(0, 1), label="dims after"))]
+    return _packed(draw, gen, lead, trailing, dtype)[0]
+
+
+def _packed_other(draw: Draw, x: Placed, gen: torch.Generator, forms: tuple[str, ...]) -> Any:
+    """A second operand for an op with the packed ``x``: packed alike, whole and broadcast along the packed
+    dimension (used whole), a number, or one no rule takes (whole along the packed dimension, split on it, packed
+    otherwise: the engine gathers)."""
+    dtype = x.whole.dtype
+    shape = list(x.whole.shape)
+    d = x.placement.dim
+    form = draw(hs.sampled_from(forms), label="operand")
+    if form == "number":
+        return draw(hs.sampled_from([2, -1.5, 0.5]), label="number")
+    if form == "broadcast":
+        shape[d] = 1
+        shape = shape[draw(hs.integers(0, d), label="dims dropped"):]
+    made = _randn(gen, shape, dtype)
+    if form == "packed alike":
+        return Placed(made, x.placement)
+    if form == "split":
+        return Placed(made, Split(d, _intervals_of_size(draw, len(x.placement.pieces), shape[d])))
+    if form == "packed otherwise":
+        pieces = x.placement.pieces
+        return Placed(made, Packed(d, pieces[1:] + pieces[:1]))  # the same slices held by other ranks
+    return made
+
+
+def _intervals_of_size(draw: Draw, world: int, size: int) -> Intervals:
+    """``world`` ranks' slices of ``size``, cut at drawn places (some empty)."""
+    cuts = sorted(draw(hs.lists(hs.integers(0, size), min_size=world - 1, max_size=world - 1), label="cuts"))
+    edges = [0, *cuts, size]
+    return tuple((a, b - a) for a, b in zip(edges, edges[1:]))
+
+
+PACKED_ELEMENTWISE = ("to type_as float double half bfloat16 contiguous clone detach zero_ silu sigmoid tanh relu "
+                      "gelu softplus exp neg add sub mul div").split()
+
+
+@case(*PACKED_ELEMENTWISE, kind=Packed, count=10)
+def _packed_elementwise(draw: Draw, spelling: Any, name: str) -> Case:
+    gen = _generator(draw)
+    dtype = _dtype(draw, name)
+    x = _packed_some(draw, gen, dtype)
+    tol = DTYPE_ULP[dtype]
+    if name in ("add", "sub", "mul", "div"):
+        forms = ("packed alike", "broadcast", "number", "whole", "split", "packed otherwise")
+        other = _packed_other(draw, x, gen, forms)
+        if name == "div" and isinstance(other, Placed):  # away from zero: a quotient, not a pole
+            other = Placed(other.whole.abs() + 0.5, other.placement)
+        elif name == "div" and isinstance(other, torch.Tensor):
+            other = other.abs() + 0.5
+        return Case(lambda t, o: spelling(t, o), (x, other), tol=tol, whole_tol=summed(dtype))
+    if name in ("to", "type_as"):
+        target = draw(hs.sampled_from([torch.float64, torch.float32, torch.bfloat16]), label="to")
+        how = "tensor" if name == "type_as" else draw(hs.sampled_from(["dtype", "tensor", "keyword"]), label="form")
+        if how == "tensor":
+            return Case(lambda t, o: spelling(t, o), (x, torch.zeros(1, dtype=target)))
+        if how == "keyword":
+            return Case(lambda t: spelling(t, dtype=target), (x,))
+        return Case(lambda t: spelling(t, target), (x,))
+    if name == "zero_":
+        return Case(lambda t: spelling(t * 1) + t, (x,))
+    return Case(lambda t: spelling(t), (x,), tol=tol)
+
+
+@case("transpose", "swapaxes", "swapdims", "permute", "t", kind=Packed, count=8)
+def _packed_transpose(draw: Draw, spelling: Any, name: str) -> Case:
+    gen = _generator(draw)
+    if name == "t":  # at most 2 dimensions
+        before = draw(hs.booleans(), label="dim before")
+        x, _ = _packed(draw, gen, [2] if before else [], [] if before else [draw(hs.integers(1, 3))])
+        return Case(lambda t: spelling(t), (x,))
+    x = _packed_some(draw, gen)
+    n = x.whole.dim()
+    if name == "permute":
+        order = list(draw(hs.permutations(range(n)), label="order"))
+        return Case(lambda t: spelling(t, order), (x,))
+    a, b = draw(hs.integers(-n, n - 1), label="dim0"), draw(hs.integers(-n, n - 1), label="dim1")
+    return Case(lambda t: spelling(t, a, b), (x,))
+
+
+@case("cat", "concat", "concatenate", kind=Packed, count=12)
+def _packed_cat(draw: Draw, spelling: Any, name: str) -> Case:
+    """Along the packed dimension, with packed and split operands (still packed: each rank's slices of each, in
+    order); along another, every operand packed alike; a whole operand or another packing gathers."""
+    gen = _generator(draw)
+    x = _packed_some(draw, gen)
+    n = x.whole.dim()
+    d = draw(hs.sampled_from([x.placement.dim, x.placement.dim - n, *range(n)]), label="dim")
+    others = []
+    for _ in range(draw(hs.integers(1, 2), label="others")):
+        form = draw(hs.sampled_from(["packed alike", "split", "whole", "packed otherwise"]), label="other")
+        shape = list(x.whole.shape)
+        if form == "split" and d % n == x.placement.dim:  # of its own length along the concatenation
+            shape[x.placement.dim] = draw(hs.integers(1, 4), label="length")
+        made = _randn(gen, shape)
+        if form == "packed alike":
+            others.append(Placed(made, x.placement))
+        elif form == "split":
+            world = len(x.placement.pieces)
+            others.append(Placed(made, Split(x.placement.dim, _intervals_of_size(draw, world,
+                                                                                 shape[x.placement.dim]))))
+        elif form == "packed otherwise":
+            others.append(Placed(made, Packed(x.placement.dim, x.placement.pieces[1:] + x.placement.pieces[:1])))
+        else:
+            others.append(made)
+    order = draw(hs.permutations(range(len(others) + 1)), label="order")
+    keyword = "axis" if name == "concatenate" else "dim"
+
+    def op(*ts: torch.Tensor) -> torch.Tensor:
+        return spelling([ts[i] for i in order], **{keyword: d})
+
+    return Case(op, (x, *others), whole_tol=SUMMED)
+
+
+@case("copy_", kind=Packed, count=10)
+def _packed_copy(draw: Draw, spelling: Any, name: str) -> Case:
+    """A packed value written into a buffer made from its shape (a convolution's cached state: this rank's
+    slices) or into one packed alike; then used as the source is."""
+    x = _packed_some(draw, _generator(draw))
+    form = draw(hs.sampled_from(["sized from it", "packed buffer", "whole"]), label="buffer")
+    if form == "whole" and any(sum(n for _, n in slices) == x.placement.size for slices in x.placement.pieces):
+        form = "sized from it"  # (a rank holding every slice reads a whole buffer as its part: see the rule)
+    whole = tuple(x.whole.shape)
+
+    def op(t: torch.Tensor) -> torch.Tensor:
+        if form == "whole":  # made from the whole sizes: it gets the whole values (gathered)
+            buffer = torch.zeros(whole, dtype=t.dtype)
+        else:
+            buffer = torch.zeros(t.shape, dtype=t.dtype) if form == "sized from it" else t * 0
+        spelling(buffer, t * 2)
+        return buffer.transpose(0, -1) if buffer.dim() > 1 else buffer
+
+    return Case(op, (x,))
+
+
+# -- Split and Packed: a depthwise convolution over channels, padding --------------------------------------
+
+@case("conv1d", kinds=(Split, Packed), count=16)
+def _conv1d(draw: Draw, spelling: Any, name: str, kind: type = Split) -> Case:
+    """``F.conv1d(x, weight, bias, groups=channels)`` of ``x`` ``[batch, channels, length]`` (or unbatched) split
+    or packed on its channels, each channel its own filter (the weight whole, cut to this rank's channels);
+    ``groups`` written whole or read off x's shape. Several filters per channel gather."""
+    gen = _generator(draw)
+    length = draw(hs.integers(1, 5), label="length")
+    lead = [draw(hs.integers(1, 2))] if draw(hs.booleans(), label="batched") else []
+    if kind is Split:
+        x = _split(draw, shape=[*lead, 1, length], dims=[len(lead)], gen=gen, replicas=True)
+    else:
+        x, _ = _packed(draw, gen, lead, [length])
+    channels = x.whole.shape[-2]
+    form = draw(hs.sampled_from(["groups written", "groups read off x", "two filters per channel"]), label="form")
+    per = 2 if form == "two filters per channel" else 1
+    kernel = draw(hs.integers(1, 4), label="kernel")
+    weight = _randn(gen, (channels * per, 1, kernel))
+    bias = _randn(gen, (channels * per,)) if draw(hs.booleans(), label="bias") else None
+    stride, dilation = draw(hs.integers(1, 2), label="stride"), draw(hs.integers(1, 2), label="dilation")
+    padding = draw(hs.integers(0, kernel - 1), label="padding")
+    if length + 2 * padding < dilation * (kernel - 1) + 1:
+        padding = dilation * (kernel - 1)  # at least one output position
+    keywords = draw(hs.booleans(), label="keywords")
+
+    def op(t: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        groups = t.shape[-2] if form == "groups read off x" else channels
+        if keywords:
+            return spelling(t, w, bias=b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+        return spelling(t, w, b, stride, padding, dilation, groups)
+
+    return Case(op, (x, weight, bias), tol=SUMMED, whole_tol=SUMMED)
+
+
+@case("pad", kinds=(Split, Packed), count=14)
+def _pad(draw: Draw, spelling: Any, name: str, kind: type = Split) -> Case:
+    """``F.pad`` of the last dimensions (the split one among them gathers unless padded by 0), in each mode."""
+    gen = _generator(draw)
+    mode = draw(hs.sampled_from(["constant", "constant", "replicate", "reflect", "circular"]), label="mode")
+    if mode == "constant":
+        x = _split(draw, ndim=(1, 4), gen=gen, replicas=True) if kind is Split else _packed_some(draw, gen)
+        padded = draw(hs.integers(1, x.whole.dim()), label="padded dims")
+    else:  # [batch, channels, length]: the last dimension padded, the split or packed one anywhere
+        if kind is Split:
+            x = _split(draw, ndim=3, gen=gen, replicas=True)
+        else:  # [batch, channels, length] or [channels, length]; or [batch, channels], channels padded: gathers
+            batched = draw(hs.booleans(), label="batched")
+            last = draw(hs.booleans(), label="packed dimension last")
+            x, _ = _packed(draw, gen, [draw(hs.integers(1, 2))] if batched or last else [],
+                           [] if last else [draw(hs.integers(2, 3))])
+        padded = 1
+    sizes = list(x.whole.shape)
+    pads = []
+    for i in range(padded):
+        size = sizes[-1 - i]
+        most = {"reflect": size - 1, "circular": size}.get(mode, 2)
+        pads += [draw(hs.integers(0, max(0, most)), label="pad") for _ in range(2)]
+    if mode == "constant":
+        value = draw(hs.sampled_from([0.0, -1.5]), label="value")
+        return Case(lambda t: spelling(t, pads, "constant", value), (x,))
+    return Case(lambda t: spelling(t, pads, mode=mode), (x,))
+
+
+# -- Split: ops of linear attention on split heads (the gated delta rule) -----------------------------------
+
+@case("repeat_interleave", count=12)
+def _repeat_interleave(draw: Draw, spelling: Any, name: str) -> Case:
+    """Each of a rank's heads repeated along the split (key heads to the value heads they serve), or along another
+    dimension; per-element counts and the flattened tensor gather."""
+    gen = _generator(draw)
+    x = _split(draw, ndim=(1, 3), gen=gen, replicas=True)
+    n = x.whole.dim()
+    form = draw(hs.sampled_from(["an int", "an int", "per element", "flattened", "output size"]), label="repeats")
+    along = x.placement.dim
+    d = draw(hs.sampled_from([along, along - n, *range(n)]), label="dim")
+    repeats = draw(hs.sampled_from([2, 3, 1, 0]), label="repeats")
+    if form == "flattened":
+        return Case(lambda t: spelling(t, repeats), (x,))
+    if form == "per element":
+        counts = torch.randint(0, 3, (x.whole.shape[d],), generator=gen)
+        return Case(lambda t: spelling(t, counts, d), (x,))
+    if form == "output size":
+        return Case(lambda t: spelling(t, repeats, dim=d, output_size=x.whole.shape[d] * repeats), (x,))
+    return Case(lambda t: spelling(t, repeats, dim=d), (x,))
+
+
+@case("linalg_solve_triangular", count=30)
+def _solve_triangular(draw: Draw, spelling: Any, name: str) -> Case:
+    """``solve_triangular(A, B)`` split on a batch dimension (A, B or both placed; the other whole, or broadcast
+    along it), on B's independent columns (``left=False``: rows) with A whole, or on what the solve mixes (gathers).
+    """
+    gen = _generator(draw)
+    iv = _intervals(draw, replicas=True)
+    total = max(st + n for st, n in iv)
+    left, upper, unit = (draw(hs.booleans(), label=what) for what in ("left", "upper", "unitriangular"))
+    m, k = draw(hs.integers(1, 3), label="m"), draw(hs.integers(1, 3), label="k")
+    role = draw(hs.sampled_from(["batch", "batch", "independent", "independent", "solved", "triangular"]),
+                label="split on")
+    if role == "triangular":
+        m = total
+    if role == "independent":
+        k = total
+    if role == "solved":
+        m = total
+    batch = [total] if role == "batch" else [draw(hs.integers(1, 2)) for _ in range(draw(hs.integers(0, 1)))]
+    a_shape = [*batch, m, m]
+    b_shape = [*batch, m, k] if left else [*batch, k, m]
+    if role == "batch" and draw(hs.booleans(), label="A broadcast"):
+        a_shape = [1, m, m] if draw(hs.booleans()) else [m, m]
+    a_whole = torch.randn(a_shape, generator=gen, dtype=torch.float64) * 0.3
+    a_whole = a_whole + torch.eye(m, dtype=torch.float64) * 2  # well away from singular
+    b_whole = _randn(gen, b_shape)
+    b_dim = {"batch": 0, "independent": len(b_shape) - (1 if left else 2),
+             "solved": len(b_shape) - (2 if left else 1), "triangular": None}[role]
+    which = draw(hs.sampled_from(["A", "B", "both"]) if role == "batch" else hs.just("B"), label="placed")
+    if role == "triangular":
+        which = "A"
+    if role == "batch" and (a_shape[0] != total or len(a_shape) != len(b_shape)):
+        which = "B"  # A broadcast along the batch: whole
+    args: list[Any] = []
+    if which in ("A", "both"):
+        a_dim = 0 if role == "batch" else len(a_shape) - 2
+        args.append(Placed(a_whole, Split(a_dim, iv)))
+    else:
+        args.append(a_whole)
+    if which in ("B", "both") or not isinstance(args[0], Placed):
+        assert b_dim is not None or isinstance(args[0], Placed)
+        args.append(Placed(b_whole, Split(b_dim, iv)) if b_dim is not None else b_whole)
+    else:
+        args.append(b_whole)
+
+    def op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return spelling(a, b, upper=upper, left=left, unitriangular=unit)
+
+    return Case(op, tuple(args), tol=SUMMED, whole_tol=SUMMED)
+
+
+@case("zeros_like", "ones_like", "empty_like", "full_like", count=10)
+def _like(draw: Draw, spelling: Any, name: str) -> Case:
+    """A tensor made like a split one (an output buffer, an initial state): each rank its slice; then combined."""
+    x = _split(draw, ndim=(1, 3), replicas=True)
+    dtype = draw(hs.sampled_from([None, torch.float64, torch.float32]), label="dtype")
+    kwargs = {} if dtype is None else {"dtype": dtype}
+
+    def op(t: torch.Tensor) -> torch.Tensor:
+        made = spelling(t, 2.5, **kwargs) if name == "full_like" else spelling(t, **kwargs)
+        if name == "empty_like":
+            made = made.fill_(1.5)  # its values are whatever memory held: written before they are read
+        return made * 2 + t
+
+    return Case(op, (x,))
+
+
+# -- Strided: reductions over each row (a norm over each head's features, heads merged with the rows) ---------
+
+@case("sum", "mean", "amax", "amin", "logsumexp", "special_logsumexp", "var", "std", kind=Strided, count=12)
+def _strided_reduce(draw: Draw, spelling: Any, name: str) -> Case:
+    """Over other dimensions than the strided one (first, or moved last by a transpose), or over it (gathers)."""
+    x, _, _ = _strided(draw, _generator(draw), replicas=True)
+    n = x.whole.dim()
+    moved = draw(hs.booleans(), label="strided dimension last")
+    keepdim = draw(hs.booleans(), label="keepdim")
+    form = draw(hs.sampled_from(["one", "list", "all"]), label="dims")
+    if form == "all":
+        d: Any = list(range(n))
+    elif form == "one":
+        d = draw(hs.integers(-n, n - 1), label="dim")
+    else:
+        d = sorted(set(draw(hs.lists(hs.integers(0, n - 1), min_size=1, max_size=n), label="dim list")))
+    correction = name in ("var", "std") and draw(hs.booleans(), label="correction")
+
+    def op(t: torch.Tensor) -> torch.Tensor:
+        t = t.transpose(0, -1) if moved else t
+        if correction:
+            return spelling(t, d, correction=0, keepdim=keepdim) * 1
+        return spelling(t, d, keepdim=keepdim) * 1
+
+    return Case(op, (x,), tol=SUMMED)
 
 
 # -- cross-entropy on vocabulary-split logits --------------------------------------------------------------
@@ -1613,7 +1944,8 @@ def test_a_write_through_a_key_that_changes_the_number_of_dimensions(key: str) -
         return b
 
     value = {"an integer position": _g(1, 2, seed=1), "a new axis": _g(1, 1, 2, 3, seed=1),
-             "a new axis and positions": _g(1, 1, 2, 1, seed=1), "an integer position, a broadcast value": _g(1, seed=1),
+             "a new axis and positions": _g(1, 1, 2, 1, seed=1),
+             "an integer position, a broadcast value": _g(1, seed=1),
              "an integer position, a placed value": _g(1, seed=1)}[key]
     _run(op, Placed(_g(1, 2, 3), Split(1, EVEN)), value, whole_tol=SUMMED, gathers=0)
 
@@ -1774,6 +2106,76 @@ def test_operands_split_two_ways_fall_back_exactly(other: str) -> None:
          "other dim": Placed(_g(4, 4, seed=1), Split(1, ((0, 2), (2, 2)))),
          "packed": Placed(_g(4, 4, seed=1), Packed(0, (((0, 1), (2, 1)), ((1, 1), (3, 1)))))}[other]
     _run(lambda a, b: torch.cat([a * b + b, b], dim=1), x, y)
+
+
+# -- families: linear attention (Qwen3-Next's gated delta net) on split heads -------------------------------
+
+# Key heads over 2 ranks, unevenly, and the value heads they serve (2 per key head): each rank the value heads of
+# its key heads, as an output split of the net's projections by key groups gives them.
+KEY_HEADS, VALUE_HEADS = ((0, 2), (2, 1)), ((0, 4), (4, 2))
+
+
+@pytest.mark.parametrize("form", ["chunked", "chunked from a state", "recurrent from a state"])
+def test_the_gated_delta_rule_on_split_heads_without_gathers(form: str) -> None:
+    """transformers' reference gated delta rule (queries and keys repeated to the value heads, padded to chunks,
+    triangular solves per chunk, a state per head) on each rank's heads: exact, its final state split too."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    b, s, dk, dv = 2, 5, 3, 2
+    q, k = (Placed(_g(b, s, 3, dk, seed=i), Split(2, KEY_HEADS)) for i in range(2))
+    v = Placed(_g(b, s, 6, dv, seed=2), Split(2, VALUE_HEADS))
+    g = Placed(-_g(b, s, 6, seed=3).abs(), Split(2, VALUE_HEADS))  # a decay in log space: at most 0
+    beta = Placed(_g(b, s, 6, seed=4).sigmoid(), Split(2, VALUE_HEADS))
+    state = Placed(_g(b, 6, dk, dv, seed=5), Split(1, VALUE_HEADS))
+
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           state: torch.Tensor) -> Any:
+        initial = None if form == "chunked" else state
+        if form.startswith("recurrent"):
+            return qwen3_next.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial,
+                                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return qwen3_next.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, initial_state=initial,
+                                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    _run(op, q, k, v, g, beta, state, tol=1e-12, gathers=0)
+
+
+def test_a_causal_convolution_over_queries_keys_and_values_packed_without_gathers() -> None:
+    """The gated delta net's short convolution: queries, keys and values (each split on its heads) concatenated into
+    the channels of one depthwise convolution (packed: each rank its channels of each), its causal padding, the
+    cached state made from the channels' shape and updated for the next token, the channels split apart again."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    b, s, kernel, dk, dv = 2, 5, 3, 2, 1
+    key_dim, value_dim = 3 * dk, 6 * dv
+    q, k = (Placed(_g(b, s + 1, key_dim, seed=i), Split(2, ((0, 2 * dk), (2 * dk, dk)))) for i in range(2))
+    v = Placed(_g(b, s + 1, value_dim, seed=2), Split(2, ((0, 4 * dv), (4 * dv, 2 * dv))))
+    weight = _g(2 * key_dim + value_dim, kernel, seed=3)
+
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Any:
+        mixed = torch.cat((q, k, v), dim=-1).transpose(1, 2)
+        prompt, token = mixed[:, :, :s], mixed[:, :, s:]
+        out = qwen3_next.causal_conv1d_fn(prompt, w, None, activation="silu")
+        conv_state = torch.zeros((*prompt.shape[:-1], kernel), dtype=prompt.dtype)
+        conv_state.copy_(prompt[..., -kernel:])
+        step = qwen3_next.causal_conv1d_update(token, conv_state, w, None, "silu")
+        parts = torch.split(torch.cat((out, step), -1).transpose(1, 2), [key_dim, key_dim, value_dim], dim=-1)
+        return [*parts, conv_state.transpose(1, 2)]
+
+    _run(op, q, k, v, weight, tol=SUMMED, whole_tol=SUMMED, gathers=0)
+
+
+def test_a_strided_norm_reshaped_back_with_sizes_read_off_the_split() -> None:
+    """The gated delta net's output norm: heads merged with the rows (``reshape(-1, head_dim)``), normalized per
+    row, and reshaped back to the gate's shape read off the split gate (``z.shape``): its heads' size is this
+    rank's, as the strided rows' are."""
+    def op(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        shape = z.shape
+        rows, gate = x.reshape(-1, x.shape[-1]), z.reshape(-1, z.shape[-1])
+        normed = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6) * w * F.silu(gate)
+        return normed.reshape(shape).reshape(shape[0], shape[1], -1)
+
+    heads = ((0, 2), (2, 1))
+    _run(op, Placed(_g(2, 3, 3, 2), Split(2, heads)), Placed(_g(2, 3, 3, 2, seed=1), Split(2, heads)),
+         _g(2, seed=2), tol=1e-12, whole_tol=SUMMED, gathers=0)
 
 
 # -- the engine's limits and faults, each the smallest case found -----------------------------------------------

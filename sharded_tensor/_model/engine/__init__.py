@@ -14,9 +14,9 @@ The engine's stages, one module each:
   ``Strided``, ``Partial``: a pending sum), each with its moves (to whole, cut, add once) and
   the collectives they are made of, with their exact adjoints;
 * ``rules``: the one table of rules, keyed by op, one rule per placement kind, and the
-  ``Decision`` a rule returns; ``split``, ``pending``, ``strided`` and ``loss`` hold the rules
-  themselves, ``shapes`` the pure reshape planning they share, ``signatures`` how a call's
-  arguments are named;
+  ``Decision`` a rule returns; ``split``, ``packed``, ``pending``, ``strided`` and ``loss`` hold
+  the rules themselves (``heads`` and ``conv`` those of linear attention's ops), ``shapes``
+  the pure reshape planning they share, ``signatures`` how a call's arguments are named;
 * ``dispatch``: the torch function mode of a zone, which sends every op on a placed
   activation to its rule through one bounded decision cache, or to the exact gathered
   fallback;

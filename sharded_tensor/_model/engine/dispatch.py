@@ -37,7 +37,10 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from . import conv as _conv  # noqa: F401 - declares its rules
+from . import heads as _heads  # noqa: F401 - declares its rules
 from . import loss as _loss  # noqa: F401 - declares its rule
+from . import packed as _packed  # noqa: F401 - declares its rules
 from . import pending as _pending  # noqa: F401 - declares its rules
 from . import split as _split
 from . import strided as _strided
@@ -422,7 +425,7 @@ def _decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], entry: OpR
         margs, mkwargs = with_leaves(args, kwargs, metas)
         sizes = tuple((i, _whole_size) for i, x in enumerate(leaves) if type(x) is SplitSize)
         try:
-            if sizes and type(lead) is not Split and type(lead) is not Partial:
+            if sizes and type(lead) is not Split and type(lead) is not Partial and not _read_alike(lead, leaves):
                 raise Fallback  # a split's size beside another placement's local shape: no rule reads both
             decision = rule(Call(func, margs, mkwargs, metas, torch.is_grad_enabled()))
         except Fallback:
@@ -433,6 +436,14 @@ def _decide(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], entry: OpR
                 decision = dataclasses.replace(decision, moves=decision.moves + sizes)
             return decision
     return _fallback(func, args, kwargs, leaves, why)
+
+
+def _read_alike(lead: Any, leaves: list[Any]) -> bool:
+    """Whether every split dimension's size among ``leaves`` was read off a split of the strided ``lead``'s heads
+    (the same intervals): its rules read such a size as this rank's extent, as a split's rules do
+    (``x.reshape(x_split.shape)`` once the heads merged with the rows are separated again)."""
+    return type(lead) is Strided and all(x.placement.intervals == lead.intervals and x.placement.group == lead.group
+                                         for x in leaves if type(x) is SplitSize)
 
 
 def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], why: str) -> Decision:

@@ -294,6 +294,10 @@ def op_objects(name: str) -> list[Any]:
             found.append(obj.__get__)
         elif obj is not None and callable(obj) and not isinstance(obj, type) and not _module_own(obj):
             found.append(obj)
+    if name.startswith("linalg_"):  # torch.linalg.solve_triangular is ATen's linalg_solve_triangular
+        obj = getattr(torch.linalg, name[len("linalg_"):], None)
+        if obj is not None and callable(obj):
+            found.append(obj)
     return found
 
 

@@ -48,7 +48,8 @@ from .placements import (
 )
 from .rules import Call, Decision, Each, Fallback, declare, in_place, norm_dim, pointwise_names
 
-__all__ = ["elementwise", "whole_operand", "sizes_read", "whole_sizes", "reshape"]
+__all__ = ["elementwise", "whole_operand", "sizes_read", "whole_sizes", "reshape", "first_split", "along_dim",
+           "indexed", "packed_parts"]
 
 
 def _split_of(x: Any) -> Split | None:
@@ -56,7 +57,7 @@ def _split_of(x: Any) -> Split | None:
     return found if type(found) is Split else None
 
 
-def _first_split(call: Call) -> tuple[Tensor, Split]:
+def first_split(call: Call) -> tuple[Tensor, Split]:
     x = call.args[0] if call.args else None
     split = _split_of(x)
     if split is None:
@@ -156,7 +157,7 @@ def _dropout(call: Call) -> Decision:
     alike) gives each rank its slice of that very mask, so the values equal the unsharded
     model's and the generator advances as it would.
     """
-    x, split = _first_split(call)
+    x, split = first_split(call)
     bound = call.bound()
     p = bound.get("p", 0.5)
     train = bound.get("train", bound.get("training", True))
@@ -234,7 +235,7 @@ def reshape(call: Call) -> Decision:
     with dimensions outside it (``reshape(batch * heads, ...)``, by ``view`` or ``reshape``) gives
     a strided split.
     """
-    x, split = _first_split(call)
+    x, split = first_split(call)
     view = call.name in _VIEWS
     found = _read_whole(call, x, split, view)
     if found is None and call.name in _SIZED and not any(type(v) is SplitSize for v in call.leaves[1:]):
@@ -292,7 +293,7 @@ def _read_locally(call: Call, x: Tensor, split: Split, view: bool) -> Decision |
 
 
 def _transpose(call: Call) -> Decision:
-    x, split = _first_split(call)
+    x, split = first_split(call)
     ndim = x.dim()
     order = list(range(ndim))
     if call.name == "t":
@@ -310,7 +311,7 @@ def _transpose(call: Call) -> Decision:
 
 def _getter(call: Call) -> Decision:
     """``x.T``, ``x.mT`` (the split moves), ``x.real``, ``x.imag`` (it stays)."""
-    x, split = _first_split(call)
+    x, split = first_split(call)
     attr = getattr(getattr(call.func, "__self__", None), "__name__", "")
     if attr in ("real", "imag"):
         return Decision(out=split)
@@ -327,7 +328,7 @@ def _getter(call: Call) -> Decision:
 def _complex_view(call: Call) -> Decision:
     """``view_as_complex`` (the last dimension of size 2 folds into the dtype) and ``view_as_real``
     (it unfolds): slice by slice when the split is on another dimension."""
-    x, split = _first_split(call)
+    x, split = first_split(call)
     if split.dim >= x.dim() - (1 if call.name == "view_as_complex" else 0):
         raise Fallback
     return Decision(out=split)
@@ -347,7 +348,7 @@ def _index_positions(x: Tensor, index: Any) -> tuple[list[Any], int] | None:
     return expanded, used
 
 
-def _indexed(x: Tensor, index: Any, split: Split) -> Split:
+def indexed(x: Tensor, index: Any, split: Split) -> Split:
     """Where the split lands after basic indexing that leaves the split dimension whole; ``Fallback`` otherwise."""
     items = index if isinstance(index, tuple) else (index,)
     listed = [i for i in items if isinstance(i, (list, Tensor))]
@@ -379,8 +380,8 @@ def _indexed(x: Tensor, index: Any, split: Split) -> Split:
 
 def _getitem(call: Call) -> Decision:
     """Basic indexing that leaves the split dimension whole (``x[..., :half]``, ``x[:, None]``)."""
-    x, split = _first_split(call)
-    return Decision(out=_indexed(x, call.args[1], split))
+    x, split = first_split(call)
+    return Decision(out=indexed(x, call.args[1], split))
 
 
 def _size_list(sizes: Any) -> list[Any]:
@@ -437,7 +438,7 @@ def _expand(call: Call) -> Decision:
     x = call.args[0] if call.args else None
     if isinstance(x, Tensor) and placement_of(x) is None:
         return _expand_whole(call, x)
-    x, split = _first_split(call)
+    x, split = first_split(call)
     bound = call.bound()
     other = bound.get("other")
     if isinstance(other, Tensor):
@@ -497,11 +498,11 @@ def _concatenated(call: Call) -> Decision:
     return Decision(tuple(moves), out=out)
 
 
-def _along_dim(call: Call) -> Decision:
+def along_dim(call: Call) -> Decision:
     """Ops that work along one dimension (softmax, cumsum, split, chunk, unbind): fine along any other."""
     if call.name in ("cat", "concat", "concatenate", "stack"):
         return _concatenated(call)
-    x, split = _first_split(call)
+    x, split = first_split(call)
     dim = call.bound().get("dim")
     if not isinstance(dim, int) or norm_dim(dim, x.dim()) == split.dim:
         raise Fallback  # along the split, or softmax's legacy implicit dimension
@@ -513,7 +514,7 @@ def _along_dim(call: Call) -> Decision:
 
 def _roll(call: Call) -> Decision:
     """``roll`` along dimensions other than the split."""
-    x, split = _first_split(call)
+    x, split = first_split(call)
     dims = call.bound().get("dims")
     dims = (dims,) if isinstance(dims, int) else dims
     if not dims or not all(isinstance(d, int) for d in dims) or split.dim in {norm_dim(d, x.dim()) for d in dims}:
@@ -765,7 +766,7 @@ def _min_max(call: Call) -> Decision:
     bound = call.bound()
     if isinstance(bound.get("other"), Tensor):
         return elementwise(call)
-    x, split = _first_split(call)
+    x, split = first_split(call)
     dim = bound.get("dim")
     if not isinstance(dim, int) or norm_dim(dim, x.dim()) == split.dim:
         raise Fallback
@@ -776,7 +777,7 @@ def _min_max(call: Call) -> Decision:
 
 def _reduce(call: Call) -> Decision:
     """sum / mean / amax / amin / var / std / logsumexp over dimensions other than the split one."""
-    x, split = _first_split(call)
+    x, split = first_split(call)
     bound = call.bound()
     dims = bound.get("dim")
     if dims is None or isinstance(dims, Tensor) or (isinstance(dims, (list, tuple)) and not dims):
@@ -870,7 +871,7 @@ def _linear(call: Call) -> Decision:
 
 def _norm_last(call: Call) -> Decision:
     """layer_norm / rms_norm: normalize over the last dimensions, which must not be split."""
-    x, split = _first_split(call)
+    x, split = first_split(call)
     shape = call.bound()["normalized_shape"]
     count = 1 if isinstance(shape, int) else len(shape)
     if split.dim >= x.dim() - count:
@@ -986,7 +987,7 @@ def _packed_narrow(x: Tensor, *args: Any, dim: int, start: int, length: int, **k
     return x.narrow(dim, start, length)
 
 
-def _packed(call: Call) -> Decision:
+def packed_parts(call: Call) -> Decision:
     """``split``/``chunk`` of a packed tensor at its slices' boundaries (one ordinary split per part),
     or ``qkv[..., low:high]`` (one slice of each rank's)."""
     x = call.args[0] if call.args else None
@@ -1075,7 +1076,7 @@ declare(("__getitem__",), Split, _getitem)
 declare(("expand", "expand_as", "broadcast_to"), Split, _expand)
 declare(("zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full"), Split, _factory)
 declare(("softmax", "log_softmax", "cumsum", "cat", "concat", "concatenate", "stack", "split", "chunk", "unbind",
-         "tensor_split"), Split, _along_dim)
+         "tensor_split"), Split, along_dim)
 declare(("sum", "mean", "amax", "amin", "var", "std", "logsumexp"), Split, _reduce)
 declare(("matmul", "__matmul__", "bmm"), Split, _matmul)
 declare(("linear",), Split, _linear)
@@ -1084,4 +1085,4 @@ declare(("scaled_dot_product_attention",), Split, _sdpa)
 declare(("index_copy_", "copy_"), Split, _write_split)
 declare(("__setitem__",), Split, _setitem)
 declare(("roll",), Split, _roll)
-declare(("split", "chunk", "__getitem__"), Packed, _packed)
+declare(("split", "chunk", "__getitem__"), Packed, packed_parts)
