@@ -30,12 +30,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from . import split as _split
 from .placements import Packed, Split, placement_of
-from .rules import Call, Decision, Fallback, declare, in_place, norm_dim
+from .rules import Call, Decision, Fallback, declare, in_place, norm_dim, permuted_dim
 
 __all__ = ["concatenated", "moved"]
 
@@ -167,16 +166,8 @@ def _elementwise(call: Call) -> Decision:
 def _permuted(call: Call) -> Decision:
     """transpose / swapaxes / swapdims / permute / t: where the packed dimension goes, read from the op run on
     distinct sizes."""
-    x = call.args[0] if call.args else None
-    packed = _packed_of(x)
-    assert isinstance(x, Tensor)
-    probe = torch.empty([d + 2 for d in range(x.dim())], device="meta")
-    args, kwargs = call.rebuilt({0: probe})
-    try:
-        sizes = list(call.func(*args, **kwargs).shape)
-    except (RuntimeError, ValueError, TypeError, IndexError):
-        raise Fallback from None
-    return Decision(out=moved(packed, sizes.index(packed.dim + 2)))
+    packed = _packed_of(call.args[0] if call.args else None)
+    return Decision(out=moved(packed, permuted_dim(call, packed.dim)))
 
 
 def _getitem(call: Call) -> Decision:

@@ -50,7 +50,7 @@ from .signatures import aten_name, bind
 __all__ = ["Fallback", "Decision", "Call", "Each", "OpRules", "LayoutRuleName", "RULES", "METADATA", "KINDS",
            "GENERATION", "BUILT", "VALUE_GETTERS", "is_container", "children", "leaves_of", "with_leaves",
            "declare", "register", "rules_of", "table", "generation", "op_objects", "pointwise_names", "in_place",
-           "norm_dim"]
+           "norm_dim", "permuted_dim"]
 
 KINDS: tuple[type, ...] = (Split, Packed, Partial, Strided)
 """The placement kinds a rule is registered for."""
@@ -388,6 +388,19 @@ def register(objects: Sequence[Any], kind: type, rule: Rule, *, replace: bool, l
 
 _IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ifloordiv__", "__imod__",
                        "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+def permuted_dim(call: Call, dim: int) -> int:
+    """Where dimension ``dim`` of the call's first argument goes under its transpose or permutation, read from
+    the op run on a meta tensor of distinct sizes; ``Fallback`` if the op cannot run so."""
+    x = call.args[0]
+    probe = torch.empty([d + 2 for d in range(x.dim())], device="meta")
+    args, kwargs = call.rebuilt({0: probe})
+    try:
+        sizes = list(call.func(*args, **kwargs).shape)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        raise Fallback from None
+    return sizes.index(dim + 2)
 
 
 def in_place(func: Any) -> bool:

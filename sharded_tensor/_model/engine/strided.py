@@ -36,7 +36,7 @@ from torch import Tensor
 from . import split as _split
 from . import state as _state
 from .placements import Split, Strided, placement_of, tag
-from .rules import Call, Decision, Fallback, declare
+from .rules import Call, Decision, Fallback, declare, permuted_dim
 
 __all__ = ["global_sizes"]
 
@@ -72,15 +72,8 @@ def _reshape(call: Call) -> Decision:
 
 def _permuted(call: Call) -> Decision:
     """transpose / permute / t: where the strided dimension goes, read from the op on distinct sizes."""
-    x = call.args[0]
-    placement = _strided_of(x)
-    probe = torch.empty([d + 2 for d in range(x.dim())], device="meta")
-    args, kwargs = call.rebuilt({0: probe})
-    try:
-        sizes = list(call.func(*args, **kwargs).shape)
-    except (RuntimeError, ValueError, TypeError, IndexError):
-        raise Fallback from None
-    return Decision(out=placement.moved(sizes.index(placement.dim + 2)))
+    placement = _strided_of(call.args[0])
+    return Decision(out=placement.moved(permuted_dim(call, placement.dim)))
 
 
 def _batched(call: Call) -> Decision:
