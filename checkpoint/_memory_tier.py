@@ -85,7 +85,7 @@ _log = logging.getLogger("checkpoint")
 
 _test_hook: Callable[[str, int], None] | None = None
 """Private, for tests: called as ``(phase, step)`` on the thread doing it, at "staged" (the
-copy is done), "replicating" (reports exchanged, replication next), "committed" (this rank's
+copy is done), "replicating" (every rank is about to send and receive replicas), "committed" (this rank's
 parts and metadata are in place) and "recovered" (a load from memory is done)."""
 
 
@@ -337,13 +337,15 @@ class MemoryTier:
                     handle: AsyncSaveHandle) -> None:
         try:
             with _comm.operation("CheckpointManager.save (memory tier)", self.timeout):
-                if self._commit(step, plan, part, buffer, in_memory, why, problem):
+                outcome = self._commit(step, plan, part, buffer, in_memory, why, problem)
+                if outcome == "committed":
+                    # Every rank committed this step: older ones may go.
                     self.folder.reclaim(self.keep_last)
                     if not self._committed_any and self.leader:
-                        # The first step of this life is in memory: what earlier lives left goes.
+                        # The first step of this life is in memory everywhere: what earlier lives left goes.
                         reclaim_lives(self.job, keep={self.folder.name})
                     self._committed_any = True
-                if persist is not None:
+                if persist is not None and outcome != "failed":
                     persist(plan, self.side)
         except BaseException as exc:  # raised by the next save or wait
             handle._error = exc
@@ -355,21 +357,32 @@ class MemoryTier:
             handle._finished.set()
 
     def _commit(self, step: int, plan: _Plan, part: _Part, buffer: torch.Tensor | None, in_memory: bool,
-                why: str, problem: Exception | None) -> bool:
-        """Reports, replication and the commit of one step (background thread). Whether it was committed."""
+                why: str, problem: Exception | None) -> Literal["committed", "skipped", "failed"]:
+        """Reports, replication and the commit of one step (background thread).
+
+        ``"committed"``: every rank committed its parts of the step. ``"skipped"``: some rank could
+        not stage it, so no rank keeps it in memory. ``"failed"``: this rank's planning failed
+        (raised on the training thread). Any other failure, here or on another rank, raises.
+        """
         rank, world = _comm.rank_and_world(self.group)
         what = f"CheckpointManager.save (memory tier, step {step})"
         report: dict[str, Any] = {"error": None if problem is None else f"{type(problem).__name__}: {problem}",
                                   "digest": hashlib.sha256(json.dumps(plan.signature).encode()).hexdigest(),
                                   "memory": in_memory, "why": why, "part": None}
+        own: Exception | None = None
         if problem is None and buffer is not None:
-            report["part"] = _part_report(buffer, part)
+            try:
+                report["part"] = _part_report(buffer, part)
+            except Exception as exc:  # reported to every rank below, so none is left waiting
+                own, report["error"] = exc, f"{type(exc).__name__}: {exc}"
         _hook("staged", step)
         everyone = _comm.all_gather_json(report, self.side, timeout=self.timeout, what=f"{what}: reports")
         failed = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
         if failed:
             if problem is not None:
-                return False  # raised on the training thread already
+                return "failed"
+            if own is not None:
+                raise own
             msg = f"{what} failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed) + "."
             raise CheckpointError(msg)
         if len({e["digest"] for e in everyone}) > 1:
@@ -385,20 +398,27 @@ class MemoryTier:
                 _log.warning("memory tier: step %d is not kept in memory: rank%s %s could not stage %s (%s); training "
                              "goes on", step, "s" if len(skipped) > 1 else "", ", ".join(str(r) for r, _ in skipped),
                              "their parts" if len(skipped) > 1 else "its part", skipped[0][1])
-            return False
+            return "skipped"
         reports = [e["part"] if e["part"] is not None else {"file": None, "bytes": 0} for e in everyone]
         _, text = _assemble(plan, reports, part.generation, world, f"{self.job} (memory step {step})")
-        _hook("replicating", step)
         receiving = self._receive_slots(step, everyone)
         ready = _comm.all_gather_json(sorted(receiving), self.side, timeout=self.timeout,
                                       what=f"{what}: replication")
-        sends = {t: buffer for t in self.targets[rank] if buffer is not None and rank in ready[t]}
-        _comm.start_exchange(sends, receiving, self.side, timeout=self.timeout, what=f"{what}: replication").wait()
-        parts = {part.name: "own"} if buffer is not None else {}
-        parts.update({everyone[s]["part"]["file"]: f"r{s:05d}" for s in receiving})
-        self.folder.commit(step, parts, text)
-        _hook("committed", step)
-        return True
+
+        def replicate_and_commit() -> None:
+            sends = {t: buffer for t in self.targets[rank] if buffer is not None and rank in ready[t]}
+            _hook("replicating", step)
+            _comm.start_exchange(sends, receiving, self.side, timeout=self.timeout,
+                                 what=f"{what}: replication").wait()
+            parts = {part.name: "own"} if buffer is not None else {}
+            parts.update({everyone[s]["part"]["file"]: f"r{s:05d}" for s in receiving})
+            self.folder.commit(step, parts, text)
+            _hook("committed", step)
+
+        # Each rank learns that every other committed: only then may the step before go (a peer
+        # killed during the exchange leaves this step incomplete, and the one before is needed).
+        _comm.agree(f"{what}: commit", replicate_and_commit, self.side, timeout=self.timeout, error=CheckpointError)
+        return "committed"
 
     def _receive_slots(self, step: int, everyone: list[dict[str, Any]]) -> dict[int, torch.Tensor]:
         """Files for the replicas this rank holds; a replica that does not fit is skipped (logged)."""

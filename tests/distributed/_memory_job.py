@@ -60,11 +60,12 @@ def full_digest(model: nn.Module, optim: torch.optim.Optimizer) -> str | None:
 
 
 def own_files(root: str, memory_dir: str, life_rank: str) -> dict[str, int]:
-    """What this rank's folder holds now: committed steps and data files (parts, staging, spares)."""
+    """What this rank's folder holds now: steps (committed, and the one being staged) and data files
+    (parts, staging, spares)."""
     found = {"steps": 0, "files": 0}
     for job in Path(memory_dir).glob("shardkit-*"):
         for folder in job.glob(life_rank):
-            found["steps"] += sum(1 for p in folder.glob("step-*"))
+            found["steps"] += sum(1 for p in folder.glob("step-*")) + (folder / ".staging-own").exists()
             found["files"] += sum(1 for p in folder.rglob("*") if p.is_file() and p.name != "shardkit.json")
     return found
 
