@@ -522,6 +522,11 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
             # Not clean: data files of this save may remain (a rank died); the lease says so,
             # and the next save to commit here removes them.
             job.lease.release(finished=job.clean)
+            if job.created and job.clean and is_local(job.fs):
+                # This save made the folder and left nothing in it (it failed before writing):
+                # the folder goes too, rather than wait for a manager's grace period.
+                with contextlib.suppress(OSError):
+                    os.rmdir(job.root)
 
 
 class _PeerLost(CheckpointError):
@@ -558,6 +563,7 @@ class _Job:
     op: str = "checkpoint.save"
     lease: SaveLease | None = None  # rank 0: the right to write and commit into the folder
     clean: bool = True  # rank 0: no file of this save is left behind (nothing written, committed, or removed)
+    created: bool = False  # rank 0: this save created the folder
 
     def storage(self, doing: str, fn: Callable[[Watchdog], Any], *, limit: float | None = None) -> Any:
         """``fn`` bounded by ``timeout`` without progress; storage errors become ``CheckpointError`` naming ``doing``."""
@@ -593,6 +599,7 @@ def _prepare_phase(job: _Job, problem: Exception | None) -> None:
         _hook("planned")
         if job.rank != 0:
             return ""
+        job.created = is_local(job.fs) and not os.path.lexists(job.root)
         generation = job.storage("creating the folder", lambda watchdog: _new_generation(job.fs, job.root))
         # The save lease: another save to this folder in progress makes this one fail here.
         job.lease = job.storage("taking the save lease", lambda watchdog: SaveLease.acquire(
