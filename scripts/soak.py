@@ -119,10 +119,10 @@ def job(rank: int, world: int, args: dict[str, Any]) -> None:
     log.write(json.dumps({"phase": "sharded", "t": time.time()}) + "\n")
 
     reference, steps = args["reference"], args["steps"]
-    tier = {"memory_every": 1, "memory_replicas": 1, "keep_last_memory": KEEP_LAST_MEMORY,
-            "storage_every": args["storage_every"]} if memory else {}
+    tier = {"memory_every": 1, "memory_replicas": 1, "keep_last_memory": KEEP_LAST_MEMORY} if memory else {}
     manager = None if reference else checkpoint.CheckpointManager(args["root"], keep_last=args["keep_last"],
-                                                                  timeout=args["timeout"], **tier)
+                                                                  timeout=args["timeout"],
+                                                                  storage_every=args["storage_every"], **tier)
     start = 0
     if manager is not None and manager.recoverable_step() is not None:
         state = {**st.get_state_dict(model, optim), "step": None}
@@ -444,7 +444,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked, with the defaults of ``--short`` and ``--memory`` filled in."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--short", action="store_true", help="40 steps, 2 kills (for the test suite)")
     parser.add_argument("--steps", type=int, help="training steps (default 240; --short: 40)")
@@ -462,16 +463,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true",
                         help="the memory tier: every step in memory, two hosts, kills of ranks and hosts")
     parser.add_argument("--storage-every", type=int,
-                        help="with --memory: write every this many steps to the root (default 10; --short: 2)")
+                        help="write every this many steps to the root (default: every step; with --memory 10, "
+                             "and 2 with --short)")
     args = parser.parse_args(argv)
     args.steps = args.steps or (40 if args.short else 240)
     args.kills = args.kills if args.kills is not None else (2 if args.short else 10)
-    args.storage_every = (args.storage_every or (2 if args.short else 10)) if args.memory else 1
+    args.storage_every = args.storage_every or ((2 if args.short else 10) if args.memory else 1)
     if args.steps < 2 * args.kills + 10 or args.kills < 0 or args.keep_last < 1:
         parser.error(f"need --steps >= 2 * --kills + 10 and --keep-last >= 1, got --steps {args.steps} "
                      f"--kills {args.kills} --keep-last {args.keep_last}")
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     report = soak(args)
     print(json.dumps(report, indent=1), flush=True)
     return 0 if report["ok"] else 1
