@@ -13,6 +13,10 @@ saves), never before: a failed save therefore never costs an older checkpoint. I
 deletes the latest committed step, the step being written, or a step this process is
 loading. A step is deleted under its save lease, metadata first, so a deletion cut short
 leaves no half-listed step, only a folder that the next manager removes.
+
+The memory tier (``memory_every=``; ``_memory_tier``) keeps steps in shared memory besides,
+and ``load`` then reads the newest step complete in either; ``storage_every=`` thins what goes
+to the root. Without those arguments nothing here changes.
 """
 
 from __future__ import annotations
@@ -97,7 +101,9 @@ class CheckpointManager:
             hosts (``0``: none; at most one per other host).
         keep_last_memory: memory steps each rank keeps (one more may be being staged).
         memory_dir: the folder holding the memory tier's files; ``None``: ``$SHARDKIT_MEMORY_DIR``,
-            else ``/dev/shm`` (shared memory, which outlives the process).
+            else ``/dev/shm`` (shared memory, which outlives the process). The memory tier's first
+            save or load is collective and creates a Gloo group over the ranks of
+            ``process_group`` (every rank of the default group takes part, as for ``async_save``).
 
     Example:
         >>> manager = checkpoint.CheckpointManager("ckpts", keep_last=2)  # doctest: +SKIP
@@ -324,7 +330,11 @@ class CheckpointManager:
 
         if to_memory:
             assert self._memory is not None
-            handle = self._memory.save(step, state_dict, persist=self._persist(step, after) if to_storage else None)
+            try:
+                handle = self._memory.save(step, state_dict, persist=self._persist(step, after) if to_storage else None)
+            except BaseException:
+                self._writing = None
+                raise
             if not async_:
                 self.wait()
             return handle if async_ else None

@@ -85,8 +85,8 @@ _log = logging.getLogger("checkpoint")
 
 _test_hook: Callable[[str, int], None] | None = None
 """Private, for tests: called as ``(phase, step)`` on the thread doing it, at "staged" (the
-copy is done), "replicating" (every rank is about to send and receive replicas), "committed" (this rank's
-parts and metadata are in place) and "recovered" (a load from memory is done)."""
+copy is done), "replicating" (every rank is about to send and receive replicas) and "committed"
+(this rank's parts and metadata are in place)."""
 
 
 def _hook(phase: str, step: int) -> None:
@@ -489,7 +489,6 @@ class MemoryTier:
                     continue  # a corrupt copy was removed: choose again (another copy, step or storage)
                 raise
             self._forget(choice)
-            _hook("recovered", choice.step)
             if rank == 0:
                 _log.info("memory tier: loaded step %d from memory (%s)", choice.step, self.job)
             return LoadReport(choice.step, "memory", local, peer, 0, time.perf_counter() - started)

