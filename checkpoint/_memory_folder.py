@@ -13,6 +13,8 @@ URL, so every manager on one root finds the same folder)::
             shardkit.json            the step's metadata, as a storage checkpoint's; renamed in last
         .staging-<what>              a part being copied or received; never read by a recovery
         .spare-<n>                   files of reclaimed steps, kept to be reused by the next parts
+    .recover-<life>-r<rank>/         a load's checkpoint folder: links to parts held here, and the byte
+                                     ranges received from other hosts (removed when the load ends)
 
 A part is in memory once it sits in a ``step-<step>`` folder under its final name and that
 folder's ``shardkit.json`` exists; both arrive by rename, the metadata last. A process killed at
@@ -412,11 +414,16 @@ def reclaim_lives(job: str, *, keep: Container[str] = ()) -> list[str]:
         names = os.listdir(job)
     except FileNotFoundError:
         return removed
-    for name in names:  # locks whose folder is gone (a life that died right after taking its lock)
+    for name in names:
         life = name.removesuffix(".lock")
         if name.endswith(".lock") and _LIFE.match(life) and life not in names and not _alive(job, life):
+            # A lock whose folder is gone (a life that died right after taking its lock).
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(job, name))
+        life = name.removeprefix(".recover-")
+        if name.startswith(".recover-") and _LIFE.match(life) and life not in keep and not _alive(job, life):
+            # A load cut short: its links keep parts of reclaimed steps in memory.
+            shutil.rmtree(os.path.join(job, name), ignore_errors=True)
     return removed
 
 
