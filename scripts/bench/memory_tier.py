@@ -21,8 +21,8 @@ with its own memory folder, so every part is replicated over the network (loopba
     memory (each rank's own host), from memory with host 1's folder gone (its ranks' parts
     come from replicas on host 0), from storage on a local disk (the page cache of the files
     dropped first with ``posix_fadvise(DONTNEED)``), and from storage on an S3-protocol store
-    (moto's server, in this process, on loopback). Every recovery's state is checked bit for
-    bit against the saved one.
+    (moto's server, in this process, on loopback; the step saved there by ``checkpoint.save``).
+    Every recovery's state is checked bit for bit against the saved one.
 (d) the same recovery by DCP: ``dcp.load`` of the same state (DTensors sharing the shards'
     memory) from a DCP checkpoint on the local disk, page cache dropped, as the anchor.
 (e) **work lost per failure**: ``scripts/soak.py`` with the memory tier (every step in memory,
@@ -223,6 +223,8 @@ def _train(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     final = state(step)
     manager.save(step, final)  # in memory and in storage
     assert step == last, (step, last)
+    # The same step on the S3 server, as a manager rooted there would have saved it.
+    checkpoint.save(final, f"{args['s3_root']}/step-{step:010d}", storage_options=args["s3_options"], quiet=True)
     mesh = init_device_mesh("cpu", (world,))
     dcp.save(_dtensors(final, mesh), checkpoint_id=args["dcp"])
     digest = _digest(final)
@@ -359,13 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     launch = _harness.launch
     try:
         print("memory tier benchmark: training, (a) and (b)", file=sys.stderr, flush=True)
-        trained = launch(_train, WORLD, config)
         import s3fs
 
+        s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir("bench")
+        trained = launch(_train, WORLD, config)
         step = trained[0]["step"]
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
-        fs.mkdir("bench")
-        fs.put(str(work / "ckpt" / f"step-{step:010d}"), f"bench/ckpt/step-{step:010d}", recursive=True)
+        print(json.dumps({"trained": {k: v for k, v in trained[0].items() if k != "blocked_parts"}}),
+              file=sys.stderr, flush=True)  # (a) and (b), in case a later part fails
         config.update(step=step, digests=[r["digest"] for r in trained])
         runs: dict[str, list[dict[str, Any]]] = {case: [] for case in CASES}
         for rep in range(args.reps):
