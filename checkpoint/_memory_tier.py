@@ -504,24 +504,23 @@ class MemoryTier:
         folder = os.path.join(self.job, f".recover-{self.life}-r{rank:05d}")
         step = f"CheckpointManager.load (memory step {choice.step})"
 
-        def metadata_text() -> str | None:
-            shutil.rmtree(folder, ignore_errors=True)
-            os.makedirs(folder)
-            if mine is None:
-                return None
-            with open(mine.metadata, "rb") as f:
-                return f.read().decode()
-
-        text, _ = _comm.agree(f"{step}: reading its metadata", metadata_text, self.group, timeout=self.timeout,
-                              error=CheckpointError)
-        if len(choice.metadata_ranks) < world:
+        text = None
+        if mine is not None:
+            with contextlib.suppress(OSError, UnicodeDecodeError):  # unreadable: the planning below says so
+                with open(mine.metadata, "rb") as f:
+                    text = f.read().decode()
+        if len(choice.metadata_ranks) < world:  # some host holds no copy of the metadata: one is sent
             text = _comm.broadcast_json(text if rank == choice.metadata_ranks[0] else None, choice.metadata_ranks[0],
                                         self.group, timeout=self.timeout, what=f"{step}: its metadata")
         local_bytes = 0
 
         def plan() -> list[list[Any]]:
             nonlocal local_bytes
-            assert text is not None
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+            if not isinstance(text, str):
+                msg = f"{step}: its metadata could not be read from {mine.metadata if mine else 'another host'!r}."
+                raise CheckpointError(msg)
             metadata = parse_metadata(text, source=os.path.join(folder, METADATA_FILE))
             with open(os.path.join(folder, METADATA_FILE), "w") as f:
                 f.write(text)
