@@ -274,6 +274,10 @@ class CheckpointManager:
              metric: float | None = None) -> AsyncSaveHandle | None:
         """Save ``state_dict`` as step ``step``; then apply retention. Collective.
 
+        With ``storage_every``, a step it does not divide is not written to the root. With the
+        memory tier, a step ``memory_every`` divides is copied into shared memory, then
+        replicated and (when due) written to the root from that copy in the background.
+
         Args:
             step: the training step, a non-negative int.
             state_dict: as for ``checkpoint.save``.
@@ -379,8 +383,9 @@ class CheckpointManager:
         ``load``; without it, ``latest_step()``.
 
         Example:
-            >>> step = manager.recoverable_step()  # doctest: +SKIP
-            >>> start = 0 if step is None else manager.load(state, step=step)["step"]  # doctest: +SKIP
+            >>> start = 0  # doctest: +SKIP
+            >>> if manager.recoverable_step() is not None:  # doctest: +SKIP
+            ...     start = manager.load(state)["step"]
         """
         if self._memory is None:
             return self.latest_step()
