@@ -392,13 +392,17 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         resume_steps = [r["step"] for r in resumes if r["rank"] == 0]
         growth = [g for g in (_rss_growth(life) for life in lives) if g is not None]
         stray = _stray(root, args.keep_last, args.steps, args.storage_every)
-        # Work lost by each failure: the last step every rank had finished, minus the step resumed from.
-        lost = [kill["finished_everywhere"] - step for kill, step in zip(kills, resume_steps)]
+        # Work lost by each failure: the last step every rank had finished, minus the step the next
+        # run resumed from (0 when there was none yet: a kill before the first step in storage).
+        resumed_in = {r["run"]: r["step"] for r in resumes if r["rank"] == 0}
+        lost = [kill["finished_everywhere"] - resumed_in.get(kill["run"] + 1, 0) for kill in kills]
         report = {
             "steps": args.steps, "steps_run": sum(1 for life in lives[::WORLD] for r in life if "step" in r),
             "kills": len(kills), "keep_last": args.keep_last, "world": WORLD,
             "seed": args.seed, "resume_steps": resume_steps,
-            "resumes_exact": all(r["exact"] for r in resumes) and len(resumes) == WORLD * len(kills),
+            # Every run after a kill resumes (only a root with no step yet has nothing to resume from).
+            "resumes_exact": all(r["exact"] for r in resumes) and (
+                len(resumes) == WORLD * len(kills) or args.storage_every > 1 and not args.memory),
             "inexact_resumes": [r for r in resumes if not r["exact"]],
             "resume_steps_monotonic": resume_steps == sorted(resume_steps),
             "final_exact": final == reference[args.steps],

@@ -338,7 +338,8 @@ def _soak(memory: bool, kills: int, steps: int) -> dict[str, Any]:
     report = json.loads(done.stdout)
     lost = report["steps_lost"]
     return {"steps_lost": lost, "mean": round(statistics.mean(lost), 2), "max": max(lost),
-            "all_resumes_exact": report["resumes_exact"], "ok": report["ok"]}
+            "resume_steps": report["resume_steps"], "all_resumes_exact": report["resumes_exact"],
+            "ok": report["ok"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,18 +392,22 @@ def main(argv: list[str] | None = None) -> int:
                     if case == "memory, host lost":
                         shutil.rmtree(lost, ignore_errors=True)
                         Path(f"{lost}.away").rename(lost)
+                print(json.dumps({"recovery": case, "ranks": results}), file=sys.stderr, flush=True)
                 runs[case].append({"first_step": max(r["first_step"] for r in results),
                                    "load": max(r["load"] for r in results), "up": max(r["up"] for r in results),
                                    "exact": all(r["exact"] for r in results),
                                    "tier": [r["tier"] for r in results],
                                    "storage_bytes": [r["storage_bytes"] for r in results],
                                    "peer_bytes": [r["peer_bytes"] for r in results]})
-        soak = {}
+        soak: dict[str, Any] = {}
         if not args.skip_soak:
             for memory in (True, False):
                 name = "memory every step, storage every 10" if memory else "storage every 10"
                 print(f"memory tier benchmark: (e) soak, {name}", file=sys.stderr, flush=True)
-                soak[name] = _soak(memory, args.soak_kills, 20 * args.soak_kills)
+                try:
+                    soak[name] = _soak(memory, args.soak_kills, 20 * args.soak_kills)
+                except Exception as exc:  # noqa: BLE001 - the figures of (a) to (d) are still reported
+                    soak[name] = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         server.stop()
         shutil.rmtree(shm, ignore_errors=True)
