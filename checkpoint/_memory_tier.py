@@ -616,6 +616,8 @@ class MemoryTier:
         if self.leader:
             reclaim_lives(self.job)
             remove_job(self.job)
+        # So that, on every rank, the host's memory folder is empty once close() returns.
+        _comm.barrier(self.group, timeout=self.timeout, what="CheckpointManager.close")
         self._ready = False
 
 
