@@ -20,9 +20,11 @@ with its own memory folder, so every part is replicated over the network (loopba
 (c) **recovery**, from the restart of the processes (a fresh ``torchrun``-like start of 4
     spawned interpreters) to the end of the first resumed step, and the ``load`` alone: from
     memory (each rank's own host), from memory with host 1's folder gone (its ranks' parts
-    come from replicas on host 0), from storage on a local disk (the page cache of the files
-    dropped first with ``posix_fadvise(DONTNEED)``), and from storage on an S3-protocol store
-    (moto's server, in this process, on loopback; the step saved there by ``checkpoint.save``).
+    come from replicas on host 0), with both hosts' folders gone (no complete step in memory:
+    the memory tier falls back to storage on the local disk, as when two hosts are lost with
+    one replica), from storage on a local disk (the page cache of the files dropped first with
+    ``posix_fadvise(DONTNEED)``), and from storage on an S3-protocol store (moto's server, in
+    this process, on loopback; the step saved there by ``checkpoint.save``).
     Every recovery's state is checked bit for bit against the saved one.
 (d) the same recovery by DCP: ``dcp.load`` of the same state (DTensors sharing the shards'
     memory) from a DCP checkpoint on the local disk, page cache dropped, as the anchor.
@@ -35,6 +37,7 @@ Figures are medians with their range; the recovery cases run ``--reps`` times ea
     python scripts/bench/memory_tier.py               # the figures in docs/benchmarks.md
     python scripts/bench/memory_tier.py --quick       # hidden 256, 2 layers: a few MiB per rank
     python scripts/bench/memory_tier.py --skip-soak   # (a) to (d) only
+    python scripts/bench/memory_tier.py --case memory --case "local disk"   # some recovery cases only
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ def _module(path: Path, name: str) -> Any:
 _harness = _module(_HERE / "_harness.py", "_bench__harness")
 ROOT, machine, MiB, GiB = _harness.ROOT, _harness.machine, _harness.MiB, _harness.GiB
 WORLD, HOSTS = 4, 2
-CASES = ("memory", "memory, host lost", "local disk", "s3", "dcp")
+CASES = ("memory", "memory, host lost", "memory, both hosts lost", "local disk", "s3", "dcp")
+LOST = {"memory, host lost": (1,), "memory, both hosts lost": (0, 1)}  # the hosts whose memory folder is gone
 
 
 # -- in every rank ----------------------------------------------------------------------------------
@@ -355,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-soak", action="store_true", help="leave out (e)")
     parser.add_argument("--soak-kills", type=int, default=6, help="kills per soak in (e) (default 6)")
     parser.add_argument("--work", type=Path, default=None, help="disk folder for storage and DCP (default: a temp)")
+    parser.add_argument("--case", action="append", choices=CASES, default=None,
+                        help="a recovery case to run (repeat the option; default: all; memory is always run)")
     args = parser.parse_args(argv)
+    cases = tuple(c for c in CASES if c == "memory" or args.case is None or c in args.case)
     if args.quick:
         args.hidden, args.layers, args.vocab, args.reps = 256, 2, 4096, 2
     work = Path(tempfile.mkdtemp(prefix="shardkit-bench-memory-", dir=args.work))
@@ -377,21 +384,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"trained": {k: v for k, v in trained[0].items() if k != "blocked_parts"}}),
               file=sys.stderr, flush=True)  # (a) and (b), in case a later part fails
         config.update(step=step, digests=[r["digest"] for r in trained])
-        runs: dict[str, list[dict[str, Any]]] = {case: [] for case in CASES}
+        runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
         for rep in range(args.reps):
-            for case in CASES[rep % len(CASES):] + CASES[:rep % len(CASES)]:
+            for case in cases[rep % len(cases):] + cases[:rep % len(cases)]:
                 print(f"memory tier benchmark: recovery {rep + 1}/{args.reps} from {case}", file=sys.stderr,
                       flush=True)
-                lost = Path(config["memory"][1])
-                if case == "memory, host lost":
-                    lost.rename(f"{lost}.away")
+                lost = [Path(config["memory"][host]) for host in LOST.get(case, ())]
+                for folder in lost:
+                    folder.rename(f"{folder}.away")
                 _drop_page_cache(work)
                 try:
                     results = launch(_recover, WORLD, config, case, time.time())
                 finally:
-                    if case == "memory, host lost":
-                        shutil.rmtree(lost, ignore_errors=True)
-                        Path(f"{lost}.away").rename(lost)
+                    for folder in lost:
+                        shutil.rmtree(folder, ignore_errors=True)
+                        Path(f"{folder}.away").rename(folder)
                 print(json.dumps({"recovery": case, "ranks": results}), file=sys.stderr, flush=True)
                 runs[case].append({"first_step": max(r["first_step"] for r in results),
                                    "load": max(r["load"] for r in results), "up": max(r["up"] for r in results),
@@ -433,16 +440,16 @@ def main(argv: list[str] | None = None) -> int:
         "b_blocked_over_copy": round(statistics.median(blocked) / statistics.median(copies), 3),
         "b_blocked_parts_median": {k: round(statistics.median(p[k] for p in trained[0]["blocked_parts"]), 4)
                                    for k in trained[0]["blocked_parts"][0]},
-        "c_restart_to_first_step_seconds": {case: _stats(recovery(case, "first_step")) for case in CASES},
-        "c_load_seconds": {case: _stats(recovery(case, "load")) for case in CASES},
-        "c_processes_up_seconds": {case: _stats(recovery(case, "up")) for case in CASES},
+        "c_restart_to_first_step_seconds": {case: _stats(recovery(case, "first_step")) for case in cases},
+        "c_load_seconds": {case: _stats(recovery(case, "load")) for case in cases},
+        "c_processes_up_seconds": {case: _stats(recovery(case, "up")) for case in cases},
         "c_ratios_restart_to_first_step": {f"memory / {case}": _ratio(recovery("memory", "first_step"),
                                                                       recovery(case, "first_step"))
-                                           for case in CASES[1:]},
+                                           for case in cases[1:]},
         "c_ratios_load": {f"memory / {case}": _ratio(recovery("memory", "load"), recovery(case, "load"))
-                          for case in CASES[1:]},
+                          for case in cases[1:]},
         "c_recoveries": runs,
-        "c_all_exact": all(r["exact"] for case in CASES for r in runs[case]),
+        "c_all_exact": all(r["exact"] for case in cases for r in runs[case]),
         "page_cache": "the disk checkpoints' pages evicted (posix_fadvise DONTNEED) before each recovery",
         "e_work_lost_per_failure": soak,
     }
