@@ -34,7 +34,10 @@ import torch
 import torch.distributed as dist
 
 from . import liveness as _liveness
+from . import standalone as _standalone
 from . import teardown  # binds torch's default-group arguments before any group exists; exit hook
+
+_standalone.install()  # init_process_group() without a launcher: a world of one, with a warning
 
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "broadcast_json", "all_gather_tensor", "CollectiveError",
@@ -113,6 +116,24 @@ def _record(op: str, nbytes: int) -> None:
     for counter in _active:
         counter.counts[op] += 1
         counter.bytes_by_op[op] += nbytes
+    for observer in _observers:
+        observer(op, nbytes)
+
+
+_observers: list[Callable[[str, int], None]] = []
+
+
+@contextlib.contextmanager
+def observed(observer: Callable[[str, int], None]) -> Iterator[None]:
+    """Call ``observer(operation, bytes this rank sends)`` for every collective inside the block, as
+    ``CommCounter`` counts it (for a report that attributes each to where it happened)."""
+    with _lock:
+        _observers.append(observer)
+    try:
+        yield
+    finally:
+        with _lock:
+            _observers.remove(observer)
 
 
 def _initialized() -> bool:
@@ -665,6 +686,7 @@ class CollectiveError(RuntimeError):
     def __init__(self, operation: str, reason: Reason, ranks: list[int] | None, *, timeout: float,
                  elapsed: float, detail: str = "") -> None:
         self.operation, self.reason, self.timeout, self.elapsed = operation, reason, timeout, elapsed
+        self.detail = detail
         self.ranks = None if ranks is None else sorted(ranks)
         if reason == "closed":
             cause = (f"a peer closed its connection after {elapsed:.1f} s (it crashed, was killed or exited; "
@@ -681,6 +703,15 @@ class CollectiveError(RuntimeError):
         else:
             who = f"no answer from rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
         super().__init__(f"{operation} did not complete: {cause}; {who}.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled with its fields (a rank's error sent to another process), not with the message alone.
+        return (_collective_error, (self.operation, self.reason, self.ranks, self.timeout, self.elapsed, self.detail))
+
+
+def _collective_error(operation: str, reason: Reason, ranks: list[int] | None, timeout: float, elapsed: float,
+                      detail: str) -> CollectiveError:
+    return CollectiveError(operation, reason, ranks, timeout=timeout, elapsed=elapsed, detail=detail)
 
 
 def _classify(exc: BaseException, elapsed: float, timeout: float) -> tuple[Reason, str]:

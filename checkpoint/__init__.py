@@ -13,3 +13,6 @@ from ._storage import read_metadata
 
 __all__ = ["save", "async_save", "AsyncSaveHandle", "CheckpointManager", "LoadReport", "load", "collect_state_dict",
            "consolidate", "convert", "read_metadata", "CheckpointMetadata", "CheckpointError"]
+
+# Tracebacks and reprs name the class where users import it, not the private module defining it.
+CheckpointError.__module__ = __name__

@@ -20,7 +20,8 @@ from typing import Any, TextIO
 
 from ._consolidate import consolidate_files, parse_size
 from ._convert import convert_to
-from ._schema import CheckpointError, CheckpointMetadata, TensorEntry
+from ._export import manager_step
+from ._schema import CHECKSUMMED_VERSION, CheckpointError, CheckpointMetadata, TensorEntry
 from ._sources import open_source
 
 __all__ = ["main", "verify", "tensor_layout"]
@@ -45,6 +46,10 @@ examples:
   %(prog)s convert hf-model ckpt
 
 exit status: 0 success, 1 invalid or unreadable checkpoint, 2 usage error."""
+
+
+_STEP_HELP = ("PATH is a CheckpointManager's root: use step N (default: its latest committed step); its "
+              "committed steps are listed")
 
 
 def _human(n: float) -> str:
@@ -105,12 +110,17 @@ def _parser() -> argparse.ArgumentParser:
                     "the split dimension and block sizes, or the grid of a mesh), its non-tensor values and "
                     "its data files, from the metadata alone (no tensor data is read).")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    inspect.add_argument("--step", type=int, metavar="N", help=_STEP_HELP)
 
-    commands.add_parser(
+    verify = commands.add_parser(
         "verify", parents=[common, folder, quiet], help="re-read every byte: checksums, file sizes, headers",
         description="Re-read the whole checkpoint: validate the metadata, check that every data file exists with "
                     "the recorded size and a safetensors header matching the metadata, and check the checksum of "
                     "every saved region. Exits 1 and names the file and tensor of every problem found.")
+    verify.add_argument("--step", type=int, metavar="N", help=_STEP_HELP)
+    verify.add_argument("--strict", action="store_true",
+                        help="also refuse a checkpoint whose metadata carries no checksum of its own content "
+                             "(format versions 1 to 3, which nothing guards against edits)")
 
     cons = commands.add_parser(
         "consolidate", parents=[common, folder, quiet], help="write one .safetensors file or a Hugging Face style folder",
@@ -178,9 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = _options(args.storage_options)
     try:
         if args.command == "inspect":
-            return _inspect(args.path, options, as_json=args.json, out=sys.stdout)
+            return _inspect(args.path, options, as_json=args.json, out=sys.stdout, step=args.step)
         if args.command == "verify":
-            return _verify_cmd(args.path, options, quiet=args.quiet, out=sys.stdout)
+            return _verify_cmd(args.path, options, quiet=args.quiet, out=sys.stdout, step=args.step,
+                               strict=args.strict)
         if args.command == "convert":
             written = convert_to(args.path, args.output, from_format=args.from_format, to_format=args.to_format)
             print(f"wrote {args.output} ({written})", file=sys.stdout)
@@ -264,12 +275,38 @@ def _describe(path: str, metadata: CheckpointMetadata, source_format: str = "sha
     }
 
 
-def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextIO, width: int | None = None) -> int:
-    with open_source(path, storage_options=options) as source:
-        info = _describe(path, source.describe(), source.format)
+def _steps_text(steps: Sequence[int]) -> str:
+    """``[0, 10, 20]``; past 12 steps, the first and last five around the count of those left out."""
+    if len(steps) <= 12:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:5]))}, ... ({len(steps) - 10} more), {', '.join(map(str, steps[-5:]))}"
+
+
+def _chosen(path: str, options: Mapping[str, Any], step: int | None, out: TextIO | None
+            ) -> tuple[str, dict[str, Any] | None]:
+    """The checkpoint folder to read: ``path`` itself, or a CheckpointManager root's step (listed on ``out``)."""
+    found = manager_step(path, step, options)
+    if found is None:
+        return path, None
+    folder, chosen, steps = found
+    if out is not None:
+        which = "latest" if step is None else "chosen with --step"
+        print(f"CheckpointManager root {path}: {len(steps)} committed step{'s' if len(steps) != 1 else ''} "
+              f"[{_steps_text(steps)}]; step {chosen} ({which}) follows.", file=out)
+    return folder, {"root": path, "steps": steps, "step": chosen}
+
+
+def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextIO, width: int | None = None,
+             step: int | None = None) -> int:
+    folder, manager = _chosen(path, options, step, None if as_json else out)
+    with open_source(folder, storage_options=options) as source:
+        info = _describe(folder, source.describe(), source.format)
     if as_json:
+        if manager is not None:
+            info["manager"] = manager
         print(json.dumps(info, indent=2), file=out)
         return 0
+    path = folder
     width = width or shutil.get_terminal_size((100, 24)).columns
     tensors = info["tensors"]
     if info["format"] == "shardkit":
@@ -278,7 +315,7 @@ def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextI
     else:
         print(f"checkpoint {path}  (Hugging Face safetensors, no checksums)", file=out)
     rows = [("name", "dtype", "shape", "bytes", "shards", "layout")]
-    rows += [(name, t["dtype"], "(" + ", ".join(map(str, t["shape"])) + ")", _human(t["bytes"]), str(t["shards"]),
+    rows += [(name, t["dtype"], str(tuple(t["shape"])), _human(t["bytes"]), str(t["shards"]),
               _layout_text(t["layout"])) for name, t in tensors.items()]
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
     indent = sum(widths) + 2 * 5
@@ -311,8 +348,8 @@ def _inspect(path: str, options: Mapping[str, Any], *, as_json: bool, out: TextI
 
 # -- verify ------------------------------------------------------------------------------------
 
-def verify(path: str, *, storage_options: Mapping[str, Any] | None = None, quiet: bool | None = None
-           ) -> tuple[CheckpointMetadata, list[str]]:
+def verify(path: str, *, storage_options: Mapping[str, Any] | None = None, quiet: bool | None = None,
+           strict: bool = False) -> tuple[CheckpointMetadata, list[str]]:
     """Re-read a whole checkpoint; return its metadata and every problem found (empty if valid).
 
     A shardkit checkpoint (every data file's size and header, every chunk checksum) or a
@@ -322,13 +359,28 @@ def verify(path: str, *, storage_options: Mapping[str, Any] | None = None, quiet
     Raises ``CheckpointError`` only when the metadata itself is missing or malformed (nothing
     else can be checked then). Each problem is a ``CheckpointError`` message naming the file
     and, where one is involved, the tensor.
+
+    With ``strict``, a checkpoint whose metadata nothing guards against edits is a problem too:
+    a shardkit format version without the content checksum (1 to 3), or a Hugging Face
+    checkpoint (no checksums at all).
     """
     with open_source(path, storage_options=storage_options) as source:
-        return source.describe(), source.verify(quiet=quiet)
+        metadata, problems = source.describe(), source.verify(quiet=quiet)
+        unguarded = source.format != "shardkit" or metadata.version < CHECKSUMMED_VERSION
+        if strict and unguarded:
+            what = (f"format version {metadata.version} records no checksum of its metadata's own content (from "
+                    f"version {CHECKSUMMED_VERSION} on it does)" if source.format == "shardkit"
+                    else f"a {source.format} checkpoint carries no checksums")
+            problems.append(f"{path}: {what}, so an edited file cannot be told from the saved one; strict "
+                            f"verification refuses it. Load it and save it again with this shardkit to get a "
+                            f"checksummed checkpoint.")
+    return metadata, problems
 
 
-def _verify_cmd(path: str, options: Mapping[str, Any], *, quiet: bool, out: TextIO) -> int:
-    metadata, problems = verify(path, storage_options=options, quiet=True if quiet else None)
+def _verify_cmd(path: str, options: Mapping[str, Any], *, quiet: bool, out: TextIO, step: int | None = None,
+                strict: bool = False) -> int:
+    path = _chosen(path, options, step, out)[0]
+    metadata, problems = verify(path, storage_options=options, quiet=True if quiet else None, strict=strict)
     if problems:
         for problem in problems:
             print(f"{PROG} verify: error: {problem}", file=sys.stderr)

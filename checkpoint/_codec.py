@@ -18,6 +18,7 @@ import torch
 
 from . import _strict_json as strict_json
 from ._schema import CHECKSUM_ALGORITHM, CheckpointError, SavedShard, safetensors_dtype
+from ._strict_json import shown
 
 __all__ = ["MAX_HEADER", "build_safetensors_header", "parse_safetensors_header", "header_length", "parse_header",
            "check_header_entry", "tensor_bytes", "tensor_from_bytes", "Checksum", "checksum"]
@@ -108,17 +109,17 @@ def check_header_entry(header: Mapping[str, Any], data_start: int, shard: SavedS
         raise CheckpointError(msg)
     expected = safetensors_dtype(dtype)
     if entry.get("dtype") != expected:
-        msg = (f"{where}: the header says dtype {entry.get('dtype')!r} but shardkit.json says {expected!r} "
+        msg = (f"{where}: the header says dtype {shown(entry.get('dtype'))} but shardkit.json says {expected!r} "
                f"({dtype}); refusing to reinterpret the bytes (the file or the metadata is corrupt).")
         raise CheckpointError(msg)
     if entry.get("shape") != list(shard.dims):
-        msg = (f"{where}: the header says shape {entry.get('shape')!r} but shardkit.json says "
+        msg = (f"{where}: the header says shape {shown(entry.get('shape'))} but shardkit.json says "
                f"{list(shard.dims)}; refusing to reinterpret the bytes (the file or the metadata is corrupt).")
         raise CheckpointError(msg)
     offsets = entry.get("data_offsets")
     expected_offsets = [shard.byte_range[0] - data_start, shard.byte_range[1] - data_start]
     if offsets != expected_offsets:
-        msg = (f"{where}: the header places the data at {offsets!r} (relative to byte {data_start}) but "
+        msg = (f"{where}: the header places the data at {shown(offsets)} (relative to byte {data_start}) but "
                f"shardkit.json at bytes {list(shard.byte_range)}; the file or the metadata is corrupt.")
         raise CheckpointError(msg)
 

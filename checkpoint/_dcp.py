@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import os
+import zipfile
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,10 +33,14 @@ import torch
 
 from ._dcp_metadata import read_dcp_metadata
 from ._hf import KeyMap
+from ._pickle_scan import PickleRefused, scan
 from ._schema import CheckpointError, CheckpointMetadata, TensorEntry
 from ._source import Block, Source
 
 __all__ = ["DcpSource"]
+
+MAX_PICKLE_BYTES = 1 << 30
+"""Largest pickle of one non-tensor entry read (its object's cost is bounded by ``_pickle_scan`` too)."""
 
 
 @dataclass
@@ -58,12 +63,37 @@ class _Targets:
 
     def load_bytes(self, item: Any, value: io.BytesIO) -> None:
         name = item.dest_index.fqn
+        _check_saved_value(value.getvalue(), f"DCP checkpoint {self.source!r}: the non-tensor entry {name!r}")
         try:
             self.values[name] = torch.load(value, weights_only=True)
         except Exception as exc:
             msg = (f"DCP checkpoint {self.source!r}: the non-tensor entry {name!r} is not a plain Python value "
                    f"(torch.load(weights_only=True) refused it: {exc}); shardkit reads only plain values.")
             raise CheckpointError(msg) from exc
+
+
+def _check_saved_value(blob: bytes, what: str) -> None:
+    """Refuse a ``torch.save`` blob whose pickle passes ``_pickle_scan``'s limits, before ``torch.load`` builds it.
+
+    DCP stores a non-tensor entry as ``torch.save``'s zip archive; its object is the member
+    ``<archive>/data.pkl``. Anything else (the legacy format, another archive) is refused.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            members = [info for info in archive.infolist() if info.filename.endswith("/data.pkl")]
+            if len(members) != 1 or members[0].file_size > MAX_PICKLE_BYTES:
+                msg = (f"{what} is not one torch.save archive holding one data.pkl of at most {MAX_PICKLE_BYTES} "
+                       f"bytes; shardkit reads only plain values saved by torch.save.")
+                raise CheckpointError(msg)
+            data = archive.read(members[0])
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        msg = (f"{what} is not a torch.save archive ({type(exc).__name__}); shardkit reads only plain values saved "
+               f"by torch.save.")
+        raise CheckpointError(msg) from None
+    try:
+        scan(data, what=what)
+    except PickleRefused as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _rebuild(entries: list[tuple[tuple[Any, ...], Any]]) -> Any:

@@ -29,12 +29,15 @@ import io
 import math
 import pathlib
 import pickle
+import reprlib
 from typing import Any
 
 import torch
 
+from ._pickle_scan import PickleRefused, scan
 from ._safe_open import read_regular
 from ._schema import CheckpointError, check_file_name
+from ._strict_json import QUOTE
 
 __all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "parse_dcp_metadata"]
 
@@ -106,13 +109,13 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return _resolve(module, name)
         if module == "torch" and name in self._torch_values:
             return self._torch_values[name]
-        msg = (f"DCP metadata {self._source!r} names the global {module}.{name}, which is not one of DCP's "
+        msg = (f"DCP metadata {self._source!r} names the global {_dotted(module, name)}, which is not one of DCP's "
                f"metadata classes; refusing to unpickle it (a DCP .metadata file holds only DCP's dataclasses, "
                f"torch.Size and torch dtypes). The file is corrupt or was crafted to run code.")
         raise CheckpointError(msg)
 
     def persistent_load(self, pid: Any) -> Any:
-        msg = f"DCP metadata {self._source!r} holds a persistent reference ({pid!r}); DCP metadata never does."
+        msg = f"DCP metadata {self._source!r} holds a persistent reference ({_shown(pid)}); DCP metadata never does."
         raise CheckpointError(msg)
 
 
@@ -123,6 +126,13 @@ def parse_dcp_metadata(data: bytes, *, source: str = "?") -> Any:
         CheckpointError: the pickle names a global outside the allow-list, is malformed, or
             does not describe a well-formed DCP checkpoint.
     """
+    try:
+        scan(data, what=f"DCP metadata {source!r}")  # its cost bounded before anything is built
+    except PickleRefused as exc:
+        if exc.malformed:
+            msg = f"DCP metadata {source!r} is not a readable DCP metadata pickle ({exc.detail})."
+            raise CheckpointError(msg) from None
+        raise CheckpointError(str(exc)) from None
     try:
         metadata = _RestrictedUnpickler(data, source).load()
     except CheckpointError:
@@ -148,6 +158,24 @@ def read_dcp_metadata(path: str) -> Any:
         msg = f"no DCP checkpoint at {path!r}: {source!r} does not exist."
         raise FileNotFoundError(msg) from None
     return parse_dcp_metadata(data, source=source)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, QUOTE, QUOTE, QUOTE
+
+
+def _shown(value: object) -> str:
+    """A bounded ``repr`` for messages: a crafted value is never printed whole."""
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a crafted object whose repr fails
+        return f"a {type(value).__name__}"
+
+
+def _dotted(module: str, name: str) -> str:
+    """``module.name``, cut to ``2 * QUOTE`` characters (a crafted pickle may name a megabyte-long global)."""
+    text = f"{module}.{name}"
+    return text if len(text) <= 2 * QUOTE else f"{text[:2 * QUOTE]}... ({len(text)} characters)"
 
 
 def _fail(source: str, problem: str) -> CheckpointError:
@@ -178,34 +206,36 @@ def _check(metadata: object, source: str) -> None:
         raise _fail(source, "state_dict_metadata is not a dict")
     for name, entry in entries.items():
         if not isinstance(name, str):
-            raise _fail(source, f"entry name {name!r} is not a str")
+            raise _fail(source, f"entry name {_shown(name)} is not a str")
         if isinstance(entry, BytesStorageMetadata):
             continue
         if not (isinstance(entry, TensorStorageMetadata) and isinstance(entry.properties, TensorProperties)
                 and isinstance(entry.properties.dtype, torch.dtype)):
-            raise _fail(source, f"entry {name!r} is {type(entry).__name__}, not a tensor or bytes entry")
+            raise _fail(source, f"entry {_shown(name)} is {type(entry).__name__}, not a tensor or bytes entry")
         size = entry.size
         if not _box(size, len(size) if isinstance(size, torch.Size) else -1):
-            raise _fail(source, f"tensor {name!r} has size {size!r}")
+            raise _fail(source, f"tensor {_shown(name)} has size {_shown(size)}")
         if not isinstance(entry.chunks, list):
-            raise _fail(source, f"tensor {name!r} has chunks {entry.chunks!r}")
+            raise _fail(source, f"tensor {_shown(name)} has chunks {_shown(entry.chunks)}")
         for chunk in entry.chunks:
             if not (isinstance(chunk, ChunkStorageMetadata) and _box(chunk.offsets, len(size))
                     and _box(chunk.sizes, len(size))
                     and all(o + n <= s for o, n, s in zip(chunk.offsets, chunk.sizes, size))):
-                raise _fail(source, f"tensor {name!r} of size {tuple(size)} has chunk {chunk!r} outside it")
+                raise _fail(source, f"tensor {_shown(name)} of size {_shown(tuple(size))} has chunk "
+                                    f"{_shown(chunk)} outside it")
         if math.prod(size) * entry.properties.dtype.itemsize >= 2**63:
-            raise _fail(source, f"tensor {name!r} of size {tuple(size)} is more than 2**63 bytes")
+            raise _fail(source, f"tensor {_shown(name)} of size {_shown(tuple(size))} is more than 2**63 bytes")
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise _fail(source, f"storage_data is {type(storage).__name__}, not a dict (only DCP's file system "
                             f"format is read)")
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise _fail(source, f"storage_data maps {index!r} to {info!r}")
-        check_file_name(info.relative_path, source=source, tensor=str(index.fqn))
+            raise _fail(source, f"storage_data maps {_shown(index)} to {_shown(info)}")
+        check_file_name(info.relative_path, source=source, tensor=_shown(index.fqn))
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in (info.offset, info.length)):
-            raise _fail(source, f"storage_data for {index.fqn!r} has offset {info.offset!r}, length {info.length!r}")
+            raise _fail(source, f"storage_data for {_shown(index.fqn)} has offset {_shown(info.offset)}, "
+                                f"length {_shown(info.length)}")
     planner = metadata.planner_data
     if planner is not None and not (isinstance(planner, dict) and all(
             isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)

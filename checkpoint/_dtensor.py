@@ -25,22 +25,20 @@ from sharded_tensor import from_dtensor
 __all__ = ["dtensor_views"]
 
 
-def _has_dtensor(value: Any, active: set[int] | None = None) -> bool:
-    if is_dtensor(value):
-        return True
-    if not isinstance(value, (Mapping, list, tuple)):
-        return False
-    # A container that holds itself is not descended into again: save and load report the
-    # cycle with its name when they walk the state_dict.
-    active = set() if active is None else active
-    if id(value) in active:
-        return False
-    active.add(id(value))
-    try:
-        items = value.values() if isinstance(value, Mapping) else value
-        return any(_has_dtensor(v, active) for v in items)
-    finally:
-        active.discard(id(value))
+def _has_dtensor(value: Any) -> bool:
+    """Whether ``value`` holds a DTensor anywhere. Each container is looked into once, without recursion: a
+    container held several times, or holding itself, or nested deeply, costs its size once (save and
+    load report cycles and values too large with their names when they walk the state_dict)."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if is_dtensor(item):
+            return True
+        if isinstance(item, (Mapping, list, tuple)) and id(item) not in seen:
+            seen.add(id(item))
+            stack.extend(item.values() if isinstance(item, Mapping) else item)
+    return False
 
 
 def dtensor_views(state_dict: Any, process_group: _comm.ProcessGroup = None

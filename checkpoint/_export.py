@@ -13,19 +13,18 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 
 from ._schema import METADATA_FILE
-from ._storage import is_local, list_names, resolve
+from ._steps import check_step, committed_steps, step_name
+from ._storage import is_local, resolve
 
-__all__ = ["checkpoint_folder", "config_files", "ConfigLike"]
+__all__ = ["checkpoint_folder", "manager_step", "config_files", "ConfigLike"]
 
 ConfigLike = Any  # a transformers PretrainedConfig or PreTrainedModel, or a path
-_STEP = re.compile(r"^step-(\d{10})$")  # CheckpointManager's layout
 _CONFIG = "config.json"
 _GENERATION = "generation_config.json"
 
@@ -38,12 +37,28 @@ def checkpoint_folder(source: Any, step: int | None, storage_options: Mapping[st
         FileNotFoundError: no committed step (or not ``step``) under a manager's root, or nothing
             at ``source``.
     """
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        msg = f"step={step!r} must be a non-negative int or None (the latest committed step)."
-        raise ValueError(msg)
-    root = getattr(source, "_root", None)  # a CheckpointManager: its root, read like any other
-    if root is not None and hasattr(source, "latest_step"):
-        fs = source._fs
+    found = manager_step(source, step, storage_options)
+    return str(os.fspath(source)) if found is None else found[0]
+
+
+def manager_step(source: Any, step: int | None, storage_options: Mapping[str, Any] | None
+                 ) -> tuple[str, int, list[int]] | None:
+    """``(the chosen step's folder, that step, every committed step)`` when ``source`` is a
+    ``CheckpointManager`` or its root; ``None`` when ``source`` is a checkpoint folder itself,
+    or no manager's root (reading it then reports what is wrong).
+
+    The steps are read by the manager's own rule (``_steps``); the latest is chosen when
+    ``step`` is ``None``.
+
+    Raises:
+        ValueError: ``step`` given for a plain checkpoint folder, or a bad ``step``.
+        FileNotFoundError: no committed step (or not ``step``) under a manager's root.
+    """
+    if step is not None:
+        check_step(step)
+    manager = getattr(source, "_root", None) is not None and hasattr(source, "latest_step")
+    if manager:  # a CheckpointManager: its root, read like any other
+        fs, root = source._fs, str(source._root)
     else:
         fs, root = resolve(source, storage_options)
         if fs.exists(posixpath.join(root, METADATA_FILE)):
@@ -51,11 +66,10 @@ def checkpoint_folder(source: Any, step: int | None, storage_options: Mapping[st
                 msg = (f"{os.fspath(source)!r} is one checkpoint, not a CheckpointManager's root; drop step={step} "
                        f"or give the manager's root folder.")
                 raise ValueError(msg)
-            return str(os.fspath(source))
-    steps = sorted(int(m.group(1)) for name in _names(fs, root) if (m := _STEP.match(name))
-                   and fs.exists(posixpath.join(root, name, METADATA_FILE)))
-    if not steps and step is None and root is not getattr(source, "_root", None):
-        return str(os.fspath(source))  # not a manager's root: reading it reports what is wrong
+            return None
+    steps = committed_steps(fs, root)
+    if not steps and step is None and not manager:
+        return None
     if not steps:
         msg = f"{root!r} holds no committed CheckpointManager step (step-<n>/{METADATA_FILE})."
         raise FileNotFoundError(msg)
@@ -63,15 +77,8 @@ def checkpoint_folder(source: Any, step: int | None, storage_options: Mapping[st
     if chosen not in steps:
         msg = f"step {step} is not a committed step of the CheckpointManager at {root!r}; its steps: {steps}."
         raise FileNotFoundError(msg)
-    path = posixpath.join(root, f"step-{chosen:010d}")
-    return path if is_local(fs) else fs.unstrip_protocol(path)
-
-
-def _names(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
-    try:
-        return list_names(fs, root)
-    except FileNotFoundError:
-        return []
+    path = posixpath.join(root, step_name(chosen))
+    return (path if is_local(fs) else fs.unstrip_protocol(path)), chosen, steps
 
 
 def config_files(config: ConfigLike) -> dict[str, bytes]:

@@ -335,10 +335,10 @@ class _FileSource(Source):
     """Safetensors data files in ``folder`` on ``fs``, described by ``metadata``."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, folder: str, where: str, metadata: CheckpointMetadata,
-                 *, checked: bool) -> None:
+                 *, checked: bool, cache_links: bool = False) -> None:
         super().__init__(where)
         self._fs, self._folder, self._metadata = fs, folder, metadata
-        self._reader = DataReader(fs)
+        self._reader = DataReader(fs, cache_links=cache_links)
         self._checks = _FileChecks(self._reader, metadata, folder, enabled=checked)
 
     def describe(self, names: Collection[str] | None = None) -> CheckpointMetadata:
@@ -392,7 +392,8 @@ class HuggingFaceSource(_FileSource):
         folder, files, where = found
         metadata = apply_key_map(read_hf_metadata(fs, folder, files, where), key_map, source=where)
         # No file checks: the metadata comes from these very headers, validated as they were read.
-        super().__init__(fs, folder, where, metadata, checked=False)
+        # A Hugging Face cache snapshot's files are links into the cache's blobs/: followed there only.
+        super().__init__(fs, folder, where, metadata, checked=False, cache_links=True)
 
     def match_names(self, targets: Iterable[tuple[str, Any]]) -> set[str]:
         """``from_pretrained``'s names: legacy renamings, the base model's prefix, tied weights (``_hf``)."""

@@ -34,7 +34,6 @@ non-negative ints, data offsets inside the file and of exactly the size the shap
 
 from __future__ import annotations
 
-import json
 import math
 import posixpath
 import re
@@ -44,8 +43,10 @@ from typing import Any
 import fsspec
 import torch
 
+from . import _strict_json as strict_json
 from ._hf_fuse import FusedPiece, fused_entries, fusion_of
 from ._reader import DataReader
+from ._safe_open import read_regular
 from ._schema import (
     METADATA_FILE,
     CheckpointError,
@@ -55,6 +56,8 @@ from ._schema import (
     check_file_name,
     dtype_from_code,
 )
+from ._storage import is_local
+from ._strict_json import shown
 
 __all__ = ["INDEX_FILE", "find_hf", "read_hf_metadata", "apply_key_map", "KeyMap", "convert_hf_names"]
 
@@ -76,17 +79,41 @@ def find_hf(fs: fsspec.AbstractFileSystem, root: str) -> tuple[str, list[str], s
         return None
     index = posixpath.join(root, INDEX_FILE)
     if fs.exists(index):
-        try:
-            data = json.loads(fs.cat_file(index))
-            weight_map = data["weight_map"]
-            files = sorted({check_file_name(f, source=index, tensor=t) for t, f in weight_map.items()})
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            msg = f"{index!r} is not a valid safetensors index (a JSON object with a 'weight_map'): {exc}."
-            raise CheckpointError(msg) from exc
+        weight_map = read_index(fs, index)
+        files = sorted({check_file_name(f, source=index, tensor=t) for t, f in weight_map.items()})
         return root, files, index
     if fs.exists(posixpath.join(root, _SINGLE_FILE)):
         return root, [_SINGLE_FILE], posixpath.join(root, _SINGLE_FILE)
     return None
+
+
+def read_small(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
+    """A whole small file of a Hugging Face folder: locally a regular file (or a cache snapshot's link into its
+    own blobs/, ``_safe_open``), elsewhere as the file system gives it."""
+    if is_local(fs):
+        return read_regular(path, cache_links=True)
+    data: bytes = fs.cat_file(path)
+    return data
+
+
+def read_index(fs: fsspec.AbstractFileSystem, index: str) -> dict[str, str]:
+    """The ``weight_map`` of a ``model.safetensors.index.json`` (tensor name -> file), strictly parsed.
+
+    Raises:
+        CheckpointError: not JSON within ``_strict_json``'s limits (depth, size, no duplicate key), or
+            no object ``weight_map`` of strings to strings.
+    """
+    try:
+        data = strict_json.loads(read_small(fs, index), source=index, what="malformed safetensors index")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        found = type(weight_map).__name__ if isinstance(data, dict) else f"a {type(data).__name__}"
+        msg = (f"{index!r} is not a valid safetensors index: expected a JSON object whose 'weight_map' maps tensor "
+               f"names to file names, found {found}.")
+        raise CheckpointError(msg)
+    return weight_map
 
 
 def _entry(path: str, name: str, info: object, file: str, start: int, size: int) -> TensorEntry:
@@ -97,10 +124,10 @@ def _entry(path: str, name: str, info: object, file: str, start: int, size: int)
     dtype = dtype_from_code(info.get("dtype"), where=where)
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
-        msg = f"{where} has shape {shape!r}; a shape is a list of non-negative ints."
+        msg = f"{where} has shape {shown(shape)}; a shape is a list of non-negative ints."
         raise CheckpointError(msg)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)):
-        msg = f"{where} has data_offsets {offsets!r}; expected [begin, end]."
+        msg = f"{where} has data_offsets {shown(offsets)}; expected [begin, end]."
         raise CheckpointError(msg)
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize
@@ -121,7 +148,7 @@ def read_hf_metadata(fs: fsspec.AbstractFileSystem, folder: str, files: list[str
     """
     tensors: dict[str, TensorEntry] = {}
     sizes: dict[str, int] = {}
-    with DataReader(fs) as reader:
+    with DataReader(fs, cache_links=True) as reader:
         headers = {file: reader.read_header(posixpath.join(folder, check_file_name(file, source=source)))
                    for file in files}
     for file, (header, start, size) in headers.items():
@@ -135,7 +162,7 @@ def read_hf_metadata(fs: fsspec.AbstractFileSystem, folder: str, files: list[str
                 raise CheckpointError(msg)
             tensors[name] = _entry(path, name, info, file, start, size)
     if source.endswith(INDEX_FILE):
-        weight_map = json.loads(fs.cat_file(source))["weight_map"]
+        weight_map = read_index(fs, source)
         for name, file in weight_map.items():
             held = tensors.get(name)
             if held is None or held.shards[0].file != file:
@@ -241,8 +268,8 @@ def _meta_model(fs: fsspec.AbstractFileSystem, folder: str) -> Any:
         return None
     path = posixpath.join(folder, _CONFIG_FILE)
     try:
-        data = json.loads(fs.cat_file(path))
-    except (FileNotFoundError, ValueError):
+        data = strict_json.loads(read_small(fs, path), source=path)
+    except (FileNotFoundError, ValueError, CheckpointError):
         return None
     if not isinstance(data, dict):
         return None

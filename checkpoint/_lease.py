@@ -44,6 +44,7 @@ from typing import Any
 
 import fsspec
 
+from . import _strict_json as strict_json
 from ._schema import CheckpointError
 from ._storage import is_local, list_names
 
@@ -293,8 +294,8 @@ def _parse(data: bytes | None) -> dict[str, Any] | None:
     if not data:
         return None
     try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        value = strict_json.loads(data, source="shardkit.lock")
+    except ValueError:  # unreadable: not a lease (a crafted one is bounded like every checkpoint JSON file)
         return None
     return value if isinstance(value, dict) else None
 

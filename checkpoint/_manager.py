@@ -1,7 +1,9 @@
 """``checkpoint.CheckpointManager``: one checkpoint per training step under a root folder, with retention.
 
 Layout: ``<root>/step-<step, at least 10 digits>/`` is an ordinary checkpoint folder (any
-non-negative int step: ``step-0000000042``, ``step-1000000000000000000``). A step counts
+non-negative int step: ``step-0000000042``, ``step-1000000000000000000``; the rule is
+``_steps``', shared with ``consolidate`` and the command line). A committed step is never
+replaced unless ``save`` is given ``overwrite=True``. A step counts
 (``steps()``) only once its ``shardkit.json`` exists, which ``save`` writes last and
 atomically, so a step whose save crashed midway is never listed; its folder is removed by
 rank 0 when a manager is created and after each later commit, once the save lease
@@ -24,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import re
 import threading
 import time
 import warnings
@@ -36,6 +37,7 @@ import torch
 from _shardkit import comm as _comm
 from sharded_tensor import ShardedTensor
 
+from . import _strict_json as strict_json
 from ._async import AsyncSaveHandle, _checkpoint_group, async_save
 from ._lease import claim_abandoned, lease_seconds
 from ._load import load as _load
@@ -43,12 +45,11 @@ from ._memory_tier import LoadReport, MemoryTier
 from ._save import _Plan, run_plan
 from ._save import save as _save
 from ._schema import METADATA_FILE, CheckpointError
+from ._steps import check_step, listed_steps, step_name, step_of
 from ._storage import is_local, list_names, resolve
 from ._walk import flatten_state_dict
 
 __all__ = ["CheckpointManager"]
-
-_STEP = re.compile(r"^step-(\d{10,40})$")
 
 _test_hook: Callable[[str], None] | None = None
 """Private, for tests: called by rank 0 with "pruning" (a doomed step's metadata is removed,
@@ -58,19 +59,6 @@ its files not yet) and "pruned" (retention is done), so a test can crash at thos
 def _hook(phase: str) -> None:
     if _test_hook is not None:
         _test_hook(phase)
-
-
-def _step_of(name: str) -> int | None:
-    """The step a folder name holds, or ``None`` when it is not exactly the manager's name for one."""
-    match = _STEP.match(name)
-    if match is None:
-        return None
-    step = int(match.group(1))
-    return step if name == _name(step) else None  # "step-00000000042" is not step 42's name
-
-
-def _name(step: int) -> str:
-    return f"step-{step:010d}"
 
 
 def _positive(name: str, value: int | None) -> int | None:
@@ -158,7 +146,7 @@ class CheckpointManager:
             self._remove_abandoned()
 
     def _path(self, step: int) -> str:
-        return posixpath.join(self._root, _name(step))
+        return posixpath.join(self._root, step_name(step))
 
     def _url(self, step: int) -> str:
         """The step's folder as ``save`` and ``load`` take it (with the protocol, e.g. ``s3://``)."""
@@ -167,26 +155,7 @@ class CheckpointManager:
 
     def _listed(self) -> tuple[list[int], list[int]]:
         """(committed steps, folders without metadata), both ascending."""
-        committed, partial = [], []
-        self._fs.invalidate_cache(self._root)
-        try:
-            entries = self._fs.ls(self._root, detail=True)
-        except (FileNotFoundError, NotADirectoryError):
-            entries = []
-        for entry in entries:
-            name = posixpath.basename(str(entry["name"]).rstrip("/"))
-            step = _step_of(name)
-            # A symbolic link (type "other" or "islink" locally) is never a step: deleting
-            # through it would delete what it points to, outside the root.
-            if step is None or entry.get("type") != "directory" or entry.get("islink"):
-                continue
-            metadata = posixpath.join(self._root, name, METADATA_FILE)
-            self._fs.invalidate_cache(posixpath.dirname(metadata))
-            if self._fs.exists(metadata):
-                committed.append(step)
-            else:
-                partial.append(step)
-        return sorted(committed), sorted(partial)
+        return listed_steps(self._fs, self._root)
 
     def steps(self) -> list[int]:
         """The committed steps, ascending (a step being written or abandoned midway is not listed)."""
@@ -198,14 +167,15 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def _metric_path(self, step: int) -> str:
-        return posixpath.join(self._root, f"{_name(step)}.metric.json")
+        return posixpath.join(self._root, f"{step_name(step)}.metric.json")
 
     def _metrics(self, steps: list[int]) -> dict[int, float]:
         found = {}
         for step in steps:
             try:
-                found[step] = float(json.loads(self._fs.cat_file(self._metric_path(step)))["metric"])
-            except (FileNotFoundError, KeyError, ValueError):
+                path = self._metric_path(step)
+                found[step] = float(strict_json.loads(self._fs.cat_file(path), source=path)["metric"])
+            except (FileNotFoundError, KeyError, ValueError, TypeError):
                 continue
         return found
 
@@ -238,7 +208,7 @@ class CheckpointManager:
         # A metric file outlives its step only when a deletion was cut short.
         known = {*committed, *partial}
         for name in list_names(self._fs, self._root):
-            owner = _step_of(name.removesuffix(".metric.json")) if name.endswith(".metric.json") else None
+            owner = step_of(name.removesuffix(".metric.json")) if name.endswith(".metric.json") else None
             if owner is not None and owner not in known:
                 try:
                     self._fs.rm_file(self._metric_path(owner))
@@ -271,7 +241,7 @@ class CheckpointManager:
                 self._remove(partial, metadata_first=False)
 
     def save(self, step: int, state_dict: Mapping[str, Any], *, async_: bool = False,
-             metric: float | None = None) -> AsyncSaveHandle | None:
+             metric: float | None = None, overwrite: bool = False) -> AsyncSaveHandle | None:
         """Save ``state_dict`` as step ``step``; then apply retention. Collective.
 
         With ``storage_every``, a step it does not divide is not written to the root. With the
@@ -285,9 +255,15 @@ class CheckpointManager:
                 writes in the background; ``False`` returns once committed.
             metric: a number ranking this step for ``keep_best`` (recorded by rank 0 next to the
                 step once it is committed).
+            overwrite: replace step ``step`` if it is already committed; otherwise that is an
+                error (two runs writing one root would replace each other's steps unnoticed).
 
         Returns:
             The ``AsyncSaveHandle`` when ``async_``, else ``None``.
+
+        Raises:
+            CheckpointError: step ``step`` is already committed and ``overwrite`` is not set
+                (raised on every rank; nothing is written).
 
         Example:
             >>> manager.save(100, {"model": model.state_dict(), "step": 100}, async_=True)  # doctest: +SKIP
@@ -295,22 +271,20 @@ class CheckpointManager:
             >>> manager.latest_step()  # doctest: +SKIP
             100
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            msg = f"step={step!r} must be a non-negative int."
-            raise ValueError(msg)
+        check_step(step)
         if metric is not None and (isinstance(metric, bool) or not isinstance(metric, (int, float))
                                    or metric != metric):
             msg = f"metric={metric!r} must be a number (not NaN) or None."
             raise ValueError(msg)
-        rank = _comm.rank_and_world(self._group)[0]
+        rank, world = _comm.rank_and_world(self._group)
         to_storage = self.storage_every is None or step % self.storage_every == 0
         to_memory = self._memory is not None and step % self._memory.every == 0
         if not (to_storage or to_memory):
             return None
         self.wait()
+        if to_storage:  # a step kept in memory only replaces nothing in storage
+            self._refuse_committed(step, rank, world, overwrite)
         self._writing = step if to_storage else None
-
-        world = _comm.rank_and_world(self._group)[1]
 
         def after(group: _comm.ProcessGroup) -> None:
             # Rank 0 applies retention, then tells the others, so that once save (or wait)
@@ -320,6 +294,8 @@ class CheckpointManager:
                 if rank == 0:
                     if metric is not None:
                         self._fs.pipe_file(self._metric_path(step), json.dumps({"metric": metric}).encode())
+                    elif overwrite and self._fs.exists(self._metric_path(step)):
+                        self._fs.rm_file(self._metric_path(step))  # the replaced step's metric
                     self._retain(step)
             except Exception as exc:  # reported to every rank below, so none waits for rank 0
                 problem = f"{type(exc).__name__}: {exc}"
@@ -363,6 +339,22 @@ class CheckpointManager:
             run_plan(plan, None, self._fs, self._path(step), process_group=group, timeout=self._timeout, quiet=True)
             after(group)
         return persist
+
+    def _refuse_committed(self, step: int, rank: int, world: int, overwrite: bool) -> None:
+        """Raise ``CheckpointError`` on every rank if ``step`` is committed and ``overwrite`` is not set."""
+        if overwrite:
+            return
+        problem = None
+        if rank == 0 and step in self.steps():
+            problem = (f"step {step} is already committed under {self._root!r} ({step_name(step)}); "
+                       f"CheckpointManager.save never replaces a committed step unless asked: pass "
+                       f"overwrite=True to replace it, or save under another step or root (is another run "
+                       f"writing to this root?).")
+        if world > 1:
+            problem = _comm.broadcast_json(problem, 0, self._group, timeout=self._timeout,
+                                           what="CheckpointManager.save (checking the step is new)")
+        if problem is not None:
+            raise CheckpointError(problem)
 
     def wait(self) -> None:
         """Wait for an async save in flight to commit; raise its error if it failed."""

@@ -151,8 +151,9 @@ class DataReader:
     to. Local files are opened once and kept open until ``close``.
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, *, cache_links: bool = False) -> None:
         self._fs = fs
+        self._cache_links = cache_links  # follow a Hugging Face cache snapshot's links (``_safe_open``)
         self.local = is_local(fs)
         self._files: dict[str, tuple[int, int]] = {}  # local path -> (fd, size)
         self._sizes: dict[str, int] = {}  # other file systems: path -> size
@@ -175,7 +176,7 @@ class DataReader:
         entry = self._files.get(path)
         if entry is None:
             try:
-                entry = self._files[path] = open_regular(path)
+                entry = self._files[path] = open_regular(path, cache_links=self._cache_links)
             except FileNotFoundError as exc:
                 raise missing_error(path, tensors, exc) from exc
         return entry
@@ -194,7 +195,7 @@ class DataReader:
         size = self._sizes.get(path)
         if size is None:
             try:
-                size = self._sizes[path] = check_regular(self._fs, path)
+                size = self._sizes[path] = check_regular(self._fs, path, cache_links=self._cache_links)
             except FileNotFoundError as exc:
                 raise missing_error(path, tensors, exc) from exc
         return size

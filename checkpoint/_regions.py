@@ -29,6 +29,7 @@ from sharding import ShardMetadata
 from sharding.layout import RegionIndex, check_tiling
 
 from ._chunks import CHUNK_BYTES, decode_chunk_array, decode_hex_column, encode_chunk_array, encode_hex_column
+from ._strict_json import shown
 
 __all__ = ["SavedShard", "RegionTable", "FileList", "RegionError", "region_key", "grid_of", "region_index",
            "parse_regions"]
@@ -346,10 +347,10 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
         raise RegionError("", f"unknown keys {sorted(set(raw) - _KNOWN)}")
     n, ndim = raw.get("count"), len(size)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < MAX_INT:
-        raise RegionError("count", f"expected a non-negative int, got {n!r}")
+        raise RegionError("count", f"expected a non-negative int, got {shown(n)}")
     digits = raw.get("digits")
     if digits not in _DIGITS or isinstance(digits, bool):
-        raise RegionError("digits", f"expected one of {list(_DIGITS)}, got {digits!r}")
+        raise RegionError("digits", f"expected one of {list(_DIGITS)}, got {shown(digits)}")
     # First the columns of one value per region, whose length bounds the count: a 0-d tensor's
     # offsets and sizes are empty for any count, and nothing below may be built from it alone.
     ids, starts = _column(raw, "file", n, digits), _column(raw, "start", n, digits)
@@ -371,13 +372,13 @@ def parse_regions(name: str, raw: object, size: Sequence[int], dtype: torch.dtyp
         raise RegionError(f"[{i}] file", f"file number {int(ids[i])} is not in \"files\" ({len(names)} listed)")
     chunk_bytes = raw.get("chunk_bytes")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= MAX_CHUNK:
-        raise RegionError("chunk_bytes", f"expected a chunk size in [1, {MAX_CHUNK}], got {chunk_bytes!r}")
+        raise RegionError("chunk_bytes", f"expected a chunk size in [1, {MAX_CHUNK}], got {shown(chunk_bytes)}")
     raw_keys = raw.get("keys", {})
     # Region numbers in plain decimal: str.isdigit() also takes "²" and int() refuses it, or 5000 digits.
     if not isinstance(raw_keys, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 20
                                                  and k == str(int(k)) and int(k) < n
                                                  and isinstance(v, str) and v for k, v in raw_keys.items()):
-        raise RegionError("keys", f"expected {{\"<region number>\": <non-empty name>}}, got {raw_keys!r}")
+        raise RegionError("keys", f"expected {{\"<region number>\": <non-empty name>}}, got {shown(raw_keys)}")
     keys = {int(k): v for k, v in raw_keys.items()}
     nbytes = _nbytes(grid, dims, dtype.itemsize)
     room = files.sizes[ids] - starts if n else nbytes

@@ -367,7 +367,12 @@ def _describe_mismatch(signatures: list[list[list[Any]]]) -> str:
         if values and len(values) == len(differ) and not (missing or extra):
             return (f"the plain tensor{'s' if len(values) > 1 else ''} {values[:10]} differ{'' if len(values) > 1 else 's'} "
                     f"between rank 0 and rank {r}: a plain torch.Tensor is saved once, from one rank, so it must "
-                    f"be equal on every rank; make it equal (e.g. broadcast it) or save it as a ShardedTensor")
+                    f"be equal on every rank. A parameter a sharded model holds whole on every rank drifts apart "
+                    f"when its ranks update it differently: most often torch.nn.utils.clip_grad_norm_ on the "
+                    f"model (each rank clips by the norm of its own shards; use st.clip_grad_norm_(model, "
+                    f"max_norm)), or any other per-rank change of such a parameter or its gradient (make it on "
+                    f"every rank alike). Copying one rank's values over the others would hide that cause, not "
+                    f"fix it. A tensor meant to differ per rank is saved as a ShardedTensor")
         if missing or extra or differ or list(mine) != list(reference):
             details = [f"missing {missing[:10]}" if missing else "", f"extra {extra[:10]}" if extra else "",
                        f"different kind, size, dtype or layout for {differ[:10]}" if differ else "",
@@ -529,13 +534,13 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
                     os.rmdir(job.root)
 
 
-class _PeerLost(CheckpointError):
-    """A phase of a save could not complete because a rank never reported (crashed or stuck)."""
-
-
 def _all_reported(exc: BaseException) -> bool:
-    """Whether every rank reported in the phase that raised ``exc`` (so all of them can run cleanup)."""
-    return not isinstance(exc, _PeerLost) and not isinstance(exc.__cause__, _comm.CollectiveError)
+    """Whether every rank reported in the phase that raised ``exc`` (so all of them can run cleanup).
+
+    A rank that never reported makes the phase raise a ``CheckpointError`` caused by the
+    ``CollectiveError`` that found it out (``_Job.agree``).
+    """
+    return not isinstance(exc.__cause__, _comm.CollectiveError)
 
 
 _STALL_SHARE = 0.8
@@ -581,11 +586,11 @@ class _Job:
         """Run one phase on every rank (``_comm.agree``).
 
         A failure on some rank raises ``CheckpointError`` naming it on the others; a rank that
-        never reports raises ``_PeerLost`` saying ``lost``, then ``after`` (by default: nothing
-        was committed).
+        never reports raises ``CheckpointError`` (caused by the ``CollectiveError``) saying ``lost``,
+        then ``after`` (by default: nothing was committed).
         """
         def peer_lost(exc: _comm.CollectiveError) -> CheckpointError:
-            return _PeerLost(f"{self.op} to {self.root!r} failed: {lost} ({exc}). {after or _UNCHANGED}")
+            return CheckpointError(f"{self.op} to {self.root!r} failed: {lost} ({exc}). {after or _UNCHANGED}")
 
         return _comm.agree(f"{self.op} to {self.root!r}: {phase}", fn, self.group, timeout=self.timeout,
                            share=share, error=lambda text: CheckpointError(f"{text}. {_UNCHANGED}"), lost=peer_lost)

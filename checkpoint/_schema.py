@@ -62,9 +62,10 @@ from ._regions import (
     parse_regions,
     region_index,
 )
+from ._strict_json import shown
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
+    "FORMAT_NAME", "FORMAT_VERSION", "CHECKSUMMED_VERSION", "METADATA_FILE", "CHECKSUM_ALGORITHM",
     "CheckpointError", "CheckpointMetadata", "TensorEntry", "SavedShard", "RegionTable", "parse_metadata",
     "metadata_from_data", "metadata_text", "content_checksum", "CONTENT_CHECKSUM", "check_file_name",
     "dtype_from_name", "dtype_from_code", "dtype_name", "safetensors_dtype",
@@ -72,6 +73,8 @@ __all__ = [
 
 FORMAT_NAME = "shardkit-checkpoint"
 FORMAT_VERSION = 4
+CHECKSUMMED_VERSION = 4
+"""The first format version whose ``shardkit.json`` carries the checksum of its own content."""
 CONTENT_CHECKSUM = "checksum"
 """Key of ``shardkit.json``'s checksum of its own canonical content (from format version 4)."""
 _CONTENT_ALGORITHM = "sha256"
@@ -120,7 +123,7 @@ def dtype_name(dtype: torch.dtype, *, tensor: str = "?") -> str:
     try:
         return _DTYPES[dtype][0]
     except KeyError:
-        msg = (f"tensor {tensor!r} has dtype {dtype}, which safetensors cannot store; convert it to one "
+        msg = (f"tensor {shown(tensor)} has dtype {dtype}, which safetensors cannot store; convert it to one "
                f"of {sorted(_BY_NAME)} before saving.")
         raise TypeError(msg) from None
 
@@ -134,7 +137,7 @@ def dtype_from_name(name: object, *, source: str = "?", tensor: str = "?") -> to
     """Inverse of ``dtype_name``; an unknown name raises ``CheckpointError``."""
     dtype = _BY_NAME.get(name) if isinstance(name, str) else None
     if dtype is None:
-        msg = (f"checkpoint metadata {source!r}: tensor {tensor!r} has unknown dtype {name!r}; "
+        msg = (f"checkpoint metadata {source!r}: tensor {shown(tensor)} has unknown dtype {shown(name)}; "
                f"known dtypes are {sorted(_BY_NAME)}.")
         raise CheckpointError(msg)
     return dtype
@@ -147,7 +150,7 @@ def dtype_from_code(code: object, *, where: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype code (``"F32"``); an unknown code raises ``CheckpointError``."""
     dtype = _BY_CODE.get(code) if isinstance(code, str) else None
     if dtype is None:
-        msg = f"{where} has dtype {code!r}, which shardkit does not read; known: {sorted(_BY_CODE)}."
+        msg = f"{where} has dtype {shown(code)}, which shardkit does not read; known: {sorted(_BY_CODE)}."
         raise CheckpointError(msg)
     return dtype
 
@@ -161,8 +164,8 @@ def check_file_name(name: object, *, source: str = "?", tensor: str | None = Non
     ok = (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\:\x00")
           and not name.startswith("~") and name == name.strip())
     if not ok:
-        what = f" for tensor {tensor!r}" if tensor is not None else ""
-        msg = (f"checkpoint metadata {source!r} names data file {name!r}{what}, which is not a plain file "
+        what = f" for tensor {shown(tensor)}" if tensor is not None else ""
+        msg = (f"checkpoint metadata {source!r} names data file {shown(name)}{what}, which is not a plain file "
                f"name inside the checkpoint folder; refusing to read it (the metadata is corrupt or unsafe).")
         raise CheckpointError(msg)
     return name  # type: ignore[return-value]  # checked to be a str above
@@ -275,7 +278,7 @@ def _int_list(value: object, source: str, where: str, length: int | None = None)
                                            for v in value)
             or (length is not None and len(value) != length)):
         expected = ("a list of ints in [0, 2**63)" + (f" of length {length}" if length is not None else ""))
-        raise _fail(source, where, f"expected {expected}, got {value!r}")
+        raise _fail(source, where, f"expected {expected}, got {shown(value)}")
     return tuple(value)
 
 
@@ -312,7 +315,7 @@ def _check_content(data: Mapping[str, Any], source: str) -> None:
     recorded = data.get(CONTENT_CHECKSUM)
     if not isinstance(recorded, str) or not re.fullmatch(rf"{_CONTENT_ALGORITHM}:[0-9a-f]{{64}}", recorded):
         msg = (f"checkpoint metadata {source!r} was edited or is corrupt: its {CONTENT_CHECKSUM!r} field is "
-               f"{recorded!r}, not \"{_CONTENT_ALGORITHM}:<64 hex digits>\" (format version {data.get('version')} "
+               f"{shown(recorded)}, not \"{_CONTENT_ALGORITHM}:<64 hex digits>\" (format version {data.get('version')} "
                f"records the checksum of its own content); restore the file or save the checkpoint again.")
         raise CheckpointError(msg)
     actual = content_checksum(data)
@@ -341,23 +344,24 @@ def _from_data(data: object, source: str) -> CheckpointMetadata:
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         msg = (f"{source!r} is not shardkit checkpoint metadata: expected \"format\": {FORMAT_NAME!r}, "
-               f"found {found!r}.")
+               f"found {shown(found)}.")
         raise CheckpointError(msg)
     version = data.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise _fail(source, "version", f"expected a positive int, got {version!r}")
+        raise _fail(source, "version", f"expected a positive int, got {shown(version)}")
     if version > FORMAT_VERSION:
         msg = (f"checkpoint metadata {source!r} has format version {version}, newer than the version "
                f"{FORMAT_VERSION} this shardkit reads; upgrade shardkit to load it.")
         raise CheckpointError(msg)
-    if version >= 4:
+    _check_writer(data, version, source)
+    if version >= CHECKSUMMED_VERSION:
         _check_content(data, source)
     generation = data.get("generation")
     if not isinstance(generation, str) or not _GENERATION.match(generation):
-        raise _fail(source, "generation", f"expected a lowercase hex string, got {generation!r}")
+        raise _fail(source, "generation", f"expected a lowercase hex string, got {shown(generation)}")
     world_size = data.get("world_size")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise _fail(source, "world_size", f"expected a positive int, got {world_size!r}")
+        raise _fail(source, "world_size", f"expected a positive int, got {shown(world_size)}")
     files = _parse_files(data.get("files"), source, version)
     raw_tensors, values = data.get("tensors"), data.get("values")
     if not isinstance(raw_tensors, dict):
@@ -374,6 +378,44 @@ def _from_data(data: object, source: str) -> CheckpointMetadata:
         tensors = {name: _parse_table(name, entry, numbered, source) for name, entry in raw_tensors.items()}
     return CheckpointMetadata(MappingProxyType(tensors), MappingProxyType(values), MappingProxyType(files),
                               generation, world_size, version)
+
+
+def _writer_version(data: Mapping[str, Any]) -> tuple[int, str]:
+    """``(version, field)``: the oldest format version whose writer writes every field of ``data``, and the
+    field that requires it (``(1, "")`` when any version's writer could have written it)."""
+    if CONTENT_CHECKSUM in data:
+        return CHECKSUMMED_VERSION, f"the top-level {CONTENT_CHECKSUM!r}"
+    if isinstance(data.get("files"), list):
+        return 3, "\"files\" as a list"
+    tensors = data.get("tensors")
+    chunked = ""
+    for name, entry in tensors.items() if isinstance(tensors, dict) else ():
+        if not isinstance(entry, dict):
+            continue
+        if "regions" in entry:
+            return 3, f"tensor {shown(name)}'s \"regions\""
+        shards = entry.get("shards")
+        if not chunked and isinstance(shards, list) and any(isinstance(r, dict) and "chunks" in r for r in shards):
+            chunked = f"tensor {shown(name)}'s \"chunks\""
+    return (2, chunked) if chunked else (1, "")
+
+
+def _check_writer(data: Mapping[str, Any], version: int, source: str) -> None:
+    """Refuse a file that claims an older format version than its own fields prove its writer had.
+
+    A writer of version ``v`` writes only version ``v``'s fields, so a file carrying a later
+    version's field was written by that later writer and had its ``version`` lowered since: the
+    classic way to shed the checks of the newer version (a version-4 file edited, set to version 3
+    and keeping its ``checksum``). It is checked by the rules of the newest version its fields
+    show, which refuse it.
+    """
+    writer, field = _writer_version(data)
+    if writer > version:
+        msg = (f"checkpoint metadata {source!r} was edited or is corrupt: it says format version {version}, but it "
+               f"carries {field}, which only a version-{writer} writer writes, so its \"version\" was changed "
+               f"after the save (checked as version {writer}, it is refused); restore the file or save the "
+               f"checkpoint again.")
+        raise CheckpointError(msg)
 
 
 def _parse_files(raw: object, source: str, version: int) -> dict[str, int]:
@@ -395,16 +437,16 @@ def _parse_files(raw: object, source: str, version: int) -> dict[str, int]:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < MAX_INT:
             expected = ("{\"bytes\": <non-negative int>}" if version < 3
                         else "{\"name\": <file>, \"bytes\": <non-negative int>}")
-            raise _fail(source, f"files[{name!r}]", f"expected {expected}, got {info!r}")
+            raise _fail(source, f"files[{shown(name)}]", f"expected {expected}, got {shown(info)}")
         if name in files:
-            raise _fail(source, "files", f"{name!r} is listed twice")
+            raise _fail(source, "files", f"{shown(name)} is listed twice")
         files[name] = nbytes
     return files
 
 
 def _parse_table(name: str, entry: object, files: FileList, source: str) -> TensorEntry:
     """A tensor of format version 3: its regions as columns (``_regions.parse_regions``)."""
-    where = f"tensor {name!r}"
+    where = f"tensor {shown(name)}"
     if not isinstance(entry, dict):
         raise _fail(source, where, f"expected an object, got {type(entry).__name__}")
     dtype = dtype_from_name(entry.get("dtype"), source=source, tensor=name)
@@ -419,7 +461,7 @@ def _parse_table(name: str, entry: object, files: FileList, source: str) -> Tens
 
 
 def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: str, version: int) -> TensorEntry:
-    where = f"tensor {name!r}"
+    where = f"tensor {shown(name)}"
     if not isinstance(entry, dict):
         raise _fail(source, where, f"expected an object, got {type(entry).__name__}")
     dtype = dtype_from_name(entry.get("dtype"), source=source, tensor=name)
@@ -439,7 +481,7 @@ def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: st
             raise _fail(source, at, f"file {file!r} is not listed in \"files\"")
         key = raw.get("key")
         if not isinstance(key, str) or not key:
-            raise _fail(source, f"{at} key", f"expected a non-empty string, got {key!r}")
+            raise _fail(source, f"{at} key", f"expected a non-empty string, got {shown(key)}")
         byte_range = _int_list(raw.get("byte_range"), source, f"{at} byte_range", 2)
         nbytes = math.prod(dims) * dtype.itemsize
         if byte_range[1] - byte_range[0] != nbytes or byte_range[1] > files[file] or byte_range[0] < 8:
@@ -449,7 +491,8 @@ def _parse_tensor(name: str, entry: object, files: Mapping[str, int], source: st
         digest = raw.get("checksum")
         if (not isinstance(digest, str) or not digest.startswith(f"{CHECKSUM_ALGORITHM}:")
                 or not re.fullmatch(r"[0-9a-f]{8}", digest.removeprefix(f"{CHECKSUM_ALGORITHM}:"))):
-            raise _fail(source, f"{at} checksum", f"expected \"{CHECKSUM_ALGORITHM}:<8 hex digits>\", got {digest!r}")
+            raise _fail(source, f"{at} checksum",
+                        f"expected \"{CHECKSUM_ALGORITHM}:<8 hex digits>\", got {shown(digest)}")
         chunk_bytes, chunks = _parse_chunks(raw.get("chunks"), nbytes, version, source, f"{at} chunks")
         shards.append(SavedShard(offsets, dims, file, key, (byte_range[0], byte_range[1]), digest, chunk_bytes,
                                  chunks))
@@ -476,7 +519,7 @@ def _parse_chunks(raw: object, nbytes: int, version: int, source: str, where: st
                                    f"{type(raw).__name__}")
     chunk_bytes = raw.get("bytes")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= MAX_CHUNK:
-        raise _fail(source, f"{where} bytes", f"expected a chunk size in [1, {MAX_CHUNK}], got {chunk_bytes!r}")
+        raise _fail(source, f"{where} bytes", f"expected a chunk size in [1, {MAX_CHUNK}], got {shown(chunk_bytes)}")
     try:
         chunks = decode_chunks(raw.get(CHECKSUM_ALGORITHM), chunk_count(nbytes, chunk_bytes))
     except ValueError as exc:

@@ -28,7 +28,7 @@ from ._schema import (
 )
 
 __all__ = ["resolve", "is_local", "member", "data_file_name", "data_file_generation", "list_names",
-           "read_metadata", "read_metadata_at", "atomic_write", "discard", "remove_quietly", "StorageStalled", "Watchdog",
+           "read_metadata", "read_metadata_at", "atomic_write", "discard", "remove_quietly", "Watchdog",
            "run_bounded"]
 
 T = TypeVar("T")
@@ -213,10 +213,6 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, pieces: Iterable[byte
         remove_quietly(fs, temp)
 
 
-class StorageStalled(CheckpointError):
-    """Storage made no progress for the allowed time (a stalled server, a hung network mount)."""
-
-
 class Watchdog:
     """Progress of storage work running on another thread: ``tick()`` between storage calls.
 
@@ -233,14 +229,14 @@ class Watchdog:
     def tick(self, doing: str = "") -> None:
         if self.abandoned:
             msg = f"storage work abandoned after a stall{f' while {self.doing}' if self.doing else ''}"
-            raise StorageStalled(msg)
+            raise CheckpointError(msg)
         self.last = time.monotonic()
         if doing:
             self.doing = doing
 
 
 def run_bounded(fn: Callable[[Watchdog], T], *, limit: float | None, what: str) -> T:
-    """``fn(watchdog)`` on a worker thread; ``StorageStalled`` once it goes ``limit`` s without a tick.
+    """``fn(watchdog)`` on a worker thread; ``CheckpointError`` once it goes ``limit`` s without a tick.
 
     Storage calls cannot be interrupted (a socket read from a stopped server blocks for as
     long as the client library retries, minutes for s3fs), so the caller stops waiting
@@ -270,7 +266,7 @@ def run_bounded(fn: Callable[[Watchdog], T], *, limit: float | None, what: str) 
             doing = f" while {watchdog.doing}" if watchdog.doing else ""
             msg = (f"{what}: no answer from storage for {idle:.0f} s{doing} (timeout={limit:g} s); the storage "
                    f"server or file system is stalled or unreachable.")
-            raise StorageStalled(msg)
+            raise CheckpointError(msg)
     ok, value = outcome[0]
     if not ok:
         raise value

@@ -6,7 +6,8 @@
 #
 # torch is installed first, pinned, so pip picks the CPU wheel available on this machine
 # instead of resolving an unpinned torch to a multi-GB CUDA build. Then `pip install -e
-# '.[test,docs]'`. A stamp file in .venv records a hash of the packaging files; while it matches,
+# '.[test,docs]'`. pip prints what it collects, downloads and installs as it goes (no --quiet):
+# a fresh set-up downloads some 130 packages and takes minutes. A stamp file in .venv records a hash of the packaging files; while it matches,
 # nothing is reinstalled, so repeated runs cost a few milliseconds.
 #
 # Environment overrides:
@@ -39,8 +40,9 @@ _shardkit_setup_env() {
     fi
 
     echo "setup_env: installing $torch_spec, then shardkit[test,docs] (editable) into $venv" >&2
-    "$venv/bin/python" -m pip install --quiet "$torch_spec" || return 1
-    (cd "$root" && "$venv/bin/python" -m pip install --quiet -e '.[test,docs]') || return 1
+    echo "setup_env: the first time, about 1.8 GB and a few minutes (pip's progress follows)" >&2
+    "$venv/bin/python" -m pip install --progress-bar on "$torch_spec" >&2 || return 1
+    (cd "$root" && "$venv/bin/python" -m pip install --progress-bar on -e '.[test,docs]' >&2) || return 1
     echo "$want" >"$stamp"
     SHARDKIT_ROOT="$root"
     SHARDKIT_PYTHON="$venv/bin/python"

@@ -22,8 +22,12 @@ resumes from ``latest_step()``. Checked, and reported as JSON (exit 1 if any fai
 - disk: the root, sampled every 50 ms, never holds more than ``keep_last + 2`` step folders or
   checkpoints' worth of bytes (the kept ones, the one being written, and one a kill left:
   committed but not yet pruned, or half written, until the restarted job removes it);
-- memory: each rank's RSS after a warm-up of 10 steps grows by at most 5% over the rest of its
-  life (lives of at least 30 steps after warm-up are judged);
+- memory, in every form (``--short`` too): after a warm-up of 3 steps (the first asynchronous
+  saves allocate their staging buffers), each rank's RSS grows by at most a tenth of its share
+  of a checkpoint per step (the least-squares slope over the rest of the life; lives of at
+  least 8 steps after warm-up are judged, and the last life always is): a save that kept its
+  snapshot would grow it by a whole share per step. Lives of at least 30 steps after a warm-up
+  of 10 are also judged by their total growth, at most 5%;
 - no stray files: at the end the root holds the last ``keep_last`` step folders, each with
   ``shardkit.json`` and data files only.
 
@@ -71,6 +75,8 @@ WARMUP, JUDGED = 10, 30  # RSS: steps after each start before the baseline; live
 RSS_LIMIT = 0.05
 HOSTS = 2  # with --memory: ranks 0, 1 on the first "host", 2, 3 on the second
 KEEP_LAST_MEMORY = 1
+SLOPE_WARMUP, SLOPE_JUDGED = 3, 8  # RSS per step: the same, for the slope (the short form's lives are short)
+LEAK_SHARE = 0.1  # RSS may grow by this share of one rank's checkpoint bytes per step
 
 
 # -- the job (one process per rank) -------------------------------------------------------------------
@@ -292,6 +298,16 @@ def _rss_growth(records: list[dict[str, Any]]) -> float | None:
     return max(r["rss"] for r in steps[WARMUP:]) / base - 1.0
 
 
+def _rss_slope(records: list[dict[str, Any]]) -> float | None:
+    """Least-squares growth of RSS per step over one life after its warm-up (bytes), or None if too short."""
+    rss = [r["rss"] for r in records if "step" in r][SLOPE_WARMUP:]
+    if len(rss) < SLOPE_JUDGED:
+        return None
+    n = len(rss)
+    mean_x, mean_y = (n - 1) / 2, sum(rss) / n
+    return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(rss)) / sum((x - mean_x) ** 2 for x in range(n))
+
+
 def _stray(root: Path, keep_last: int, steps: int, every: int) -> list[str]:
     """Files or folders under ``root`` that should not be there at the end."""
     wanted = {f"step-{s:010d}" for s in [s for s in range(1, steps + 1) if s % every == 0][-keep_last:]}
@@ -391,6 +407,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint_bytes = _folder_bytes(root / f"step-{last_storage:010d}")
         resume_steps = [r["step"] for r in resumes if r["rank"] == 0]
         growth = [g for g in (_rss_growth(life) for life in lives) if g is not None]
+        slopes = [s for s in (_rss_slope(life) for life in lives) if s is not None]
+        per_step_limit = LEAK_SHARE * checkpoint_bytes / WORLD
         stray = _stray(root, args.keep_last, args.steps, args.storage_every)
         # Work lost by each failure: the last step every rank had finished, minus the step the next
         # run resumed from (0 when there was none yet: a kill before the first step in storage).
@@ -414,7 +432,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             "disk_bounded": sampler.most <= args.keep_last + 2
             and sampler.largest <= (args.keep_last + 2) * checkpoint_bytes * 1.02,
             "rss_growth_max": round(max(growth), 4) if growth else None, "rss_lives_judged": len(growth),
-            "rss_flat": bool(growth) and max(growth) <= RSS_LIMIT,
+            "rss_bytes_per_step_max": round(max(slopes)) if slopes else None,
+            "rss_bytes_per_step_limit": round(per_step_limit), "rss_slopes_judged": len(slopes),
+            "rss_flat": len(slopes) >= WORLD and max(slopes) <= per_step_limit
+            and all(g <= RSS_LIMIT for g in growth),
             "stray": stray,
             "steps_lost": lost, "steps_lost_max": max(lost, default=0),
             "kill_points": kills,
@@ -422,7 +443,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - started, 1),
         }
         checks = [report["resumes_exact"], report["resume_steps_monotonic"], report["final_exact"],
-                  report["disk_bounded"], report["rss_flat"] or args.short, not stray]
+                  report["disk_bounded"], report["rss_flat"], not stray]
         if args.memory:
             # Two starts' steps (the one running, the one it recovered from) of two ranks, each with a
             # replica, plus what a recovery fetched; sampled pages, so a little slack.

@@ -7,6 +7,8 @@ from ._dtensor import from_dtensor
 from ._fsdp.api import fully_shard, no_sync
 from ._model import attention as _attention  # noqa: F401 - registers nn.MultiheadAttention
 from ._model.dfunction import DFunction, LayoutDecision, register_layout_rule
+from ._model.engine.zone import loss_parallel
+from ._model.explain import explain
 from ._model.optim import load_optim_state_dict, optim_state_dict
 from ._model.parallel import ParamLayout
 from ._model.registry import ShardedCall, ShardedModule, register_sharded_module
@@ -19,7 +21,6 @@ from ._model.training import (
     get_state_dict,
     set_state_dict,
 )
-from ._model.zones import loss_parallel
 from ._tensor import Shard, ShardedTensor
 from ._visualize import visualize_sharding
 
@@ -32,5 +33,9 @@ __all__ = [
     "ShardedModule", "ShardedCall", "ParamLayout", "register_sharded_module",
     "DFunction", "LayoutDecision", "register_layout_rule", "register_split_rule",
     "clip_grad_norm_", "get_state_dict", "set_state_dict", "all_reduce_grads",
-    "fully_shard", "no_sync",
+    "fully_shard", "no_sync", "explain",
 ]
+
+# Tracebacks and reprs name the class where users import it (``st.CollectiveError``), not the
+# private runtime module defining it.
+CollectiveError.__module__ = __name__

@@ -92,6 +92,14 @@ def _check_size(size: Sequence[int]) -> tuple[int, ...]:
     return tuple(size)
 
 
+def _alone(world_size: int) -> str:
+    """The likely cause of a world of one where a spec names other ranks: no launcher."""
+    if world_size != 1:
+        return ""
+    return (", or start the script on as many processes as the spec names, e.g. with torchrun --nproc-per-node 2 "
+            "(a script started with plain python runs as one process)")
+
+
 def _expand(placement: DevicePlacement, offsets: tuple[int, ...], dims: tuple[int, ...],
             world_size: int | None, what: str) -> list[ShardMetadata]:
     """One ShardMetadata for a ranked placement; one per rank for a rankless (replicated) one."""
@@ -99,7 +107,7 @@ def _expand(placement: DevicePlacement, offsets: tuple[int, ...], dims: tuple[in
     if device.rank is not None:
         if world_size is not None and device.rank >= world_size:
             msg = (f"{what} places a shard on rank {device.rank} ({str(device)!r}) but the world has "
-                   f"{world_size} ranks; use ranks 0..{world_size - 1}.")
+                   f"{world_size} ranks; use ranks 0..{world_size - 1}{_alone(world_size)}.")
             raise ValueError(msg)
         return [ShardMetadata(offsets, dims, device)]
     if world_size is None:
@@ -133,7 +141,7 @@ def _rank_limit(placements: Iterable[DevicePlacement], world_size: int | None, w
     for p in placements:
         if p.device.rank is not None and p.device.rank >= world_size:
             msg = (f"{what} places a shard on rank {p.device.rank} ({str(p.device)!r}) but the world has "
-                   f"{world_size} ranks; use ranks 0..{world_size - 1}.")
+                   f"{world_size} ranks; use ranks 0..{world_size - 1}{_alone(world_size)}.")
             raise ValueError(msg)
 
 

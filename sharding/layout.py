@@ -96,15 +96,18 @@ def _as_slices(owner: str, value: object, where: str) -> tuple[tuple[int, int], 
     return tuple(out)
 
 
-def _check_cover(owner: str, slices: Sequence[tuple[int, int]], what: str) -> None:
-    """The non-empty ``(start, length)`` slices must tile ``[0, size)``: every index on exactly one rank."""
-    ordered = sorted(s for s in slices if s[1] > 0)
+def _check_cover(owner: str, slices: Sequence[tuple[int, int]], what: str, replicas: bool = False) -> None:
+    """The non-empty ``(start, length)`` slices must tile ``[0, size)``: every index on exactly one rank (with
+    ``replicas``, identical slices count once: the ranks holding one hold replicas of it)."""
+    live = {s for s in slices if s[1] > 0} if replicas else [s for s in slices if s[1] > 0]
+    ordered = sorted(live)
     end = 0
     for start, length in ordered:
         if start != end:
             problem = "overlap" if start < end else "leave a gap"
-            msg = (f"{owner} {what}={tuple(slices)!r}: the slices {problem} at index {min(start, end)}; the non-empty "
-                   f"(start, length) slices must cover 0..size-1 exactly once (each index on one rank).")
+            rule = "identical slices are replicas; others" if replicas else "the non-empty (start, length) slices"
+            msg = (f"{owner} {what}={tuple(slices)!r}: the slices {problem} at index {min(start, end)}; {rule} must "
+                   f"cover 0..size-1 exactly once (each index on one rank).")
             raise ValueError(msg)
         end = start + length
 
@@ -114,8 +117,10 @@ class Split:
     """One slice per rank along dimension ``dim``: rank ``r`` holds ``intervals[r] = (start, length)``.
 
     Even (like ``torch.chunk``, see :meth:`even`) or uneven. A rank with length 0 holds none of
-    it. The non-empty intervals tile ``[0, size)``: every index along ``dim`` is on exactly one
-    rank. Other dimensions are whole on every rank.
+    it. The distinct non-empty intervals tile ``[0, size)``; ranks with identical intervals hold
+    replicas of that slice (:attr:`replicas`: a key/value head shared by the ranks of its query
+    heads), so every index along ``dim`` is on one rank or on each of one group of ranks. Other
+    dimensions are whole on every rank.
 
     Args:
         dim: the split dimension (non-negative).
@@ -136,8 +141,14 @@ class Split:
     def __post_init__(self) -> None:
         _check_dim("Split", self.dim)
         intervals = _as_slices("Split", self.intervals, "intervals")
-        _check_cover("Split", intervals, "intervals")
+        _check_cover("Split", intervals, "intervals", replicas=True)
         object.__setattr__(self, "intervals", intervals)
+
+    @property
+    def replicas(self) -> bool:
+        """Whether some ranks hold the same slice (replicas of it)."""
+        live = [s for s in self.intervals if s[1] > 0]
+        return len(set(live)) != len(live)
 
     @classmethod
     def even(cls, dim: int, size: int, parts: int) -> Split:
@@ -306,7 +317,7 @@ class Strided:
     def __post_init__(self) -> None:
         _check_dim("Strided", self.dim)
         intervals = _as_slices("Strided", self.intervals, "intervals")
-        _check_cover("Strided", intervals, "intervals")
+        _check_cover("Strided", intervals, "intervals", replicas=True)
         object.__setattr__(self, "intervals", intervals)
         if not _int(self.blocks) or self.blocks < 1:
             msg = (f"Strided blocks={self.blocks!r} must be a positive int (the number of blocks along dim "

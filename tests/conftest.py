@@ -1,4 +1,4 @@
-"""Shared pytest configuration: markers and per-directory defaults."""
+"""Shared pytest configuration: markers, per-directory defaults, and the progress line's time estimate."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from tests._progress import TimeProgress, load_table
 
 _DISTRIBUTED_DIR = Path(__file__).parent / "distributed"
 
@@ -31,12 +33,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.distributed)
 
 
+_PROGRESS: list[TimeProgress] = []
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Keep what the run imported and collected out of later garbage collections.
+    """Weigh the progress line by the files' measured durations (``tests/_progress.py``), and keep
+    what the run imported and collected out of later garbage collections.
 
     Tests call ``gc.collect()`` to release memory they measure; with torch, transformers and
     a thousand collected tests on the heap, each full collection would otherwise walk all of
     it (most of a second). What exists now lives for the whole run anyway.
     """
-    del session
+    progress = TimeProgress(session.items, load_table())
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        progress.install(reporter)
+    _PROGRESS[:] = [progress]
     gc.freeze()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _PROGRESS:
+        _PROGRESS[0].report(report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    del session
+    if _PROGRESS:
+        _PROGRESS[0].record()

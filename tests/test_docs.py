@@ -171,11 +171,15 @@ def test_mkdocs_build_strict(build: Build) -> None:
 
 
 def test_site_frame_at_1280_and_390_px(build: Build, tmp_path: Path) -> None:
-    """scripts/screenshots.py: one-row navbar, nothing wider than a phone, anchors clear of the navbar."""
+    """scripts/screenshots.py: one-row navbar, nothing wider than a phone, anchors clear of the navbar,
+    and tables a reader can read (no cell narrower than its longest word, no row taller than the
+    screen, no clipped column), on the tutorial, the benchmarks and the API pages."""
     screenshots = _load_script("screenshots")
     chromium = os.environ.get("CHROMIUM") or screenshots.find_chromium()
     if chromium is None:
-        pytest.skip("Chromium is not installed (apt-get install chromium); the site frame is not checked")
+        pytest.skip("Chromium is not installed, so the site's layout at 1280 and 390 px is NOT checked: "
+                    "apt-get install chromium (./scripts/test.sh installs it when run as root)")
+    assert {"getting_started/", "benchmarks/", "api/sharded_tensor/"} <= set(screenshots.PAGES)
     assert build.returncode == 0, build.log
     results = screenshots.check(build.site, tmp_path / "shots", chromium)
     assert len(results) == len(screenshots.PAGES) * len(screenshots.WIDTHS)
@@ -195,6 +199,34 @@ def test_api_reference_lists_every_public_name(package: str) -> None:
     missing = sorted(set(module.__all__) - listed)
     assert not missing, (f"docs/api/{package}.md has no entry for {missing}; add a line "
                          f"'::: {package}.<name>' under the section where a user would look for it")
+
+
+def test_api_overview_names_every_public_name() -> None:
+    """docs/api/index.md links every name of every package's ``__all__`` to its entry."""
+    page = (ROOT / "docs" / "api" / "index.md").read_text()
+    linked = set(re.findall(r"\]\((\w+)\.md#(\w+\.\w+)\)", page))
+    missing = [f"{package}.{name}" for package in PACKAGES for name in importlib.import_module(package).__all__
+               if (package, f"{package}.{name}") not in linked]
+    assert not missing, (f"docs/api/index.md does not link {missing}; add each under the step where a user "
+                         f"needs it, as [`name`]({{package}}.md#{{package}}.name)")
+
+
+def test_no_example_writes_a_key_the_training_state_overwrites() -> None:
+    """``{"model": ..., **st.get_state_dict(model, optim)}``: the unpacked dict's "model" replaces the first."""
+    import ast
+
+    found = []
+    for path in FILES:
+        for block in _python_blocks(path):
+            for node in ast.walk(ast.parse(block.code)):
+                if not isinstance(node, ast.Dict):
+                    continue
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                unpacks = [v for k, v in zip(node.keys, node.values) if k is None and isinstance(v, ast.Call)
+                           and isinstance(v.func, ast.Attribute) and v.func.attr == "get_state_dict"]
+                if unpacks and keys & {"model", "optim"}:
+                    found.append(f"{block.name}: {sorted(keys & {'model', 'optim'})}")
+    assert not found, f"examples build a dict whose keys **st.get_state_dict(...) replaces: {found}"
 
 
 def test_api_reference_is_compact_and_public(build: Build) -> None:

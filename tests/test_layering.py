@@ -312,3 +312,54 @@ def test_known_matches_the_module_and_names_in_it_for_that_file_only():
     assert not _known("checkpoint/_other.py", module, known)
     assert not _known(file, module + "_more", known)
 
+
+
+ENGINE = "sharded_tensor._model.engine"
+
+
+def test_the_engine_never_imports_shard_time_modules():
+    """The compute engine (``sharded_tensor/_model/engine``) runs while a model computes; what decides at shard
+    time (specs, layouts, zones, registrations) imports it, never the other way."""
+    violations = [f"{path} imports {m}" for path, m in _scan("sharded_tensor/_model/engine")
+                  if m.startswith("sharded_tensor") and not (m == ENGINE or m.startswith(ENGINE + "."))]
+    assert not violations, "the engine imports shard-time modules:\n" + "\n".join(violations)
+
+
+def _private_names_across_modules(folder: str) -> list[str]:
+    """Uses, in ``folder``'s modules, of another project module's private names (``from .x import _y``,
+    ``x._y``); a private module itself (``from .. import _random``) is a module, not a name."""
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        module = _module_name(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        aliases = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = node.module or ""
+            if node.level:
+                base = package.split(".")[:max(len(package.split(".")) - node.level + 1, 0)]
+                target = ".".join(p for p in (".".join(base), node.module) if p)
+            if target.split(".")[0] not in PROJECT:
+                continue
+            for alias in node.names:
+                name = alias.name
+                is_module = (ROOT / Path(*target.split("."), f"{name}.py")).exists() or \
+                    (ROOT / Path(*target.split("."), name)).is_dir()
+                if is_module:
+                    aliases.add(alias.asname or name)
+                elif name.startswith("_") and not name.startswith("__"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {target} import {name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_name_is_used_across_the_model_sharding_modules():
+    """Within ``sharded_tensor/_model`` (the engine and the shard-time modules around it), a module uses
+    another's public names only: what is shared is named so."""
+    found = _private_names_across_modules("sharded_tensor/_model")
+    assert not found, "private names used across modules:\n" + "\n".join(found)

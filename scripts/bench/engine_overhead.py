@@ -1,28 +1,25 @@
 """The time shardkit's propagation engine adds per torch op, and its share of a tensor-parallel training step.
 
-A model sharded by ``shard_model`` runs its forward under the engine (``zones._Propagate``, a
-``TorchFunctionMode``): every torch call the model's code makes goes through it, which reads
-the split tags of the arguments, picks a rule for ops on split activations and tags their
-outputs. This bench measures what that costs, on 2 Gloo ranks, with a transformers Llama
-sharded as ``tp_llama.py`` shards it (q/k/v/gate/up split on output features, o/down on input
-features, the rest replicated):
+A model sharded by ``shard_model`` runs its forward under the engine
+(``sharded_tensor/_model/engine``: ``dispatch.ZoneMode``, a ``TorchFunctionMode``): every torch
+call the model's code makes goes through it, which reads the placements of the arguments,
+takes the decision for ops on placed activations (from its cache, or from the op's rule) and
+places their outputs. This bench measures what that costs, on 2 Gloo ranks, with a
+transformers Llama sharded as ``tp_llama.py`` shards it (q/k/v/gate/up split on output
+features, o/down on input features, the rest replicated):
 
-* ``engine``: the sharded model's forward (with labels, as a training step calls it), as it runs
-  by default: each zone's first call of an input signature checked, later ones replayed
-  plainly (see ``sharded_tensor/_model/replay.py``);
-* ``engine_checked``: the same with ``SHARDKIT_ENGINE_REPLAY=0``: every call under the engine;
+* ``engine``: the sharded model's forward (with labels, as a training step calls it): the one
+  eager path, every call through the engine;
 * ``plain``: an unsharded Llama with this rank's local shapes (half the heads and MLP width)
   and this rank's local weights, plus the same collectives at the same places (the input of
   attention and MLP through ``copy_to_ranks``, the outputs of o/down through
   ``reduce_from_ranks``): the same local ops and communication, run without the engine.
   Its loss must equal the engine's bit for bit, or the comparison is not of one computation.
 * ``floor``: the plain model under a ``TorchFunctionMode`` that only calls each op: what
-  Python's dispatch to any mode costs, which a checked call cannot go below (a replay runs
-  no mode: only its sharded layers and the ops on pending sums it keeps cost it anything).
+  Python's dispatch to any mode costs, which the engine cannot go below.
 
-The four run alternately, ``--iters`` forwards per measurement, ``--repeat`` times, with
-gradients enabled (as in training) and under ``no_grad``. Per op: ``(engine - plain) / ops``
-(and the same for ``engine_checked``),
+The three run alternately, ``--iters`` forwards per measurement, ``--repeat`` times, with
+gradients enabled (as in training) and under ``no_grad``. Per op: ``(engine - plain) / ops``,
 ``ops`` being the torch calls the model's code makes in one forward (counted by a
 ``TorchFunctionMode`` on the plain model, collectives aside; the engine handles all of them but
 the sharded layers' own, and the number it handled is reported beside it). Times are wall and
@@ -58,11 +55,10 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 # name -> (hidden, heads, kv heads, layers, seq, batch, vocab); "tp_llama" is tp_llama.py's default model.
 SIZES = {"tiny": (64, 4, 2, 2, 16, 1, 128), "tp_llama": (1024, 16, 16, 4, 256, 4, 8192)}
 WORLD = 2
-_REPLAY_ENV = "SHARDKIT_ENGINE_REPLAY"
 
 
 class _PassThrough(TorchFunctionMode):
-    """A mode that only calls each op: what any ``TorchFunctionMode`` costs, the floor for a checked call."""
+    """A mode that only calls each op: what any ``TorchFunctionMode`` costs, the engine's floor."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         return func(*args, **(kwargs or {}))
@@ -108,7 +104,7 @@ def _models(size: str, rank: int) -> tuple[Any, Any]:
 
 def _add_collectives(plain: Any) -> None:
     """The sharded model's collectives, at the same places, in the plain model."""
-    from sharded_tensor._model.functional import reduce_from_ranks
+    from sharded_tensor._model.engine.placements import reduce_from_ranks
     for layer in plain.model.layers:
         for block in (layer.self_attn, layer.mlp):
             block.register_forward_pre_hook(_copied_input, with_kwargs=True)
@@ -117,7 +113,7 @@ def _add_collectives(plain: Any) -> None:
 
 
 def _copied_input(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    from sharded_tensor._model.functional import copy_to_ranks
+    from sharded_tensor._model.engine.placements import copy_to_ranks
     if args:
         return (copy_to_ranks(args[0]), *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": copy_to_ranks(kwargs["hidden_states"])}
@@ -125,19 +121,19 @@ def _copied_input(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 def _engine_calls(fn: Callable[[], Any]) -> int:
     """Calls the engine's ``__torch_function__`` handled during ``fn()``."""
-    from sharded_tensor._model import zones
-    original = zones._Propagate.__torch_function__
+    from sharded_tensor._model.engine.dispatch import ZoneMode
+    original = ZoneMode.__torch_function__
     calls = [0]
 
     def counted(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         calls[0] += 1
         return original(self, func, types, args, kwargs)
 
-    zones._Propagate.__torch_function__ = counted  # type: ignore[method-assign]
+    ZoneMode.__torch_function__ = counted  # type: ignore[method-assign]
     try:
         fn()
     finally:
-        zones._Propagate.__torch_function__ = original  # type: ignore[method-assign]
+        ZoneMode.__torch_function__ = original  # type: ignore[method-assign]
     return calls[0]
 
 
@@ -159,15 +155,8 @@ def _case(rank: int, size: str, grad: bool, iters: int, repeat: int) -> dict[str
         with _PassThrough():
             return plain(x, labels=x).loss
 
-    def checked() -> Any:
-        os.environ[_REPLAY_ENV] = "0"
-        try:
-            return sharded(x, labels=x).loss
-        finally:
-            del os.environ[_REPLAY_ENV]
-
     sides = {"plain": lambda: plain(x, labels=x).loss, "engine": lambda: sharded(x, labels=x).loss,
-             "engine_checked": checked, "floor": floor}
+             "floor": floor}
     with torch.no_grad():
         counter = _Count()
         with counter:  # the model's own ops (before the collectives are added to the plain model)
@@ -175,28 +164,25 @@ def _case(rank: int, size: str, grad: bool, iters: int, repeat: int) -> dict[str
         _add_collectives(plain)
         loss_plain = sides["plain"]()
         loss_engine = sides["engine"]()
-        loss_checked = sides["engine_checked"]()
         engine_calls = _engine_calls(sides["engine"])
-        checked_calls = _engine_calls(sides["engine_checked"])
         comm = {}
-        for side in ("plain", "engine", "engine_checked"):
+        for side in ("plain", "engine"):
             with st.CommCounter() as c:
                 fn = sides[side]
                 fn()
             comm[side] = dict(c.counts)
     per: dict[str, dict[str, list[float]]] = {s: {"wall": [], "cpu": []} for s in sides}
     with torch.set_grad_enabled(grad):
-        for fn in sides.values():  # warm-up: rule tables, signature and reshape caches, allocator
+        for fn in sides.values():  # warm-up: the rule table, the decision cache, the allocator
             _timed(fn, max(2, iters // 5))
         for r in range(repeat):
-            order = ("plain", "engine", "engine_checked", "floor")
+            order = ("plain", "engine", "floor")
             for side in (order if r % 2 == 0 else order[::-1]):
                 wall, cpu = _timed(sides[side], iters)
                 per[side]["wall"].append(wall)
                 per[side]["cpu"].append(cpu)
-    return {"size": size, "grad": grad, "loss_equal": torch.equal(loss_plain, loss_engine) and torch.equal(
-                loss_plain, loss_checked), "collectives": comm, "ops": counter.calls, "engine_calls": engine_calls,
-            "checked_engine_calls": checked_calls, "iters": iters, "times": per}
+    return {"size": size, "grad": grad, "loss_equal": torch.equal(loss_plain, loss_engine), "collectives": comm,
+            "ops": counter.calls, "engine_calls": engine_calls, "iters": iters, "times": per}
 
 
 def _rank(rank: int, world: int, args: Any) -> list[dict[str, Any]]:
@@ -218,10 +204,8 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One case over every rank: paired (engine - plain) differences of all ranks' repeats."""
     first = per_rank[0]
     ops = first["ops"]
-    pooled: dict[str, dict[str, list[float]]] = {s: {"wall": [], "cpu": []}
-                                                 for s in ("plain", "engine", "engine_checked", "floor")}
+    pooled: dict[str, dict[str, list[float]]] = {s: {"wall": [], "cpu": []} for s in ("plain", "engine", "floor")}
     added: dict[str, list[float]] = {"wall": [], "cpu": []}
-    added_checked: dict[str, list[float]] = {"wall": [], "cpu": []}
     floor: dict[str, list[float]] = {"wall": [], "cpu": []}
     for case in per_rank:
         times = case["times"]
@@ -229,20 +213,16 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             for side in pooled:
                 pooled[side][clock] += times[side][clock]
             added[clock] += [e - p for e, p in zip(times["engine"][clock], times["plain"][clock])]
-            added_checked[clock] += [e - p for e, p in zip(times["engine_checked"][clock], times["plain"][clock])]
             floor[clock] += [f - p for f, p in zip(times["floor"][clock], times["plain"][clock])]
     return {
         "size": first["size"], "grad": first["grad"],
         "model": dict(zip(("hidden", "heads", "kv_heads", "layers", "seq", "batch", "vocab"), SIZES[first["size"]])),
         "loss_equal_every_rank": all(c["loss_equal"] for c in per_rank),
         "collectives_per_forward": first["collectives"],
-        "ops_per_forward": ops, "engine_calls_per_forward": first["engine_calls"],
-        "engine_calls_per_forward_checked": first["checked_engine_calls"], "iters": first["iters"],
+        "ops_per_forward": ops, "engine_calls_per_forward": first["engine_calls"], "iters": first["iters"],
         "forward_ms": {side: {clock: _stats(v, 1e3, 3) for clock, v in d.items()} for side, d in pooled.items()},
         "engine_added_per_forward_ms": {clock: _stats(v, 1e3, 3) for clock, v in added.items()},
         "engine_added_per_op_us": {clock: _stats(v, 1e6 / ops, 2) for clock, v in added.items()},
-        "engine_checked_added_per_forward_ms": {clock: _stats(v, 1e3, 3) for clock, v in added_checked.items()},
-        "engine_checked_added_per_op_us": {clock: _stats(v, 1e6 / ops, 2) for clock, v in added_checked.items()},
         "pass_through_mode_added_per_op_us": {clock: _stats(v, 1e6 / ops, 2) for clock, v in floor.items()},
     }
 
@@ -278,9 +258,6 @@ def main() -> None:
             report["tp_llama"]["engine_share_of_shardkit_step"] = {
                 clock: round(found["engine_added_per_forward_ms"][clock]["median"] * 1e-3 / step["shardkit"], 4)
                 for clock in ("wall", "cpu")}
-            report["tp_llama"]["engine_checked_share_of_shardkit_step"] = {
-                clock: round(found["engine_checked_added_per_forward_ms"][clock]["median"] * 1e-3 / step["shardkit"],
-                             4) for clock in ("wall", "cpu")}
     print(json.dumps(report, indent=2))
 
 

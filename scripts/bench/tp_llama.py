@@ -39,6 +39,15 @@ an error after printing it.
     python scripts/bench/tp_llama.py --compile --steps 6   # every side under torch.compile (inductor)
     python scripts/bench/tp_llama.py --plan full           # the vocabulary split too, loss_parallel
     python scripts/bench/tp_llama.py --local-floor         # and the compute-only floor (any of the above)
+    python scripts/bench/tp_llama.py --replica-check       # and the cost of the check of replicated parameters
+
+With ``--replica-check`` the check shardkit runs after each optimizer step of a sharded model
+(a CRC-32C of every parameter held whole on every rank, gathered over the ranks; see
+``sharded_tensor/_model/drift.py``) is timed on its own after each shardkit step: the ranks
+meet at a barrier, then each runs the check once more and times it (wall and CPU). Reported
+under ``replica_check``: its median time per step and range, the bytes it reads per rank, and
+its share of shardkit's median step time (the goal: at most 1%). shardkit's own step includes
+one such check in every mode.
 
 With ``--compile`` the models are wrapped in ``torch.compile`` (inductor) after sharding; one
 untimed step per side compiles forward and backward (its time is reported as
@@ -363,6 +372,8 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
     # Bytes this process writes during a step: its sockets' traffic (the step writes no file),
     # which shows, compiled too, that the local side sends nothing.
     written: dict[str, list[int]] = {side: [] for side in sides}
+    checks: list[float] = []
+    check_cpu: list[float] = []
     for step, batch in enumerate(batches[1:]):
         order = sides[step % len(sides):] + sides[:step % len(sides)]  # each side first in turn
         for side in order:
@@ -379,6 +390,18 @@ def _rank(rank: int, world: int, args: Any) -> dict[str, Any]:
             cpu[side].append(time.process_time() - c0)
             written[side].append(wire_bytes() - w0)
             losses[side].append(float(loss.detach()))
+            if side == "shardkit" and args.replica_check:
+                from sharded_tensor._model import drift
+                torch.distributed.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                drift._after_step(opt, (), {})
+                checks.append(time.perf_counter() - t0)
+                check_cpu.append(time.process_time() - c0)
+    if args.replica_check:
+        from sharded_tensor._model import drift
+        checked = drift._plan(opts["shardkit"])
+        out["replica_check"] = {"seconds": checks, "cpu_seconds": check_cpu, "parameters": len(checked),
+                                "bytes": sum(p.numel() * p.element_size() for p, _ in checked)}
     out["times"] = times
     out["cpu"] = cpu
     out["written"] = written
@@ -451,6 +474,8 @@ def main() -> None:
     parser.add_argument("--local-floor", action="store_true",
                         help="a fourth side: plain's local model with no collectives, the compute floor of "
                              "this split (its losses are wrong by design and not compared)")
+    parser.add_argument("--replica-check", action="store_true",
+                        help="time the check of replicated parameters after each shardkit step, against the step")
     args = parser.parse_args()
     sides = _sides(args)
     results = launch(_rank, 2, args)
@@ -503,6 +528,18 @@ def main() -> None:
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "steps": args.steps,
     }
+    if args.replica_check:
+        # The slower rank's check per step, against shardkit's median step.
+        check = [max(r["replica_check"]["seconds"][i] for r in results) for i in range(args.steps)]
+        report["replica_check"] = {
+            "parameters": r0["replica_check"]["parameters"],
+            "bytes_per_rank": r0["replica_check"]["bytes"],
+            "seconds_median": statistics.median(check), "seconds_range": [min(check), max(check)],
+            "cpu_seconds_median": statistics.median(c for r in results for c in r["replica_check"]["cpu_seconds"]),
+            "share_of_shardkit_step": statistics.median(check) / per_side["shardkit"],
+            "share_range": [min(check) / per_side["shardkit"], max(check) / per_side["shardkit"]],
+            "goal": 0.01,
+        }
     if args.local_floor:
         report["local_floor"] = _local_floor(slowest, cpu, r0["losses"][LOCAL], GOAL[args.compile])
     report["problems"] = _problems(report)

@@ -101,6 +101,7 @@ class Unit:
         self._versions: list[int] = []
         self.sync = True
         self.accumulated: torch.Tensor | None = None  # whole gradients held while not syncing
+        self.accumulated_had: list[bool] = []  # which parameters those held gradients include
         self.order: list[Unit] = []  # for a root: every unit below it, itself first
         self.root: Unit | None = None  # while running: the root of the current forward / backward
         # (unit, reduce-scatter in flight, which gradients it carries, this rank's rows of them, the others'
@@ -276,15 +277,19 @@ class Unit:
         if not self.sync:
             if self.accumulated is None:
                 self.accumulated = torch.zeros(plan.flat_numel, dtype=self.reduce_dtype, device=self.unsharded.device)
-            for flat, grad in zip(plan.params, grads):
+                self.accumulated_had = [False] * len(plan.params)
+            for k, (flat, grad) in enumerate(zip(plan.params, grads)):
                 if grad is not None:
                     self.accumulated[plan.full_slice(flat)].add_(grad.reshape(-1))
+                    self.accumulated_had[k] = True
             return
         root.complete_reductions()  # at most one reduction in flight: bounded memory
         had = [g is not None for g in grads]
         held, self.accumulated = self.accumulated, None
-        if held is not None:  # what earlier micro-batches left counts for every parameter
-            had = [True] * len(had)
+        if held is not None:
+            # A parameter that had a gradient in an earlier micro-batch has one now; one that had
+            # none in any keeps none (a zero gradient would still move it: weight decay, momentum).
+            had = [now or before for now, before in zip(had, self.accumulated_had)]
         world, me = plan.world, self.group_rank
         device = self.unsharded.device
         # Even with no gradient here the reduce-scatter runs: the other ranks may have some.

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import registry as _registry
-from .functional import Intervals
+from .engine.placements import Intervals
 
 __all__ = ["ShardedMultiheadAttention", "MHAPlan"]
 

@@ -30,8 +30,11 @@ from sharding import DevicePlacement, PlacementSpec, ShardedTensorMetadata
 
 from .._reshard import redistribute
 from .._tensor import ShardedTensor, from_local, local_by_index, rank_of, world_of
-from . import zones as _zones
-from .rule_table import RULES, LayoutRuleName
+from .engine import split as _split
+from .engine.dispatch import dispatch
+from .engine.placements import Split, placement_of
+from .engine.rules import RULES, LayoutRuleName, OpRules, rules_of
+from .engine.zone import in_zone, outside_propagation
 
 __all__ = ["DFunction", "LayoutDecision", "register_layout_rule"]
 
@@ -54,7 +57,7 @@ LayoutRule = Callable[[Sequence[ShardedTensorMetadata], Sequence[PlacementSpec |
 
 
 class _LayoutRules:
-    """Layout rules by name, kept in the one table of sharded compute rules (``rule_table``)."""
+    """Layout rules by name, kept in the one table of sharded compute rules (``engine.rules``)."""
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and LayoutRuleName(name) in RULES
@@ -157,7 +160,7 @@ class DFunction:
         """Run on plain tensors (autograd as usual) or on ShardedTensors (see the class)."""
         sharded = [a for a in args if isinstance(a, ShardedTensor)]
         if not sharded:
-            if _zones.in_zone() and any(isinstance(a, torch.Tensor) and hasattr(a, _zones._TAG) for a in args):
+            if in_zone() and any(placement_of(a) is not None for a in args):
                 return _on_slices(cls, args)
             return cls._function().apply(*args)
         rule = _RULES.get(cls.layout_rule) if cls.layout_rule is not None else None
@@ -195,30 +198,22 @@ class DFunction:
         return result
 
 
-# The split rule a DFunction follows on split activations when none is registered for it: the one
-# its layout rule describes ("elementwise" acts slice by slice); otherwise its inputs are gathered.
-_SPLIT_RULE_OF_LAYOUT: dict[str, Callable[..., Any]] = {"elementwise": _zones._elementwise}
+# The rules a DFunction follows on split activations when none is registered for it: the one its
+# layout rule describes ("elementwise" acts slice by slice); otherwise its inputs are made whole.
+_RULES_OF_LAYOUT: dict[str, OpRules] = {"elementwise": OpRules({Split: _split.elementwise})}
 
 
 def _on_slices(cls: type[DFunction], args: tuple[Any, ...]) -> Any:
-    """``cls`` inside a sharded model, on split activations: through its split rule, as a torch op would be.
+    """``cls`` inside a sharded model, on placed activations: through its rules, as a torch op would be.
 
-    The rule is the one registered for ``cls`` (``st.register_split_rule(cls, ...)``) or the one
-    its layout rule names; without one, or where the rule cannot keep the split, the split
-    inputs are gathered and the function runs on whole tensors (exact, at an all-gather's cost).
+    Its rules are the ones registered for ``cls`` (``st.register_split_rule(cls, ...)``), or, for
+    split activations, the one its layout rule names; without one, or where the rule cannot
+    keep the placement, the placed inputs are made whole and the function runs on whole
+    tensors (exact, at an all-gather's cost).
     """
-    function = cls._function().apply
-    _zones._intervene(f"{cls.__name__} (a DFunction) ran on split activations")
-    rule = RULES.get(cls)
-    if rule is None and cls.layout_rule is not None:
-        rule = _SPLIT_RULE_OF_LAYOUT.get(cls.layout_rule)
-    with _zones.outside_propagation():
-        if rule is not None:
-            try:
-                return rule(function, args, {})
-            except _zones._Fallback:
-                pass
-        return function(*[_zones.to_replicated(a) if isinstance(a, torch.Tensor) else a for a in args])
+    rules = rules_of(cls) or _RULES_OF_LAYOUT.get(cls.layout_rule or "") or OpRules()
+    with outside_propagation():  # its forward runs on the local tensors the decision hands it
+        return dispatch(cls._function().apply, args, {}, rules=rules)
 
 
 def _resharded(tensor: ShardedTensor, spec: PlacementSpec | None) -> ShardedTensor:

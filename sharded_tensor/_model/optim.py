@@ -26,6 +26,7 @@ from torch import nn
 from _shardkit import comm as _comm
 
 from .._tensor import ShardedTensor
+from . import drift as _drift
 from .record import ShardedParameter, sharded_parameters
 
 __all__ = ["optim_state_dict", "load_optim_state_dict"]
@@ -71,7 +72,7 @@ def _initialize(optim: torch.optim.Optimizer) -> None:
                 p.grad = torch.zeros_like(p)
                 created.append(p)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _drift.paused():  # parameters restored below: nothing to check
             snapshot = [p.detach().clone() for g in optim.param_groups for p in g["params"]]
             optim.step()
             # Weight decay at lr=0 leaves parameters as they were, but guard against exotic optimizers.

@@ -14,7 +14,7 @@ From data to execution:
    computed correctly never produces numbers. ``nn.Linear`` and ``nn.Embedding`` are the
    registrations defined here (``nn.MultiheadAttention`` is in ``_attention``).
 3. :func:`install` gives the module the registration's forward, and :func:`optimize` finds
-   the zones where activations stay split between modules (``_zones``): the smallest
+   the zones where activations stay split between modules (``zone_plan``): the smallest
    module holding a layer split on its outputs and one split on its inputs the same way.
    Where ``torch.fx`` can trace a module, it also checks that no code reads a split
    parameter directly (such an op would see only this rank's shard).
@@ -43,9 +43,10 @@ from _shardkit import comm as _comm
 from sharding.layout import Packed
 
 from . import registry as _registry
-from . import strided as _strided  # noqa: F401 - the strided split (heads merged with the batch)
-from . import zones as _zones
-from .functional import Intervals, copy_to_ranks
+from . import zone_plan as _zone_plan
+from .engine.placements import Intervals, copy_to_ranks, share_gradient
+from .engine.state import STATE
+from .engine.zone import ZoneForward, in_zone, outside_propagation
 from .param_layout import ParamLayout, classify, split_placement
 
 __all__ = ["ParamLayout", "classify", "LinearPlan", "EmbeddingPlan", "plan_module", "install",
@@ -69,6 +70,7 @@ class LinearPlan:
     bias_intervals: Intervals | None
     weight_dim: int | None
     pieces: tuple[Intervals, ...] | None = None  # "out" packed: each rank's slices of the output features
+    replicas: bool = False  # "out" with slices several ranks hold (a key/value head shared by its query heads)
 
     @property
     def output_split(self) -> Intervals | Packed:
@@ -166,10 +168,28 @@ def _plan_packed_linear(label: str, module: nn.Linear, weight: ParamLayout, bias
     return LinearPlan("out", (), kind, None, 0, pieces)  # type: ignore[arg-type]
 
 
+def _plan_replicated_linear(label: str, module: nn.Linear, weight: ParamLayout, bias: ParamLayout | None) -> LinearPlan:
+    """A Linear split on its output features with slices held by several ranks (replicas)."""
+    if weight.dim != 0 or weight.intervals is None:
+        msg = (f"{label}: the weight is split along dimension {weight.dim} with slices several ranks hold "
+               f"({weight.describe()}); a Linear shares a slice between ranks only along its output features "
+               f"(dim 0): split on inputs, the partial sums of replicas would be counted twice.")
+        raise ValueError(msg)
+    if bias is not None and bias.kind != "replicated" and bias.intervals != weight.intervals:
+        msg = (f"{label}: the weight's output features are held as {list(weight.intervals)} ((start, length) per "
+               f"rank, replicas shared) but the bias as {bias.describe()}; split the bias like dim 0 of the weight, "
+               f"or keep it whole on every rank.")
+        raise ValueError(msg)
+    kind = "none" if module.bias is None else "replicated" if bias is None or bias.kind == "replicated" else "local"
+    return LinearPlan("out", weight.intervals, kind, None, 0, replicas=True)  # type: ignore[arg-type]
+
+
 def _plan_linear(label: str, module: nn.Linear, layouts: Mapping[str, ParamLayout]) -> LinearPlan:
     weight = layouts.get("weight")
     if weight is not None and weight.pieces is not None:
         return _plan_packed_linear(label, module, weight, layouts.get("bias") if module.bias is not None else None)
+    if weight is not None and weight.replicas:
+        return _plan_replicated_linear(label, module, weight, layouts.get("bias") if module.bias is not None else None)
     _refuse_packed(label, layouts, "a Linear")
     bias = layouts.get("bias") if module.bias is not None else None
     for name, layout in (("weight", weight), ("bias", bias)):
@@ -249,13 +269,18 @@ class ShardedLinear(_registry.ShardedModule):
     def forward(self, call: _registry.ShardedCall, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         plan: LinearPlan = call.plan
         module = cast(nn.Linear, module)  # registered for nn.Linear
-        weight, bias = module.weight, module.bias
+        weight: torch.Tensor = module.weight
+        bias: torch.Tensor = module.bias  # read only where the plan says the module has one
         if plan.mode == "bias":
             return F.linear(call.replicated(input), weight) + call.gather(bias, 0, plan.bias_intervals)  # type: ignore[arg-type]
         if plan.mode == "out":
+            if plan.replicas:  # each replica computes a share of its slice's gradient: summed over them
+                weight = share_gradient(weight, 0, plan.intervals, call.group)
+                if plan.bias == "local":
+                    bias = share_gradient(bias, 0, plan.intervals, call.group)
             y = F.linear(call.enter(input), weight, bias if plan.bias == "local" else None)
             if plan.bias == "replicated":
-                if _zones.in_zone():
+                if in_zone():
                     return call.split_output(y + _local_bias(call, bias, plan), plan.output_split)
                 return call.split_output(y, plan.output_split) + bias
             return call.split_output(y, plan.output_split)
@@ -338,6 +363,9 @@ class ShardedEmbedding(_registry.ShardedModule):
     def activations(self, plan: EmbeddingPlan) -> tuple[Intervals | None, Intervals | None]:
         return (None, plan.intervals) if plan.mode == "dim" else (None, None)
 
+    def describe(self, plan: EmbeddingPlan) -> str:
+        return "output split" if plan.mode == "dim" else "vocabulary split, its lookups summed"
+
     def empty_dims(self, plan: EmbeddingPlan) -> Mapping[str, int]:
         return {"weight": plan.weight_dim}
 
@@ -387,23 +415,9 @@ class _ShardedForward:
         functools.update_wrapper(self, type(module).forward)  # keeps inspect.signature(module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state = _zones._STATE
-        replay = state.replay
-        if replay is not None:  # a replayed zone call: no propagation mode to step out of
-            replay.layer(self._module, args, kwargs)
-            if not replay.plan.pending:
-                return self._forward(self._call, self._module, *args, **kwargs)
-            with torch._C.DisableTorchFunctionSubclass():  # the layer computes plainly on pending sums
-                out = self._forward(self._call, self._module, *args, **kwargs)
-            return _zones.as_pending(out)
-        if not state.depth:  # outside any zone: nothing to step out of
-            return self._forward(self._call, self._module, *args, **kwargs)
-        if state.recorders:  # a checked zone call recording: its inputs' tags, the pending sums it makes
-            _zones.entering_layer(self._module, args, kwargs)
-            with _zones.outside_propagation():
-                out = self._forward(self._call, self._module, *args, **kwargs)
-            return _zones.leaving_layer(out, args, kwargs)
-        with _zones.outside_propagation():
+        if STATE.explaining is not None:
+            STATE.explaining.layer(self._module)
+        with outside_propagation():
             return self._forward(self._call, self._module, *args, **kwargs)
 
 
@@ -492,7 +506,7 @@ TRANSPARENT = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.Transf
                nn.TransformerDecoder, nn.Transformer)
 
 
-def endpoints(model: nn.Module) -> list[_zones.Endpoint]:
+def endpoints(model: nn.Module) -> list[_zone_plan.Endpoint]:
     """The sharded layers of ``model`` that produce or consume split activations."""
     found = []
     for name, module in model.named_modules():
@@ -501,14 +515,14 @@ def endpoints(model: nn.Module) -> list[_zones.Endpoint]:
             continue
         takes, gives = plan.activations
         if gives is not None:
-            found.append(_zones.Endpoint(name, "produces", split_placement(gives, 0)))
+            found.append(_zone_plan.Endpoint(name, "produces", split_placement(gives, 0)))
         if takes is not None:
             split = split_placement(takes, 0)
             if isinstance(split, Packed):
                 msg = (f"module {name!r}: its registration says it takes an input packed as {split.pieces!r}; a "
                        f"sharded layer takes its input split with one slice per rank.")
                 raise ValueError(msg)
-            found.append(_zones.Endpoint(name, "consumes", split))
+            found.append(_zone_plan.Endpoint(name, "consumes", split))
     return found
 
 
@@ -516,7 +530,7 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
     """Find the zones of ``model`` whose activations stay split, and check its code.
 
     Runs before any data moves (on a meta model too); nothing changes until the returned
-    function installs the zones' forwards (see ``_zones``).
+    function installs the zones' forwards (see ``engine.zone``).
 
     Args:
         model: a model whose sharded layers already have their plans installed.
@@ -533,14 +547,14 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
     named = dict(model.named_modules())
     sharded = {m for m in named.values() if "_shardkit_plan" in m.__dict__}
     ends = endpoints(model)
-    roots = _zones.find_zones(ends)
+    roots = _zone_plan.find_zones(ends)
     for name, module in named.items():
         if isinstance(module, TRANSPARENT) and name not in roots \
                 and any(m in sharded for m in module.modules()):
             roots.append(name)
     for root in roots:
         inside = [e for e in ends if not root or e.name.startswith(root + ".")]
-        _zones.check_head_boundaries(root, named[root], inside)
+        _zone_plan.check_head_boundaries(root, named[root], inside)
 
     def visit(name: str, module: nn.Module) -> None:
         inside = [m for _, m in module.named_modules() if m in sharded]
@@ -565,6 +579,6 @@ def optimize(model: nn.Module, split_params: Mapping[str, str]) -> Callable[[], 
     def commit() -> list[str]:
         for root in roots:
             module = named[root]
-            module.__dict__["forward"] = _zones.ZoneForward(type(module).forward.__get__(module))
+            module.__dict__["forward"] = ZoneForward(type(module).forward.__get__(module))
         return roots
     return commit

@@ -20,7 +20,7 @@ import torch
 from sharding import ShardedTensorMetadata
 from sharding.layout import Box, Packed, Replicated, Split
 
-from .functional import Intervals
+from .engine.placements import Intervals
 
 __all__ = ["ParamLayout", "classify", "split_placement"]
 
@@ -48,11 +48,13 @@ class ParamLayout:
     @property
     def kind(self) -> Literal["replicated", "split", "blocks", "overlapping"]:
         """The layout in one word, read off ``placement``: ``"replicated"`` (``Replicated``),
-        ``"split"`` (a ``Split`` or ``Packed``, or one rank holding everything); for the layouts
-        no placement describes, ``"blocks"`` (split along several dimensions) or
-        ``"overlapping"`` (some elements on several ranks but not all)."""
+        ``"split"`` (a ``Split`` or ``Packed``, or one rank holding everything); ``"overlapping"``
+        (some elements on several ranks but not all: a split with replicas, see :attr:`replicas`,
+        or a layout no placement describes); ``"blocks"`` (split along several dimensions)."""
         if isinstance(self.placement, Replicated):
             return "replicated"
+        if isinstance(self.placement, Split) and self.placement.replicas:
+            return "overlapping"  # only registrations that read ``replicas`` compute with it
         if self.placement is not None:
             return "split"
         live = [b for b in self.boxes if b is not None]
@@ -64,6 +66,12 @@ class ParamLayout:
     def dim(self) -> int | None:
         """The split dimension for ``"split"``; ``None`` when one rank holds everything."""
         return self.placement.dim if isinstance(self.placement, (Split, Packed)) else None
+
+    @property
+    def replicas(self) -> bool:
+        """Whether it is a split some of whose slices several ranks hold (replicas: a key/value head
+        shared by the ranks of its query heads)."""
+        return isinstance(self.placement, Split) and self.placement.replicas
 
     @property
     def intervals(self) -> Intervals | None:

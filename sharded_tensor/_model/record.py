@@ -3,7 +3,7 @@
 ``shard_model``, ``shard_parameter`` and ``fully_shard`` make one record per sharded
 parameter and :func:`attach` it to the parameter object, the one place it is kept. Every
 part reads it from there: :func:`record_of` for a parameter (``clip_grad_norm_`` given a
-list of parameters; the zones, which refuse a direct use of a split parameter), and
+list of parameters; the engine, which refuses a direct use of a split parameter), and
 :func:`sharded_parameters` for a module's own parameters (the state-dict hooks here, the
 optimizer state, ``fully_shard``). A parameter replaced in its module
 (``load_state_dict(assign=True)`` included, see ``_load_hook``) takes its record along or
@@ -30,7 +30,7 @@ from sharding.layout import box_slices
 
 from .._reshard import redistribute
 from .._tensor import ShardedTensor, from_local, local_by_index
-from . import zones as _zones
+from .engine.dispatch import RECORD
 from .parallel import ParamLayout
 
 __all__ = ["ShardedParameter", "assemble", "attach", "record_of", "sharded_parameters", "install_hooks"]
@@ -43,7 +43,7 @@ class ShardedParameter:
 
     ``label`` names the parameter in messages (``"'0.weight' of module '0' (Linear)"``) when only
     its module may compute with it (a split parameter of ``shard_model``): the model's code
-    using it directly would see this rank's block alone, so the zones refuse that. ``None``
+    using it directly would see this rank's block alone, so the engine refuses that. ``None``
     for parameters whose module gets them whole before computing (``fully_shard``'s) or that
     are whole on every rank.
     """
@@ -125,12 +125,12 @@ def assemble(pieces: Mapping[int, torch.Tensor], layout: ParamLayout, rank: int,
 
 def attach(param: torch.Tensor, record: ShardedParameter) -> None:
     """Record that ``param`` (this rank's local tensor) is laid out as ``record`` says."""
-    setattr(param, _zones.RECORD, record)
+    setattr(param, RECORD, record)
 
 
 def record_of(param: torch.Tensor) -> ShardedParameter | None:
     """The record of ``param``, or ``None`` for a parameter shardkit did not shard."""
-    found = getattr(param, _zones.RECORD, None)
+    found = getattr(param, RECORD, None)
     return found if isinstance(found, ShardedParameter) else None
 
 

@@ -11,7 +11,7 @@ simply the two registrations that ship with shardkit (``_parallel``). A registra
 * how split activations flow: :meth:`ShardedModule.activations` gives the split of its input
   and of its output along the last dimension (``None``: replicated). Where one module's
   output split equals another's input split, the activation between them stays split
-  through the model's own code (see ``_zones``);
+  through the model's own code (see ``engine``);
 * how it computes: :meth:`ShardedModule.forward` runs on this rank's local parameters and
   uses the :class:`ShardedCall` it is given for every communication (gather, scatter,
   all-reduce, with their autograd). Code after ``call.reduce(...)`` is the place for pieces
@@ -24,7 +24,6 @@ shardkit cannot read reliably; the registration states it once, next to that cod
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -35,16 +34,17 @@ from torch import nn
 from _shardkit import comm as _comm
 from sharding.layout import Packed, Split
 
-from . import pending as _pending
-from . import rule_table as _rule_table
-from . import zones as _zones
-from .functional import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter
+from .engine import placements as _placements
+from .engine.placements import Intervals, copy_to_ranks, gather, reduce_from_ranks, scatter, shared_copy, to_whole
+from .engine.rules import RULES
+from .engine.state import rank_and_world
+from .engine.zone import in_zone
 from .param_layout import ParamLayout, split_placement
 
 __all__ = ["ShardedModule", "ShardedCall", "register_sharded_module", "handler_for", "registered_types"]
 
-# Module types live in the one table of sharded compute rules, next to the ops' split rules.
-_REGISTRY: dict[Any, Any] = _rule_table.RULES
+# Module types live in the one table of sharded compute rules, next to the ops' rules.
+_REGISTRY: dict[Any, Any] = RULES
 
 
 class ShardedModule:
@@ -90,6 +90,15 @@ class ShardedModule:
         """The split of the input and of the output along their last dimension (``None``: whole)."""
         return None, None
 
+    def describe(self, plan: Any) -> str:
+        """What the layer takes and hands out, in a few words (for ``st.explain``)."""
+        takes, gives = self.activations(plan)
+        if gives is not None:
+            return "output split"
+        if takes is not None:
+            return "input split, output a pending sum"
+        return "whole activations, its own communication"
+
     def empty_dims(self, plan: Any) -> Mapping[str, int]:
         """For a rank holding none of a parameter: the dimension its empty local tensor has size 0 in."""
         return {}
@@ -121,35 +130,37 @@ class ShardedCall:
 
     plan: Any
     group: _comm.ProcessGroup
-    # The engine's tag per (output split, dimension), built once: a layer hands out the same split every call.
+    # The engine's placement per (output split, dimension), built once: a layer hands out the same split
+    # every call.
     _tags: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False,
                                                           compare=False)
+    _partial: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def rank(self) -> int:
         """This process's rank in the group."""
-        return _comm.rank_and_world(self.group)[0]
+        return rank_and_world(self.group)[0]
 
     @property
     def world_size(self) -> int:
         """The number of ranks in the group."""
-        return _comm.rank_and_world(self.group)[1]
+        return rank_and_world(self.group)[1]
 
     def replicated(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` whole on every rank (gathers it if it arrives split)."""
-        return _zones.to_replicated(x)
+        return to_whole(x)  # type: ignore[no-any-return]
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """A replicated ``x`` about to meet this rank's weight slice: its gradient is summed over ranks."""
-        return _zones.shared_copy(_zones.to_replicated(x), self.group)
+        return shared_copy(to_whole(x), self.group)
 
     def split_input(self, x: torch.Tensor, intervals: Intervals) -> torch.Tensor:
         """This rank's slice of ``x`` along the last dimension (as it arrives when already split so)."""
-        split = _zones.split_of(x)
-        if (split is not None and split.dim == x.dim() - 1 and split.intervals == intervals
+        split = _placements.placement_of(x)
+        if (type(split) is _placements.Split and split.dim == x.dim() - 1 and split.intervals == intervals
                 and split.group is self.group):
             return x
-        return scatter(_zones.to_replicated(x), -1, intervals, self.group)
+        return scatter(to_whole(x), -1, intervals, self.group)
 
     def split_output(self, y: torch.Tensor, split: Intervals | Split | Packed | ParamLayout) -> torch.Tensor:
         """Hand out this rank's slice ``y`` of the output: kept split inside a zone, else gathered.
@@ -167,10 +178,8 @@ class ShardedCall:
             if len(self._tags) >= 16:  # a forward that builds its split anew each call: no use keeping them
                 self._tags.clear()
             self._tags[key] = (split, tag)
-        if _zones.in_zone():
-            return _zones.tag(y, tag)
-        _zones.tag(y, tag)
-        return _zones.to_replicated(y)
+        _placements.tag(y, tag)
+        return y if in_zone() else to_whole(y)
 
     def local_slice(self, t: torch.Tensor, intervals: Intervals, dim: int = -1) -> torch.Tensor:
         """This rank's slice of a replicated ``t`` (e.g. a whole bias added to a split output)."""
@@ -188,12 +197,15 @@ class ShardedCall:
         rank) until an op needs it whole, so sums that meet first (attention and MLP in parallel)
         share one all-reduce; outside, it is :meth:`reduce` then ``+ once``.
         """
-        if not _zones.in_zone():
+        if not in_zone() or self.world_size == 1:
             y = self.reduce(y)
             return y if once is None else y + once
+        if not self._partial:
+            self._partial.append(_placements.Partial(group=self.group))
+        partial = self._partial[0]
         if once is not None:
-            y = y + _pending.add_once(once, self.group)
-        return _pending.pending(y, self.group)
+            y = y + partial.add_once(once)
+        return _placements.tag(y, partial)
 
     def gather(self, y: torch.Tensor, dim: int, intervals: Intervals) -> torch.Tensor:
         """Concatenate every rank's slice ``y`` along ``dim``."""
@@ -201,7 +213,7 @@ class ShardedCall:
 
 
 def _as_tag(split: Intervals | Split | Packed | ParamLayout, dim: int,
-            group: _comm.ProcessGroup) -> _zones.Split | _zones.Packed:
+            group: _comm.ProcessGroup) -> _placements.Split | _placements.Packed:
     if isinstance(split, ParamLayout):
         return _tag(split_placement(split, 0), dim, group)
     if isinstance(split, list):  # intervals as lists: hashable for the cache
@@ -209,14 +221,14 @@ def _as_tag(split: Intervals | Split | Packed | ParamLayout, dim: int,
     return _tag(split, dim, group)
 
 
-@functools.lru_cache(maxsize=1024)
-def _tag(split: Intervals | Split | Packed, dim: int, group: _comm.ProcessGroup) -> _zones.Split | _zones.Packed:
-    """The engine's tag for an output split as ``split`` along ``dim``: one per layer, built once."""
+def _tag(split: Intervals | Split | Packed, dim: int,
+         group: _comm.ProcessGroup) -> _placements.Split | _placements.Packed:
+    """The engine's placement for an output split as ``split`` along ``dim``."""
     if isinstance(split, Packed):
-        return _zones.Packed(dim, split.pieces, group)
+        return _placements.Packed(dim, split.pieces, group)
     if isinstance(split, Split):
-        return _zones.Split(dim, split.intervals, group)
-    return _zones.Split(dim, split, group)  # per-rank intervals; checked there
+        return _placements.Split(dim, split.intervals, group)
+    return _placements.Split(dim, split, group)  # per-rank intervals; checked there
 
 
 def register_sharded_module(module_type: type[nn.Module], handler: ShardedModule, *, replace: bool = False) -> None:

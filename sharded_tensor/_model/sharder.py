@@ -50,8 +50,10 @@ from sharding import (
 from sharding.layout import box_slices
 
 from .._reshard import redistribute
+from . import drift as _drift
 from . import experts as _experts
 from . import guard as _guard
+from . import hf_modules as _hf_modules
 from . import parallel as _parallel
 from .init import LayoutInvariantInit
 from .parallel import ParamLayout, Plan
@@ -179,6 +181,7 @@ def _plans(model: nn.Module, entries: Sequence[_Entry],
     parameter below it, named relative to it, and its descendants are not planned on their own.
     """
     _experts.register_experts_of(model)  # transformers' fused experts, found by their parameters
+    _hf_modules.register_modules_of(model)  # transformers' scaled embeddings and Conv1D
     per_module: dict[int, tuple[str, nn.Module, dict[str, ParamLayout]]] = {}
     named = list(model.named_modules())
     owners: dict[int, tuple[str, nn.Module]] = {}
@@ -354,6 +357,12 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
     computes only its heads and a transformer layer's forward does two all-reduces. Buffers
     are never sharded.
 
+    The parameters left whole on every rank must stay equal: after each step of an optimizer
+    that holds some of them, the ranks compare their checksums, and a step that made them
+    differ (``torch.nn.utils.clip_grad_norm_`` instead of ``st.clip_grad_norm_``, or any other
+    per-rank update) raises ``RuntimeError`` on every rank, naming the parameters and the fix
+    (``SHARDKIT_CHECK_REPLICAS=0`` turns the check off).
+
     Args:
         model: the model; modified in place.
         sharding_spec: see above.
@@ -396,6 +405,7 @@ def shard_model(model: nn.Module, sharding_spec: PlacementSpec, *, src_rank: int
                  invariant=seed is not None, initializers=initializers)
     _finish(model, entries, process_group)
     commit()
+    _drift.watch(model, process_group)  # replicated parameters checked after each optimizer step
     return model
 
 

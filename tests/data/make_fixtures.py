@@ -1,7 +1,7 @@
 """How the checkpoints of older format versions in ``tests/data/v<N>/`` were made; the values they must load to.
 
 The committed folders are the point: ``tests/data/v1`` was written by the version-1 writer,
-``tests/data/v2`` by the version-2 writer, from the same state_dicts, and every later reader
+``tests/data/v2`` by the version-2 writer (and so on to ``v4``), from the same state_dicts, and every later reader
 must load them bit for bit (``tests/unit/test_format_versions.py``,
 ``tests/distributed/test_format_versions.py``). Running this script writes new folders in the
 current version (new generation ids); it is only needed to freeze the current version before

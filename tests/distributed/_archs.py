@@ -5,6 +5,11 @@ unsharded, the compiled runs (``test_compile``) and, for GPT-2's layout (``gpt2_
 extension and tensor-parallel plan tests. Each ``Arch`` builds its model from a
 tiny config and a fixed seed (no downloads) and gives the hand-written layout of
 docs/huggingface.md over a list of ranks.
+
+The configs keep transformers' defaults, as users build them (``use_cache`` included: a
+forward in training builds and returns a key/value cache), except for their sizes and
+dropout, which is off so that the sharded and the unsharded model compute the same numbers.
+The batches carry ``labels``, so the models compute their own loss, as in training.
 """
 
 from __future__ import annotations
@@ -18,15 +23,15 @@ import torch
 import sharded_tensor as st
 from sharding import CompositeShardingSpec, composite, single_split
 
-__all__ = ["ARCHS", "BY_NAME", "Arch", "BATCH", "SEQ", "VOCAB", "gpt2_spec", "inputs", "loss", "max_diff",
-           "spec_of"]
+__all__ = ["ARCHS", "BY_NAME", "LAYERS", "MOE_MODELS", "Arch", "BATCH", "SEQ", "VOCAB", "gpt2_spec", "inputs",
+           "loss", "max_diff", "objective", "spec_of"]
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 96, 64, 96, 4, 2, 16, 2
 BATCH, SEQ = 2, 8
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 DECODER = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
-           "max_position_embeddings": 64, "attention_dropout": 0.0, "use_cache": False, **TOKEN_IDS}
+           "max_position_embeddings": 64, "attention_dropout": 0.0, **TOKEN_IDS}
 
 Spec = dict[str, Any]
 
@@ -46,6 +51,19 @@ class Arch:
     # Backward all-reduces of a decoder beyond its forward ones: a whole parameter each rank applies to its own
     # heads only (Qwen3's and Gemma3's per-head q_norm and k_norm) has its gradient summed over the ranks.
     extra_backward_all_reduces: int = 0
+
+    @property
+    def generates(self) -> bool:
+        """A decoder-only language model: ``generate`` continues a prompt token by token."""
+        return self.group == "decoders" or self.name in _CAUSAL_OTHERS
+
+    @property
+    def returns_cache(self) -> bool:
+        """Its forward returns transformers' key/value cache (``use_cache=True``, the config's default)."""
+        return self.generates or self.inputs == "seq2seq"
+
+
+_CAUSAL_OTHERS = {"gpt_neox", "gptj", "gpt2", "opt", "falcon", "bloom"}
 
 
 # --- layouts -----------------------------------------------------------------------------------
@@ -197,6 +215,17 @@ def _mixtral() -> torch.nn.Module:
     return _seeded(MixtralForCausalLM, MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2))
 
 
+def _gpt_oss() -> torch.nn.Module:
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return _seeded(GptOssForCausalLM, GptOssConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2))
+
+
+def _llama4() -> torch.nn.Module:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    return _seeded(Llama4ForCausalLM, Llama4TextConfig(**DECODER, intermediate_size_mlp=FFN, num_local_experts=4,
+                                                       num_experts_per_tok=1, interleave_moe_layer_step=1))
+
+
 def _phi3() -> torch.nn.Module:
     from transformers import Phi3Config, Phi3ForCausalLM
     return _seeded(Phi3ForCausalLM, Phi3Config(**{k: v for k, v in DECODER.items() if k != "head_dim"}))
@@ -207,21 +236,21 @@ def _gpt_neox() -> torch.nn.Module:
     return _seeded(GPTNeoXForCausalLM, GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, rotary_pct=0.5, use_parallel_residual=True, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cache=False, **TOKEN_IDS))
+        attention_dropout=0.0, **TOKEN_IDS))
 
 
 def _gptj() -> torch.nn.Module:
     from transformers import GPTJConfig, GPTJForCausalLM
     return _seeded(GPTJForCausalLM, GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_inner=FFN, n_layer=LAYERS,
                                                n_head=HEADS, rotary_dim=8, n_positions=64, resid_pdrop=0.0,
-                                               embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, **TOKEN_IDS))
+                                               embd_pdrop=0.0, attn_pdrop=0.0, **TOKEN_IDS))
 
 
 def _gpt2_model() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     return _seeded(GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_inner=FFN, n_layer=LAYERS,
                                                n_head=HEADS, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                                               attn_pdrop=0.0, use_cache=False, **TOKEN_IDS))
+                                               attn_pdrop=0.0, **TOKEN_IDS))
 
 
 def _opt() -> torch.nn.Module:
@@ -229,7 +258,7 @@ def _opt() -> torch.nn.Module:
     return _seeded(OPTForCausalLM, OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=FFN,
                                              num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                              word_embed_proj_dim=HIDDEN, max_position_embeddings=64, dropout=0.0,
-                                             attention_dropout=0.0, use_cache=False, **TOKEN_IDS))
+                                             attention_dropout=0.0, **TOKEN_IDS))
 
 
 def _falcon() -> torch.nn.Module:
@@ -237,14 +266,14 @@ def _falcon() -> torch.nn.Module:
     return _seeded(FalconForCausalLM, FalconConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_kv_heads=KV_HEADS, new_decoder_architecture=True, parallel_attn=True,
-        bias=False, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, **TOKEN_IDS))
+        bias=False, hidden_dropout=0.0, attention_dropout=0.0, **TOKEN_IDS))
 
 
 def _bloom() -> torch.nn.Module:
     from transformers import BloomConfig, BloomForCausalLM
     return _seeded(BloomForCausalLM, BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS,
                                                  n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0,
-                                                 use_cache=False, **TOKEN_IDS))
+                                                 **TOKEN_IDS))
 
 
 _ENCODER = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
@@ -273,7 +302,7 @@ def _t5_model() -> torch.nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
     return _seeded(T5ForConditionalGeneration, T5Config(
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=HEAD_DIM, d_ff=FFN, num_layers=LAYERS, num_heads=HEADS,
-        relative_attention_num_buckets=8, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+        relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0,
         pad_token_id=0, eos_token_id=2))
 
 
@@ -346,29 +375,42 @@ ARCHS = [
                        ("attention.o_proj", "mlp.fc2")), L2, inputs="pixels"),
 ]
 BY_NAME = {arch.name: arch for arch in ARCHS}
+# Mixture-of-experts models whose experts ``st.tensor_parallel_spec`` splits either way (``experts=``): Mixtral's
+# fused experts, GPT-OSS's (interleaved gate and up, biases) and Llama 4's (every expert on its own block of rows).
+MOE_MODELS: dict[str, Callable[[], torch.nn.Module]] = {"mixtral": _mixtral, "gpt_oss": _gpt_oss, "llama4": _llama4}
 
 
 # --- one batch, one loss -----------------------------------------------------------------------
 
 
 def inputs(kind: str, step: int) -> dict[str, torch.Tensor]:
-    """The batch of ``step`` for an architecture fed ``kind`` (see ``Arch.inputs``)."""
+    """The batch of ``step`` for an architecture fed ``kind`` (see ``Arch.inputs``), with its ``labels``.
+
+    Language models get their tokens as labels (padding ignored: -100), a sequence-to-sequence
+    model its decoder tokens, an image classifier one class per image.
+    """
     gen = torch.Generator().manual_seed(100 + step)
     if kind == "pixels":
-        return {"pixel_values": torch.randn(BATCH, 3, 16, 16, generator=gen)}
+        return {"pixel_values": torch.randn(BATCH, 3, 16, 16, generator=gen),
+                "labels": torch.randint(0, 5, (BATCH,), generator=gen)}
     tokens = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
     mask = torch.ones_like(tokens)
     mask[1, SEQ - 3:] = 0  # the second sequence is shorter: padding on the right
     if kind == "padded":
-        return {"input_ids": tokens, "attention_mask": mask}
-    return {"input_ids": tokens, "attention_mask": mask,
-            "decoder_input_ids": torch.randint(3, VOCAB, (BATCH, SEQ - 2), generator=gen)}
+        return {"input_ids": tokens, "attention_mask": mask, "labels": tokens.masked_fill(mask == 0, -100)}
+    decoder = torch.randint(3, VOCAB, (BATCH, SEQ - 2), generator=gen)
+    return {"input_ids": tokens, "attention_mask": mask, "decoder_input_ids": decoder, "labels": decoder}
 
 
 def loss(logits: torch.Tensor) -> torch.Tensor:
     """A fixed random weighting of every logit: each one's gradient is nonzero and known."""
     weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(7))
     return (logits * weights).mean()
+
+
+def objective(out: Any) -> torch.Tensor:
+    """What a training step differentiates: the model's own loss (from ``labels``) plus ``loss`` of its logits."""
+    return out.loss + loss(out.logits)
 
 
 def max_diff(got: torch.Tensor, want: torch.Tensor) -> float:

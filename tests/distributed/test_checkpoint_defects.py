@@ -30,6 +30,9 @@ def test_plain_tensors_that_differ_across_ranks_are_refused(tmp_path: Path) -> N
     results = run_distributed(_save_divergent, 2, str(tmp_path / "ck"))
     for message in results:
         assert "opt.differs" in message and "differ" in message, message
+        # The likely causes and their fix; not a copy of one rank's values, which would hide them.
+        assert "torch.nn.utils.clip_grad_norm_" in message and "st.clip_grad_norm_(model, max_norm)" in message
+        assert "broadcast" not in message
         assert "same" not in message.replace("the same", "")
     assert not (tmp_path / "ck" / "shardkit.json").exists()
 

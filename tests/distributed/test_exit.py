@@ -26,14 +26,37 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.distributed
 
+# A job takes 10-20 s on a quiet machine; at load average 35 on 2 cores, starting two
+# interpreters under torchrun alone took minutes (one run took 4 min in all).
+JOB_SECONDS = 600
+
 # Registered before shardkit is imported, so atexit runs it after shardkit's own exit hook,
-# as late as a Python handler can look.
+# as late as a Python handler can look. The count of the script's own group's threads waits
+# for it to settle: on a busy machine (load average 25 on 2 cores) a Gloo thread can run for a
+# while under its parent's name before it names itself, and a count taken at once misses it.
 _OBSERVER = """
 import atexit, os
 
 def _gloo_threads():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:  # the thread ended between the listing and the read
+            pass
     return sum(n.startswith(("pt_gloo", "gloo")) for n in names)
+
+def _settled_gloo_threads():
+    # A thread just started still has its parent's name until it names itself, which on a busy
+    # machine can take a while: count until the same number was seen for a whole second.
+    import time
+    count, since, deadline = _gloo_threads(), time.monotonic(), time.monotonic() + 60
+    while time.monotonic() - since < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = _gloo_threads()
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
 
 def _gloo_threads_at_exit():
     print(f"rank {os.environ['RANK']}: gloo threads at exit: {_gloo_threads()}", flush=True)
@@ -64,8 +87,8 @@ def _script(*, import_first: bool, destroy: bool) -> str:
     parts.append('dist.init_process_group("gloo")\n')
     # Counted after a first collective: the group starts its worker threads with it.
     parts.append("dist.barrier()\n")
-    parts.append('print(f"rank {os.environ[\'RANK\']}: gloo threads of the script\'s group: {_gloo_threads()}", '
-                 'flush=True)\n')
+    parts.append('print(f"rank {os.environ[\'RANK\']}: gloo threads of the script\'s group: "\n'
+                 '      f"{_settled_gloo_threads()}", flush=True)\n')
     if not import_first:
         parts.append(_IMPORT)
     parts.append(_WORK)
@@ -74,6 +97,7 @@ def _script(*, import_first: bool, destroy: bool) -> str:
     return "".join(parts)
 
 
+@pytest.mark.timeout(JOB_SECONDS + 60)
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc/self/task (Linux)")
 @pytest.mark.parametrize(("import_first", "destroy"), [
     pytest.param(True, True, id="documented-pattern"),
@@ -86,7 +110,7 @@ def test_no_gloo_thread_left_at_exit(tmp_path: Path, import_first: bool, destroy
     env = {**os.environ, "CKPT": str(tmp_path / "ckpt"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                             str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=JOB_SECONDS,
                             check=False)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log

@@ -1,11 +1,12 @@
 """``st.fully_shard`` on real Gloo ranks, against one process training on the whole batch.
 
-One spawn of 3 ranks (so that every split is uneven and a trailing rank may hold no rows)
-checks on every rank:
+One spawn of 2 ranks and one of 3 (every split uneven, a trailing rank may hold no rows)
+each run every scenario below; each scenario is its own test, reading its part of the
+spawn's results (the spawn runs once per world, on first use):
 
 * an MLP with uneven sizes (blocks fully sharded, then the root) and a tiny transformers
   Llama (each decoder layer, then the model), trained 5 steps with SGD (momentum) and with
-  AdamW on a third of the batch each, give the losses and the parameters of one process
+  AdamW on a share of the batch each, give the losses and the parameters of one process
   trained on the whole batch, within 1e-6 relative; ``model.parameters()`` are the local rows;
 * communication: one all-gather per unit in forward, one more per resharded unit in
   backward, one reduce-scatter per unit, with the bytes of the flat buffers; the next
@@ -14,25 +15,27 @@ checks on every rank:
   whole gradients in rank order over the number of ranks, and a unit's local ``.grad`` are
   views of one buffer;
 * ``st.clip_grad_norm_`` gives torch's norm and clipped update on the whole model;
-* gradient accumulation: 2 micro-batches, the first under ``st.no_sync`` (no
+* gradient accumulation: 2 or 3 micro-batches, all but the last under ``st.no_sync`` (no
   reduce-scatter), give the whole batch's step; without ``no_sync`` too;
+* a forward with gradients and no backward, then an optimizer step (on the gradients left
+  from the step before): the next forward computes with the updated parameters, as torch does;
+* a parameter no forward uses keeps ``.grad`` ``None`` (also through a ``no_sync``
+  accumulation), so AdamW's weight decay leaves it as torch does;
 * mixed precision: compute in bfloat16 (the layers see bfloat16 weights), master shards,
   gradients and AdamW state in float32, reduction in float32; close to the float32 run;
 * from the meta device: a Llama built on meta, fully sharded, then ``shard_model(model,
   composite(), seed=7)``: no tensor near a whole parameter's size is ever created, each rank
-  holds a third of the bytes (plus at most a row per parameter), the values are bit for bit
+  holds its share of the bytes (plus at most a row per parameter), the values are bit for bit
   those of the same model built whole with the same seed; it trains like it (1e-6), and a
   checkpoint of it loads into another meta-built model (``init=False``) bit for bit;
 * errors, identical on every rank and leaving the group usable: a module fully sharded
-  twice, a parent before its child, ranks that do not divide the world, that leave this
-  rank out or name ranks outside it, a parameter tied across units, a forward before meta
+  twice, a parent before its child, ranks that do not divide the world (3 ranks), that leave
+  this rank out or name ranks outside it, a parameter tied across units, a forward before meta
   parameters are materialized, and an optimizer built before ``fully_shard`` (refused at
   ``step``).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +50,7 @@ from tests.distributed._launch import run_distributed
 pytestmark = pytest.mark.distributed
 
 BATCH, STEPS, TOL = 6, 5, 1e-6
+WORLDS = [pytest.param(2, id="2ranks"), pytest.param(3, id="3ranks")]
 
 
 def _llama() -> nn.Module:
@@ -94,7 +98,9 @@ def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(kind: str, model: nn.Module, optim: torch.optim.Optimizer, rows: slice, *, clip: float | None = None,
-           micro: int = 1, no_sync: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+           micro: int = 1, no_sync: bool = False, deferred: list[int] | None = None
+           ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Train ``STEPS`` steps; ``deferred`` collects the reduce-scatters run inside ``no_sync`` (none, if it defers)."""
     losses, norms = [], []
     first: dict[str, torch.Tensor] = {}
     for step in range(STEPS):
@@ -104,10 +110,12 @@ def _train(kind: str, model: nn.Module, optim: torch.optim.Optimizer, rows: slic
         total = 0.0
         pieces = list(zip(x.chunk(micro), y.chunk(micro)))
         for i, (xi, yi) in enumerate(pieces):
-            ctx = st.no_sync(model) if no_sync and i < len(pieces) - 1 else _Null()
-            with ctx:
+            inside = no_sync and i < len(pieces) - 1
+            with st.no_sync(model) if inside else _Null(), st.CommCounter() as comm:
                 loss = _loss(kind, model, xi, yi) / micro
                 loss.backward()
+            if inside and deferred is not None:
+                deferred.append(comm.counts.get("reduce_scatter", 0))
             total += loss.item()
         if step == 0:
             first = _full_grads(model)
@@ -150,12 +158,15 @@ def _compare(rank: int, world: int, kind: str, optim_name: str, **kwargs: object
     model = shard(build(), **kwargs)
     optim = _optim(optim_name, model.parameters())
     per = BATCH // world
+    deferred: list[int] = []
     losses, norms, first = _train(kind, model, optim, slice(rank * per, (rank + 1) * per), clip=clip,  # type: ignore[arg-type]
-                           micro=micro, no_sync=no_sync)
+                                  micro=micro, no_sync=no_sync, deferred=deferred)
     # Losses are per-rank means; their average over ranks is the whole batch's.
     mean_losses = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(mean_losses)
     out = {"loss": max(abs(a / world - b) / abs(b) for a, b in zip(mean_losses.tolist(), ref_losses))}
+    if no_sync:  # the micro-batches inside no_sync ran no reduce-scatter at all
+        out["reduce_scatters inside no_sync"] = float(sum(deferred)) if len(deferred) == STEPS * (micro - 1) else 1.0
     for name, grad in first.items():
         out[f"grad {name}"] = _rel(grad, ref_first[name])
     if clip is not None:
@@ -288,7 +299,8 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     child_after = uneven_mlp()
     st.fully_shard(child_after)
     attempt("parent_first", lambda: st.fully_shard(child_after[0]))
-    attempt("not_dividing", lambda: st.fully_shard(uneven_mlp(), [0, 1] if rank < 2 else [2]))
+    if world == 3:  # a world of 2 has no uneven split into groups
+        attempt("not_dividing", lambda: st.fully_shard(uneven_mlp(), [0, 1] if rank < 2 else [2]))
     attempt("not_including", lambda: st.fully_shard(uneven_mlp(), [r for r in range(world) if r != rank]))
     attempt("outside", lambda: st.fully_shard(uneven_mlp(), list(range(world + 1))))
     attempt("dtype", lambda: st.fully_shard(uneven_mlp(), param_dtype=torch.int8))
@@ -385,6 +397,70 @@ def _from_meta(rank: int, world: int, root: str) -> dict[str, object]:
     return out
 
 
+def _stale(rank: int, world: int) -> dict[str, list[float]]:
+    """A forward with gradients and no backward, then an optimizer step: the next forward's loss, against torch."""
+    out: dict[str, list[float]] = {}
+    for kind in ("mlp", "llama"):
+        losses = []
+        for sharded in (False, True):
+            build = uneven_mlp if kind == "mlp" else _llama
+            model = build()
+            if sharded:
+                (fully_shard_mlp if kind == "mlp" else fully_shard_llama)(model)
+            optim = _optim("adamw", model.parameters())
+            x, y = _data(kind, 0)
+            _loss(kind, model, x, y).backward()
+            optim.step()
+            _loss(kind, model, x, y)  # gradients recorded, no backward (an evaluation, a skipped batch)
+            optim.step()  # on the gradients of the first step: the parameters move again
+            with torch.no_grad():
+                losses.append(_loss(kind, model, x, y).item())
+            losses.append(_loss(kind, model, x, y).item())
+        out[kind] = losses
+    return out
+
+
+class _Partly(nn.Module):
+    """Two layers of which forward uses one: ``unused`` never gets a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Linear(4, 5)
+        self.unused = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)  # type: ignore[no-any-return]
+
+
+def _unused(rank: int, world: int) -> dict[str, object]:
+    """An unused parameter keeps no gradient, with and without a no_sync accumulation, and AdamW leaves it alone."""
+    out: dict[str, object] = {}
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(5))
+    for micro in (1, 2):
+        ref = _Partly()
+        ref_optim = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.5)
+        for _ in range(micro):
+            ref(x).sum().backward()
+        ref_optim.step()
+        model = st.fully_shard(_Partly())
+        optim = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        for i in range(micro):
+            with st.no_sync(model) if i < micro - 1 else _Null():
+                model(x).sum().backward()
+        out[f"none {micro}"] = [name for name, p in model.named_parameters() if p.grad is None]
+        out[f"ref none {micro}"] = [name for name, p in ref.named_parameters() if p.grad is None]
+        optim.step()
+        state = model.state_dict()
+        out[f"diff {micro}"] = {name: _rel(state[name].full_tensor(), value)
+                                for name, value in ref.state_dict().items()}
+    return out
+
+
+_SCENARIOS = ("meta", "mlp sgd", "mlp adamw", "llama sgd", "llama adamw", "clip", "no_sync", "accumulate",
+              "keep_after_forward", "stale", "unused", "mechanics", "errors")
+
+
 def _check(rank: int, world: int, root: str) -> dict[str, object]:
     results: dict[str, object] = {}
     results["meta"] = _from_meta(rank, world, root)
@@ -392,45 +468,130 @@ def _check(rank: int, world: int, root: str) -> dict[str, object]:
         for optim_name in ("sgd", "adamw"):
             results[f"{kind} {optim_name}"] = _compare(rank, world, kind, optim_name)
     results["clip"] = _compare(rank, world, "mlp", "adamw", clip=0.05)
-    results["no_sync"] = _compare(rank, world, "llama", "adamw", micro=2, no_sync=True)
-    results["accumulate"] = _compare(rank, world, "mlp", "sgd", micro=2)
+    micro = 2 if BATCH // world % 2 == 0 else 3  # equal micro-batches: their mean is the batch's
+    results["no_sync"] = _compare(rank, world, "llama", "adamw", micro=micro, no_sync=True)
+    results["accumulate"] = _compare(rank, world, "mlp", "sgd", micro=micro)
     results["keep_after_forward"] = _compare(rank, world, "llama", "sgd", reshard_after_forward=False)
+    results["stale"] = _stale(rank, world)
+    results["unused"] = _unused(rank, world)
     results["mechanics"] = _mechanics(rank, world)
     results["errors"] = _errors(rank, world)
     return results
 
 
-def test_fully_shard_trains_like_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+def _spawn(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
     pytest.importorskip("transformers")
-    world = 3
-    results = run_distributed(_check, world, str(tmp_path), timeout=600)
-    for rank, res in enumerate(results):
+    return run_distributed(_check, world, str(tmp_path_factory.mktemp(f"fully-shard-{world}")), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs_2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
+    return _spawn(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def runs_3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
+    return _spawn(3, tmp_path_factory)
+
+
+@pytest.fixture
+def runs(request: pytest.FixtureRequest, world: int) -> list[dict[str, object]]:
+    """Every rank's results of the module's one spawn on ``world`` ranks (made once, on first use)."""
+    found: list[dict[str, object]] = request.getfixturevalue(f"runs_{world}")
+    return found
+
+
+def _rows(n: int, world: int) -> list[int]:
+    """Rows of each rank when ``n`` rows are split like ``torch.chunk``."""
+    chunk = -(-n // world)
+    return [max(0, min(n, (r + 1) * chunk) - min(n, r * chunk)) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_from_meta_allocates_only_local_rows_and_trains_like_the_whole_model(runs, world: int) -> None:
+    for res in runs:
         meta = res["meta"]
-        # Only this rank's rows were ever allocated: no tensor half as large as the largest parameter
-        # (its rows are a third of it; the agreement's small payloads are counted too).
+        # Only this rank's rows were ever allocated: no tensor near the size of the largest parameter
+        # (its rows are a share of it; the agreement's small payloads are counted too).
         assert meta["largest_local"] <= meta["largest_whole"] / world + 32, meta
-        assert meta["largest_created"] < meta["largest_whole"] / 2, meta
-        # Bytes held: a third of the model, plus at most one row per parameter (torch.chunk rounding up).
+        # Nothing near a whole parameter: below halfway between a rank's share and the whole.
+        assert meta["largest_created"] < meta["largest_whole"] * (world + 1) / (2 * world), meta
+        # Bytes held: a share of the model, plus at most one row per parameter (torch.chunk rounding up).
         assert meta["held"] <= meta["total"] / world + meta["pad"], meta
         assert meta["held"] >= meta["total"] / world - meta["pad"], meta
         assert meta["devices"] == ["cpu"]
         assert meta["init_equal"] == [], meta["init_equal"]  # the values of the whole model, bit for bit
         assert meta["loss_rel"] <= TOL and meta["trained_rel"] <= TOL, meta
         assert meta["loaded_differs"] == []
-        for key in ("mlp sgd", "mlp adamw", "llama sgd", "llama adamw", "clip", "no_sync", "accumulate",
-                    "keep_after_forward"):
-            diffs = res[key]
-            bad = {k: v for k, v in diffs.items() if not v <= TOL}
-            assert not bad, f"rank {rank} {key}: {bad}"
-            assert len(diffs) > 3
-        assert "norm" in res["clip"]
+
+
+def _assert_close(runs: list[dict[str, object]], key: str) -> None:
+    for rank, res in enumerate(runs):
+        diffs = res[key]
+        assert isinstance(diffs, dict) and len(diffs) > 3
+        bad = {k: v for k, v in diffs.items() if not v <= TOL}
+        assert not bad, f"rank {rank} {key}: {bad}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", ["mlp", "llama"])
+@pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
+def test_trains_like_one_process_on_the_whole_batch(runs, world: int, kind: str, optim_name: str) -> None:
+    _assert_close(runs, f"{kind} {optim_name}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_clip_grad_norm_gives_torchs_norm_and_update(runs, world: int) -> None:
+    _assert_close(runs, "clip")
+    assert all("norm" in res["clip"] for res in runs)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_no_sync_accumulation_gives_the_whole_batchs_step(runs, world: int) -> None:
+    _assert_close(runs, "no_sync")
+    assert all(res["no_sync"]["reduce_scatters inside no_sync"] == 0 for res in runs)  # deferred, not just summed
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_accumulation_without_no_sync_gives_the_whole_batchs_step(runs, world: int) -> None:
+    _assert_close(runs, "accumulate")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_keeping_parameters_after_forward_trains_alike(runs, world: int) -> None:
+    _assert_close(runs, "keep_after_forward")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_forward_without_backward_then_a_step_leaves_no_stale_parameters(runs, world: int) -> None:
+    for res in runs:
+        for kind, (ref_no_grad, ref, no_grad, grad) in res["stale"].items():
+            # The parameters moved twice; the sharded model computes with them, with or without grad.
+            assert no_grad == pytest.approx(ref_no_grad, rel=1e-6, abs=1e-6), kind
+            assert grad == pytest.approx(ref, rel=1e-6, abs=1e-6), kind
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_an_unused_parameter_keeps_no_gradient_and_adamw_leaves_it(runs, world: int) -> None:
+    for res in runs:
+        unused = res["unused"]
+        for micro in (1, 2):
+            assert unused[f"none {micro}"] == unused[f"ref none {micro}"] == ["unused.weight", "unused.bias"]
+            diffs = unused[f"diff {micro}"]
+            # The unused layer exactly as it was (weight decay never touched it), the used one as torch's.
+            assert diffs["unused.weight"] == 0.0 and diffs["unused.bias"] == 0.0, (micro, diffs)
+            assert diffs["used.weight"] <= TOL and diffs["used.bias"] <= TOL, (micro, diffs)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_communication_prefetch_reduction_and_mixed_precision(runs, world: int) -> None:
+    for rank, res in enumerate(runs):
         mech = res["mechanics"]
-        # (5, 7) etc. split on dim 0 over 3 ranks like torch.chunk: 3/3/1 rows of the first weight.
-        rows = {0: [3, 3, 1], 1: [4, 4, 3], 2: [1, 1, 0]}  # 7 rows; 11 rows; 2 rows
-        assert mech["local_shapes"][0] == (rows[0][rank], 5)
-        assert mech["local_shapes"][2] == (rows[1][rank], 7)
-        assert mech["local_shapes"][4] == (rows[1][rank],)
-        assert mech["local_shapes"][6] == (rows[2][rank], 11)
+        # (5, 7) etc. split on dim 0 like torch.chunk: each rank's rows of 7, 11 and 2 rows.
+        assert mech["local_shapes"][0] == (_rows(7, world)[rank], 5)
+        assert mech["local_shapes"][2] == (_rows(11, world)[rank], 7)
+        assert mech["local_shapes"][4] == (_rows(11, world)[rank],)
+        assert mech["local_shapes"][6] == (_rows(2, world)[rank], 11)
         assert mech["param_types"] == ["Parameter"]
         units = len(mech["segments"])
         assert units == 3
@@ -452,19 +613,26 @@ def test_fully_shard_trains_like_one_process_on_the_whole_batch(tmp_path: Path) 
         assert mech["mixed_master_dtypes"] == mech["mixed_grad_dtypes"] == ["torch.float32"]
         assert mech["mixed_state_dtypes"] == ["torch.float32"]
         assert mech["mixed_reduce_bytes"] == mech["mixed_reduce_elems"] * 4
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_errors_are_identical_on_every_rank_and_leave_the_group_usable(runs, world: int) -> None:
+    for rank, res in enumerate(runs):
         errors = res["errors"]
+        others = [r for r in range(world) if r != rank]
         expected = {
             "twice": "ValueError: this Sequential is already fully sharded",
             "parent_first": "ValueError: parameter 'weight' is already fully sharded",
-            "not_dividing": "ValueError: the data-parallel groups [[0, 1], [2]] have different sizes [1, 2]",
-            "not_including": f"ValueError: ranks={[r for r in range(world) if r != rank]} does not include this",
-            "outside": "ValueError: ranks=[0, 1, 2, 3] names ranks [3] outside the world of 3",
+            "not_including": f"ValueError: ranks={others} does not include this",
+            "outside": f"ValueError: ranks={list(range(world + 1))} names ranks [{world}] outside the world of {world}",
             "dtype": "TypeError: param_dtype must be a floating-point torch.dtype",
             "tied": "ValueError: parameter '1.weight' is shared with another fully sharded Embedding",
             "meta": "ValueError: the fully sharded Linear: parameters ['weight', 'bias'] are still on the meta",
             "optimizer_before": ("RuntimeError: SGD.step(): this optimizer holds 10 parameter(s) that "
                                  "st.fully_shard replaced"),
         }
+        if world == 3:
+            expected["not_dividing"] = "ValueError: the data-parallel groups [[0, 1], [2]] have different sizes [1, 2]"
         for key, start in expected.items():
             assert errors[key].startswith(start), (rank, key, errors[key])
         assert errors["after"] == "True"

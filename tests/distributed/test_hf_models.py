@@ -12,6 +12,9 @@ itself (tiny configs, no downloads):
   dynamic cache and the static one, ``cache_implementation="static"``) gives the unsharded
   model's tokens; every decode step does 2 all-reduces per layer and no
   all-gather, and each rank's cache holds its own key/value head, tagged with the head split;
+  planned by ``st.tensor_parallel_spec`` (embedding and ``lm_head`` split on the vocabulary),
+  each step also does the embedding's all-reduce and one all-gather: the logits of the last
+  position, which the sampler needs whole;
 * a meta model initialized by the model's own ``_init_weights`` with ``seed`` holds the same
   values on 2 ranks as in a world of one;
 * ``loss_parallel`` with ``lm_head`` split on the vocabulary gives the unsharded loss and
@@ -28,7 +31,7 @@ pytest.importorskip("transformers")
 
 import checkpoint  # noqa: E402
 import sharded_tensor as st  # noqa: E402
-from sharded_tensor._model.zones import split_of  # noqa: E402
+from sharded_tensor._model.engine.placements import placement_of as split_of  # noqa: E402
 from sharding import composite, single_split  # noqa: E402
 from tests.distributed._grads import local_grad_mismatches  # noqa: E402
 from tests.distributed._launch import run_distributed  # noqa: E402
@@ -41,7 +44,7 @@ def _llama_config():  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig
     return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                       use_cache=False, attention_dropout=0.0)
+                       attention_dropout=0.0)
 
 
 def _mistral_config():  # type: ignore[no-untyped-def]
@@ -180,6 +183,11 @@ def _hf_models(rank: int, world: int) -> dict[str, object]:
     # A static cache: buffers allocated from the first (split) keys, written in place.
     out["generate_llama_static"] = _generate(model, ref, cache_implementation="static")
     out["generate_mistral_static"] = _generate(*mistral, cache_implementation="static")
+    # Planned in one call: the embedding and lm_head split on the vocabulary too.
+    planned = LlamaForCausalLM(_llama_config())
+    planned.load_state_dict(ref.state_dict())
+    st.shard_model(planned, st.tensor_parallel_spec(planned, [f"rank:{r}/cpu" for r in range(world)]), src_rank=0)
+    out["generate_llama_planned"] = _generate(planned, ref)
 
     # Meta init by the model's own _init_weights, layout-invariant with seed.
     with torch.device("meta"):
@@ -244,13 +252,18 @@ def test_llama_sharded_equals_unsharded(hf_runs):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "llama_static", "mistral_static"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "llama_static", "mistral_static", "llama_planned"])
 def test_generation_with_a_cache_matches_and_gathers_nothing(hf_runs, arch):
     for out in hf_runs:
         run = out[f"generate_{arch}"]
         assert run["tokens"] == run["want"]
         assert len(run["tokens"][0]) == 5 + NEW_TOKENS
         prefill, *decode = run["steps"]
+        if arch == "llama_planned":
+            # the embedding's all-reduce too, and the last position's logits gathered (the sampler reads them whole)
+            assert prefill == {"all_reduce": 2 * LAYERS + 1, "all_gather": 1}
+            assert decode == [{"all_reduce": 2 * LAYERS + 1, "all_gather": 1}] * (NEW_TOKENS - 1)
+            continue
         assert prefill == {"all_reduce": 2 * LAYERS}
         # every decode step: o_proj's and down_proj's all-reduce in each layer, no all-gather
         assert decode == [{"all_reduce": 2 * LAYERS}] * (NEW_TOKENS - 1)

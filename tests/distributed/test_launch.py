@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -79,9 +81,14 @@ def _return_rank(rank: int, world_size: int) -> int:
 
 
 def test_hung_rank_times_out_with_its_stack():
-    # The timeout includes start-up: warm the forkserver first (spawn re-imports torch each time).
+    # The timeout includes start-up: warm the forkserver first (spawn re-imports torch each time),
+    # and give the hung run a few times what that warm run took, so that on a busy machine (load
+    # average 25 on 2 cores, where start-up alone can take many seconds) rank 0 is surely stuck
+    # in the function, not still starting, when the deadline comes.
+    started = time.monotonic()
     assert run_distributed(_return_rank, 2) == [0, 1]
-    timeout = 5 if _launch._START_METHOD == "forkserver" else 30
+    warm = time.monotonic() - started
+    timeout = max(5 if _launch._START_METHOD == "forkserver" else 30, math.ceil(4 * warm))
     # Rank 1 normally finishes too; on a very slow machine start-up may keep it from doing so.
     with pytest.raises(DistributedTestError, match=r"ranks \[0(, 1)?\] of 2 did not finish") as info:
         run_distributed(_hang_on_rank_0, 2, timeout=timeout)

@@ -45,6 +45,7 @@ KEYWORD_TIMEOUT = 3.0  # timeout= of save and async_save: it wins over the envir
 # The bound checked is the timeout plus this much: a loaded machine can be slow to schedule a
 # survivor, but a survivor that waited for torch's own 30-minute timeout would be far beyond it.
 MARGIN = 15.0
+PREPARE_TIMEOUT = 300.0  # SHARDKIT_TIMEOUT while each case prepares its state
 
 
 class _Observed(Exception):  # noqa: N818 - a report, not an error
@@ -97,7 +98,7 @@ def _after_writing_data(phase: str) -> None:
 # during which rank 2 dies, and the operation name the errors must carry.
 
 def _case_save(rank: int, root: str) -> tuple[Callable[[], object], str]:
-    checkpoint.save(_state(rank, 1), f"{root}/ck", timeout=KEYWORD_TIMEOUT)
+    checkpoint.save(_state(rank, 1), f"{root}/ck")
     state = _state(rank, 2)
     if rank == VICTIM:
         _save._test_hook = _after_writing_data
@@ -105,7 +106,7 @@ def _case_save(rank: int, root: str) -> tuple[Callable[[], object], str]:
 
 
 def _case_async_save(rank: int, root: str) -> tuple[Callable[[], object], str]:
-    checkpoint.async_save(_state(rank, 1), f"{root}/ck", timeout=KEYWORD_TIMEOUT).result()
+    checkpoint.async_save(_state(rank, 1), f"{root}/ck").result()
     state = _state(rank, 2)
     if rank == VICTIM:
         _save._test_hook = _after_writing_data
@@ -114,7 +115,7 @@ def _case_async_save(rank: int, root: str) -> tuple[Callable[[], object], str]:
 
 
 def _case_load(rank: int, root: str) -> tuple[Callable[[], object], str]:
-    checkpoint.save(_state(rank, 1), f"{root}/ck", timeout=KEYWORD_TIMEOUT)
+    checkpoint.save(_state(rank, 1), f"{root}/ck")
     target = _empty()
     if rank == VICTIM:  # after reading its share, before reporting to the others
         _at_first_collective_of("checkpoint.load", _die)
@@ -187,14 +188,28 @@ def _case_shard_tensor_hang(rank: int, root: str) -> tuple[Callable[[], object],
 _CASES = {name.removeprefix("_case_"): fn for name, fn in dict(globals()).items() if name.startswith("_case_")}
 
 
+PUBLIC = ("checkpoint.CheckpointError", "sharded_tensor.CollectiveError")
+
+
+def _shown_as(exc: BaseException) -> str:
+    """The class a traceback names: a user must see a public one (never a private subclass or module)."""
+    return f"{type(exc).__module__}.{type(exc).__qualname__}"
+
+
 def _survive(rank: int, world: int, case: str, root: str) -> None:
+    # The preparation (collectives included) gets a generous timeout: on a busy machine (load
+    # average 25 on 2 cores) a rank can be descheduled for seconds. Then every rank starts the
+    # call together, the one during which rank 2 dies, with the short timeout under test.
+    os.environ[comm.TIMEOUT_ENV] = f"{PREPARE_TIMEOUT:g}"
     call, operation = _CASES[case](rank, root)
+    comm.barrier(timeout=PREPARE_TIMEOUT, what="the test's barrier before the call")
+    os.environ[comm.TIMEOUT_ENV] = f"{ENV_TIMEOUT:g}"
     start = time.monotonic()
     try:
         call()
     except (CollectiveError, CheckpointError) as exc:
         kind = CheckpointError if isinstance(exc, CheckpointError) else CollectiveError
-        seen = {"type": kind.__name__, "message": str(exc), "operation": operation}
+        seen = {"type": kind.__name__, "message": str(exc), "operation": operation, "class": _shown_as(exc)}
     else:
         seen = {"type": None, "message": "", "operation": operation}
     seen["elapsed"] = time.monotonic() - start
@@ -224,6 +239,7 @@ def _named(message: str) -> set[int]:
 
 def _check_raised(seen: dict[str, Any], timeout: float, cause: str) -> None:
     assert seen["type"] in ("CollectiveError", "CheckpointError"), seen
+    assert seen["class"] in PUBLIC, seen
     message = seen["message"]
     assert seen["operation"] in message, seen
     # Rank 2 always; a live rank only if it reached the step more than a second late (a
@@ -238,7 +254,7 @@ def _launch(case: str, root: str, monkeypatch: pytest.MonkeyPatch) -> dict[int, 
     monkeypatch.setenv(comm.TIMEOUT_ENV, f"{ENV_TIMEOUT:g}")
     with pytest.raises(DistributedTestError) as info:
         # The survivors must be given the time to fail on their own before being killed.
-        run_distributed(_survive, WORLD, case, root, timeout=90, grace=ENV_TIMEOUT + MARGIN)
+        run_distributed(_survive, WORLD, case, root, timeout=600, grace=ENV_TIMEOUT + MARGIN)
     return _observed(info)
 
 
@@ -331,7 +347,7 @@ def _loop_until_raised(rank: int, world: int, case: str, root: str, delay: float
             call()
     except (CollectiveError, CheckpointError) as exc:
         kind = CheckpointError if isinstance(exc, CheckpointError) else CollectiveError
-        seen = {"type": kind.__name__, "message": str(exc), "raised": time.time()}
+        seen = {"type": kind.__name__, "message": str(exc), "raised": time.time(), "class": _shown_as(exc)}
     seen.update(rank=rank, operation=operation)
     raise _Observed(json.dumps(seen))
 
@@ -342,10 +358,11 @@ def test_a_death_is_seen_in_seconds_with_the_default_timeout(case, delay, tmp_pa
     # death can end them. Rank 2 dies at some point of some call of a loop.
     monkeypatch.delenv(comm.TIMEOUT_ENV, raising=False)
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_loop_until_raised, WORLD, case, str(tmp_path), delay, timeout=240, grace=60)
+        run_distributed(_loop_until_raised, WORLD, case, str(tmp_path), delay, timeout=600, grace=60)
     killed = float((tmp_path / "killed").read_text())
     for rank, report in _observed(info).items():
         assert report["type"] in ("CollectiveError", "CheckpointError"), (rank, report)
+        assert report["class"] in PUBLIC, (rank, report)
         assert VICTIM in _named(report["message"]) or "rank 2" in report["message"], report
         assert CLOSED in report["message"], report
         assert f"timeout={comm.DEFAULT_TIMEOUT:g} s" in report["message"], report

@@ -1,7 +1,11 @@
-"""Committed checkpoints of older format versions (``tests/data/v<N>``, see ``make_fixtures.py``) load bit for bit."""
+"""Committed checkpoints of every format version (``tests/data/v<N>``, see ``make_fixtures.py``) load bit for bit,
+and each is checked by the rules of the newest version its writer could have been: a file whose fields show a
+later writer than its ``"version"`` says is refused (the version was lowered to shed that version's checks), and
+``verify --strict`` refuses the versions that carry no checksum of their own metadata."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,7 +15,7 @@ import torch
 
 import checkpoint
 import sharded_tensor as st
-from checkpoint._cli import verify
+from checkpoint._cli import main, verify
 from sharding import single_split
 from tests.data.make_fixtures import (
     ONE_RANK_VALUES,
@@ -21,7 +25,7 @@ from tests.data.make_fixtures import (
 )
 
 DATA = Path(__file__).parent.parent / "data"
-VERSIONS = ["v1", "v2", "v3"]
+VERSIONS = ["v1", "v2", "v3", "v4"]
 
 
 def _copy(name: str, tmp_path: Path, version: str) -> Path:
@@ -101,3 +105,70 @@ def test_consolidate_and_verify(tmp_path: Path, name: str, version: str) -> None
         assert torch.equal(_bits(out[key]), _bits(t)), key
     _, problems = verify(str(folder), quiet=True)
     assert problems == []
+
+
+def _edit(folder: Path, change) -> None:  # type: ignore[no-untyped-def]
+    path = folder / "shardkit.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _load_one_rank(folder: Path) -> dict[str, object]:
+    state: dict[str, object] = {name: torch.zeros_like(t) for name, t in one_rank_tensors().items()}
+    state.update({name: None for name in ONE_RANK_VALUES})
+    return checkpoint.load(state, folder)  # type: ignore[return-value]
+
+
+def _lowered(data: dict[str, object], *, keep_checksum: bool = True, epoch: int | None = None) -> None:
+    data["version"] = 3
+    if epoch is not None:
+        data["values"]["epoch"] = epoch  # type: ignore[index]
+    if not keep_checksum:
+        del data["checksum"]
+
+
+@pytest.mark.parametrize(("case", "change", "says"), [
+    pytest.param("v4", lambda d: _lowered(d), "only a version-4 writer writes", id="v4-as-v3-with-its-checksum"),
+    pytest.param("v4", lambda d: _lowered(d, epoch=99), "only a version-4 writer writes",
+                 id="v4-as-v3-edited-with-its-checksum"),
+    pytest.param("v4", lambda d: (_lowered(d), d.update(checksum="sha256:" + "0" * 64)),
+                 "only a version-4 writer writes", id="v4-as-v3-with-a-wrong-checksum"),
+    pytest.param("v3", lambda d: d.update(version=2), "only a version-3 writer writes", id="v3-as-v2"),
+    pytest.param("v3", lambda d: d.update(version=1), "only a version-3 writer writes", id="v3-as-v1"),
+    pytest.param("v2", lambda d: d.update(version=1), "only a version-2 writer writes", id="v2-as-v1"),
+    pytest.param("v3", lambda d: d.update(checksum="sha256:" + "0" * 64), "only a version-4 writer writes",
+                 id="v3-given-a-checksum"),
+])
+def test_a_file_is_checked_by_its_writers_version(tmp_path: Path, case: str, change, says: str,  # type: ignore[no-untyped-def]
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _copy("one_rank", tmp_path, case)
+    _edit(folder, change)
+    with pytest.raises(checkpoint.CheckpointError, match=says) as info:
+        _load_one_rank(folder)
+    assert "was edited or is corrupt" in str(info.value)
+    assert main(["verify", str(folder)]) == 1
+    assert says in capsys.readouterr().err
+
+
+def test_strict_verify_refuses_the_unchecksummed_versions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for version in VERSIONS:
+        folder = _copy("one_rank", tmp_path / version, version)
+        assert main(["verify", str(folder)]) == 0
+        capsys.readouterr()
+        assert main(["verify", "--strict", str(folder)]) == (0 if version == "v4" else 1), version
+        if version != "v4":
+            err = capsys.readouterr().err
+            assert f"format version {version[1:]} records no checksum of its metadata's own content" in err
+
+
+def test_a_v4_file_lowered_to_v3_without_its_checksum_loads_but_strict_verify_refuses(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the checksum nothing tells an edited version-3 file from a saved one: only --strict notices."""
+    folder = _copy("one_rank", tmp_path, "v4")
+    _edit(folder, lambda d: _lowered(d, keep_checksum=False, epoch=99))
+    assert _load_one_rank(folder)["epoch"] == 99
+    assert main(["verify", str(folder)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--strict", str(folder)]) == 1
+    assert "strict verification refuses it" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from sharded_tensor._model import zones as _zones
+from sharded_tensor._model.engine import placements as _zones
 from sharded_tensor._model.param_layout import classify, split_placement
 from sharding import (
     DevicePlacement,

@@ -63,14 +63,15 @@ def test_sharded_call_in_a_world_of_one_moves_nothing():
 def test_sharded_call_builds_an_output_tag_once_and_keeps_few():
     """``split_output`` builds a split's tag on first use; a forward that makes its split anew on
     every call (a fresh list) does not make the call hold every one of them."""
-    from sharded_tensor._model import zones
+    from sharded_tensor._model.engine.placements import placement_of
+    from sharded_tensor._model.engine.zone import zone
     call = ShardedCall(plan=None, group=None)
     split = ((0, 4),)
-    with zones._zone():
-        first = getattr(call.split_output(torch.randn(3, 4), split), zones._TAG)
-        again = getattr(call.split_output(torch.randn(3, 4), split), zones._TAG)
+    with zone():
+        first = placement_of(call.split_output(torch.randn(3, 4), split))
+        again = placement_of(call.split_output(torch.randn(3, 4), split))
         assert again is first and (first.dim, first.intervals) == (1, split)
         for _ in range(40):
-            tag = getattr(call.split_output(torch.randn(2, 3, 4), [[0, 4]]), zones._TAG)
+            tag = placement_of(call.split_output(torch.randn(2, 3, 4), [[0, 4]]))
             assert (tag.dim, tag.intervals) == (2, split)
     assert len(call._tags) <= 16

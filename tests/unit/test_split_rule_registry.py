@@ -10,8 +10,12 @@ import pytest
 import torch
 
 import sharded_tensor as st
-from sharded_tensor._model import zones as _zones
-from tests.unit.test_split_rules import _simulated
+from sharded_tensor._model.engine import placements as _placements
+from sharded_tensor._model.engine import rules as _rules
+from sharded_tensor._model.engine.split import elementwise
+from sharded_tensor._model.engine.zone import zone
+from sharding import layout
+from tests.unit._simulated_ranks import simulated as _simulated
 
 
 @torch.library.custom_op("shardkit_test::scaled_tanh", mutates_args=())
@@ -57,11 +61,11 @@ def _run(op, w_shape, world=2, shape=(2, 5, 3), dim=1):  # type: ignore[no-untyp
         start, length = intervals[rank]
         local = x.narrow(dim, start, length).clone().requires_grad_()
         weight = w.clone().requires_grad_()
-        tagged = _zones.tag(local.view_as(local), _zones.Split(dim, intervals))
-        with _zones._zone():
+        tagged = _placements.tag(local.view_as(local), _placements.Split(dim, intervals))
+        with zone():
             out = op(tagged, weight)
-        gathered = _zones.split_of(out) is None  # the fallback gathers x and returns a whole tensor
-        out = _zones.to_replicated(out)
+        gathered = _placements.placement_of(out) is None  # the fallback gathers x and returns a whole tensor
+        out = _placements.to_whole(out)
         (out * upstream).sum().backward()
         return out.detach(), local.grad, weight.grad, gathered
 
@@ -95,17 +99,21 @@ def test_bad_registrations_are_refused_with_the_offending_value() -> None:
         def plain(x):  # type: ignore[no-untyped-def]
             return x
         st.register_split_rule(plain, "elementwise")
-    with pytest.raises(TypeError, match=r"rule must be 'elementwise' or a callable decomposition, got 3 \(int\)"):
+    with pytest.raises(TypeError, match=r"rule must be one of \['elementwise', 'linear'\] or a callable "
+                                        r"decomposition, got 3 \(int\)"):
         st.register_split_rule(torch.special.erfcx, 3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"rule 'pointwise' names no split rule; use one of \['elementwise'\]"):
+    with pytest.raises(ValueError, match=r"rule 'pointwise' names no rule; use one of \['elementwise', 'linear'\]"):
         st.register_split_rule(torch.special.erfcx, "pointwise")
-    with pytest.raises(ValueError, match=r"op <built-in method tanh .*> already has a split rule \(_elementwise\); "
-                                         r"pass replace=True"):
+    with pytest.raises(ValueError, match=r"op <built-in method tanh .*> already has a rule for Split activations "
+                                         r"\(elementwise\); pass replace=True"):
         st.register_split_rule(torch.tanh, "elementwise")
     with pytest.raises(ValueError, match=r"is the op itself"):
         st.register_split_rule(torch.special.erfcx, torch.special.erfcx)
-    rules = _zones._tables()[0]
-    assert rules[torch.tanh] is _zones._elementwise  # refused registrations changed nothing
+    with pytest.raises(ValueError, match=r"rule 'linear' is for Partial activations, not Split"):
+        st.register_split_rule(torch.special.erfcx, "linear", placement=layout.Split)
+    with pytest.raises(ValueError, match=r"placement=<class 'int'> is not a placement kind"):
+        st.register_split_rule(torch.special.erfcx, "elementwise", placement=int)
+    assert _rules.rules_of(torch.tanh).by_kind[_placements.Split] is elementwise  # refusals changed nothing
 
 
 class _TanhTimes(st.DFunction):
@@ -135,12 +143,12 @@ def test_a_dfunction_runs_on_split_activations_through_its_split_rule() -> None:
     assert _run(_TanhTimesWhole.apply, (3,)) == [True, True]
     st.register_split_rule(_TanhTimesWhole, "elementwise")
     assert _run(_TanhTimesWhole.apply, (3,)) == [False, False]
-    with pytest.raises(ValueError, match=r"_TanhTimesWhole already has a split rule; pass replace=True"):
+    with pytest.raises(ValueError, match=r"_TanhTimesWhole already has a rule for Split activations"):
         st.register_split_rule(_TanhTimesWhole, "elementwise")
 
 
 def test_one_table_holds_op_rules_module_registrations_and_dfunction_rules() -> None:
-    from sharded_tensor._model import registry, rule_table
+    from sharded_tensor._model import registry
     from sharded_tensor._model.parallel import ShardedLinear
 
     class _Scale(torch.nn.Module):
@@ -151,12 +159,11 @@ def test_one_table_holds_op_rules_module_registrations_and_dfunction_rules() -> 
 
     handler = _ScaleHandler()
     st.register_split_rule(_Scale, handler)  # a module type: its registration, as register_sharded_module
-    _zones._tables()
-    table = rule_table.RULES
+    table = _rules.table()
     assert table[_Scale] is handler and registry.handler_for(_Scale()) == (handler, None)
     assert isinstance(table[torch.nn.Linear], ShardedLinear)
-    assert table[torch.tanh] is _zones._elementwise
-    assert table[rule_table.LayoutRuleName("elementwise")] is not None  # DFunction's layout rules
+    assert table[torch.tanh].by_kind[_placements.Split] is elementwise
+    assert table[_rules.LayoutRuleName("elementwise")] is not None  # DFunction's layout rules
     assert "_Scale" in registry.registered_types() and "tanh" not in registry.registered_types()
     with pytest.raises(ValueError, match=r"_Scale already has a sharded registration \(_ScaleHandler\)"):
         st.register_split_rule(_Scale, handler)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sharded_tensor._model.zones import _ties
+from sharded_tensor._model.engine.zone import ties as _ties
 
 
 class _Tied(torch.nn.Module):

@@ -11,20 +11,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sharded_tensor._model import zones as _zones
-from sharded_tensor._model.zones import Endpoint, Split, find_zones
+from sharded_tensor._model.engine import placements
+from sharded_tensor._model.engine.placements import Split, tag
+from sharded_tensor._model.engine.state import STATE
+from sharded_tensor._model.engine.zone import zone
+from sharded_tensor._model.zone_plan import Endpoint, check_head_boundaries, find_zones
 from sharding import layout
 
 TWO = ((0, 4), (4, 4))  # 8 elements over 2 ranks, 4 each
 
 
 def _run(fn, *tensors):  # type: ignore[no-untyped-def]
-    with _zones._zone():
+    with zone():
         return fn(*tensors)
 
 
 def _tagged(shape, dim, intervals=TWO):  # type: ignore[no-untyped-def]
-    return _zones.tag(torch.randn(shape), Split(dim, intervals))
+    return tag(torch.randn(shape), Split(dim, intervals))
+
+
+def split_of(x):  # type: ignore[no-untyped-def]
+    found = placements.placement_of(x)
+    return found if type(found) is Split else None
 
 
 @pytest.mark.parametrize(("fn", "shape", "dim", "expected"), [
@@ -68,30 +76,32 @@ def _tagged(shape, dim, intervals=TWO):  # type: ignore[no-untyped-def]
 ])
 def test_split_propagation(fn, shape, dim, expected):
     out = _run(fn, _tagged(shape, dim))
-    assert _zones.split_of(out) == expected
+    assert split_of(out) == expected
 
 
 def test_sdpa_keeps_heads_split_and_matches_per_head_attention():
     q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     split = Split(1, ((0, 2), (2, 2)))
-    local = [_zones.tag(t[:, :2].clone(), split) for t in (q, k, v)]
+    local = [tag(t[:, :2].clone(), split) for t in (q, k, v)]
     out = _run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), *local)
-    assert _zones.split_of(out) == split
+    assert split_of(out) == split
     torch.testing.assert_close(out, full[:, :2], rtol=0, atol=1e-6)
 
 
 def test_grouped_query_sdpa_accepts_kv_split_in_proportion():
-    q = _zones.tag(torch.randn(1, 2, 5, 4), Split(1, ((0, 2), (2, 2))))
-    kv = [_zones.tag(torch.randn(1, 1, 5, 4), Split(1, ((0, 1), (1, 1)))) for _ in range(2)]
+    q = tag(torch.randn(1, 2, 5, 4), Split(1, ((0, 2), (2, 2))))
+    kv = [tag(torch.randn(1, 1, 5, 4), Split(1, ((0, 1), (1, 1)))) for _ in range(2)]
     out = _run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, enable_gqa=True), q, *kv)
-    assert _zones.split_of(out) == Split(1, ((0, 2), (2, 2)))
+    assert split_of(out) == Split(1, ((0, 2), (2, 2)))
 
 
-def test_in_place_op_on_a_split_activation_is_refused():
+def test_an_op_writing_a_split_activation_as_its_out_tensor_is_refused():
+    """An in-place op on a split activation runs on the gathered tensor, which the activation then takes its slice
+    of (``test_split_rules``); an ``out=`` tensor is written by the op itself, at the whole tensor's shape."""
     x = _tagged((4, 3), 0)
-    with pytest.raises(RuntimeError, match=r"in-place op 'index_fill_' on an activation split"):
-        _run(lambda t: t.index_fill_(0, torch.tensor([0]), 0.0), x)
+    with pytest.raises(RuntimeError, match=r"op 'cumsum' writes into an activation split .* out= tensor"):
+        _run(lambda t: torch.cumsum(torch.ones(8, 3), 0, out=t), x)
 
 
 def test_a_key_value_cache_keeps_its_heads_split_and_its_length_reads_no_values(monkeypatch):
@@ -99,16 +109,17 @@ def test_a_key_value_cache_keeps_its_heads_split_and_its_length_reads_no_values(
     slices and ``get_seq_length`` (``keys.numel()``, ``keys.shape``) gathers nothing."""
     cache_utils = pytest.importorskip("transformers.cache_utils")
     gathered = []
-    real = _zones.to_replicated
-    monkeypatch.setattr(_zones, "to_replicated", lambda t: gathered.append(t.shape) or real(t))
+    real = Split.whole
+    monkeypatch.setattr(Split, "whole", lambda self, t: gathered.append(t.shape) or real(self, t))
+    monkeypatch.setattr(STATE, "cache", None)  # decisions made before hold the method as it was
     heads = Split(1, ((0, 1), (1, 1)))  # (batch, kv heads, seq, head_dim): one key/value head per rank
     layer = cache_utils.DynamicLayer()
     for seq in (5, 1):
-        k, v = (_zones.tag(torch.randn(2, 1, seq, 4), heads) for _ in range(2))
+        k, v = (tag(torch.randn(2, 1, seq, 4), heads) for _ in range(2))
         keys, values = _run(lambda a, b: layer.update(a, b), k, v)
         assert _run(lambda: layer.get_seq_length()) == keys.shape[2]
     assert keys.shape == (2, 1, 6, 4)
-    assert _zones.split_of(layer.keys) == _zones.split_of(layer.values) == heads
+    assert split_of(layer.keys) == split_of(layer.values) == heads
     assert torch.equal(layer.keys[:, :, 5:], k)
     assert gathered == []
 
@@ -116,7 +127,7 @@ def test_a_key_value_cache_keeps_its_heads_split_and_its_length_reads_no_values(
 def test_untagged_code_is_untouched():
     x = torch.randn(3, 4)
     out = _run(lambda t: (t @ t.T).softmax(-1), x)
-    assert _zones.split_of(out) is None
+    assert split_of(out) is None
 
 
 def _end(name: str, role: str, intervals: tuple[tuple[int, int], ...]) -> Endpoint:
@@ -149,10 +160,10 @@ def test_head_boundaries_are_checked_where_a_head_size_is_declared():
     attn.head_dim = 4  # type: ignore[assignment]
     attn.q = torch.nn.Linear(8, 12)
     ok = [_end("attn.q", "produces", ((0, 8), (8, 4)))]
-    _zones.check_head_boundaries("attn", attn, ok)
+    check_head_boundaries("attn", attn, ok)
     bad = [_end("attn.q", "produces", ((0, 6), (6, 6)))]
     with pytest.raises(ValueError, match=r"'attn.q' is split as \[\(0, 6\), \(6, 6\)\].*head size is 4"):
-        _zones.check_head_boundaries("attn", attn, bad)
+        check_head_boundaries("attn", attn, bad)
 
 
 def test_grouped_query_key_and_value_projections_must_split_on_heads():
@@ -166,10 +177,10 @@ def test_grouped_query_key_and_value_projections_must_split_on_heads():
     q = _end("attn.q_proj", "produces", ((0, 32), (32, 32)))
     o = _end("attn.o_proj", "consumes", ((0, 32), (32, 32)))
     whole_kv = ((0, 16), (16, 16))
-    _zones.check_head_boundaries("attn", attn, [q, _end("attn.k_proj", "produces", whole_kv),
+    check_head_boundaries("attn", attn, [q, _end("attn.k_proj", "produces", whole_kv),
                                                   _end("attn.v_proj", "produces", whole_kv), o])
     cut = ((0, 8), (8, 24))
     for name in ("k_proj", "v_proj"):
         ends = [q] + [_end(f"attn.{n}", "produces", cut if n == name else whole_kv) for n in ("k_proj", "v_proj")]
         with pytest.raises(ValueError, match=rf"'attn.{name}' is split as \[\(0, 8\), \(8, 24\)\].*head size is 16"):
-            _zones.check_head_boundaries("attn", attn, [*ends, o])
+            check_head_boundaries("attn", attn, [*ends, o])

@@ -1,13 +1,13 @@
 """A torch call's arguments by name, resolved through torch's own signatures.
 
-The propagation rules of ``zones`` need to know what an argument means (``x.std(1, True)`` is
+The engine's rules need to know what an argument means (``x.std(1, True)`` is
 ``dim=1, unbiased=True``; ``x.var(False)`` reduces every dimension), which position alone does
 not tell: many ops have overloads that give the same position a different meaning. So a
 call is bound the way torch binds it: against the op's ATen schemas, the first whose
 parameter types accept the arguments (a ``bool`` is not an ``int``), or against the Python
 signature of a function written in Python (``F.softmax``, ``Tensor.split``). Which overload
-fits depends only on the op and the kinds of its arguments, so that choice is made once and
-cached; binding a later call is a ``zip``.
+fits depends only on the op and the kinds of its arguments; rules bind only when the engine
+decides a call it has not seen, so nothing here is cached.
 
 Names are canonical across the spellings of an op: the first tensor is ``self`` whether torch
 calls it ``input`` or ``tensor``, and ``split_size_or_sections`` is ``split_size``.
@@ -59,22 +59,6 @@ def aten_name(func: Callable[..., Any]) -> str:
         return {"truediv": "div", "matmul": "matmul", "and": "bitwise_and", "or": "bitwise_or",
                 "invert": "bitwise_not", "xor": "bitwise_xor"}.get(name, name)
     return name
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return "T"
-    if isinstance(value, bool):
-        return "b"
-    if isinstance(value, (int, torch.SymInt)):
-        return "i"
-    if isinstance(value, float):
-        return "f"
-    if value is None:
-        return "N"
-    if isinstance(value, (list, tuple)):
-        return "L" + (_kind(value[0]) if value else "")
-    return type(value).__name__
 
 
 def _fits(value: Any, typ: Any) -> bool:
@@ -154,9 +138,6 @@ def _from_python(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str
                    renames=tuple((k, _ALIASES[k]) for k in kwargs if k in _ALIASES))
 
 
-_CACHE: dict[tuple[Any, ...], _Binder | None] = {}
-
-
 def _resolve(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> _Binder | None:
     if inspect.isfunction(func):
         return _from_python(func, args, kwargs)
@@ -175,11 +156,5 @@ def _resolve(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, An
 
 def bind(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """The call's arguments by canonical name, defaults included; ``None`` when no signature fits."""
-    key = (func, tuple(_kind(a) for a in args), tuple(kwargs))
-    try:
-        binder = _CACHE[key]
-    except KeyError:
-        binder = _CACHE[key] = _resolve(func, args, kwargs)
-    except TypeError:  # an unhashable op
-        binder = _resolve(func, args, kwargs)
+    binder = _resolve(func, args, kwargs)
     return None if binder is None else binder(args, kwargs)
