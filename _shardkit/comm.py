@@ -42,6 +42,7 @@ _standalone.install()  # init_process_group() without a launcher: a world of one
 __all__ = ["CommCounter", "rank_and_world", "default_device", "exchange", "start_exchange", "all_gather_json",
            "broadcast_json", "all_gather_tensor", "CollectiveError",
            "broadcast_int", "all_reduce", "all_reduced", "all_reduce_values", "barrier", "ProcessGroup", "agree",
+           "new_group",
            "DEFAULT_TIMEOUT",
            "TIMEOUT_ENV", "LIVENESS_ENV", "resolve_timeout", "operation", "operation_name", "collective"]
 
@@ -940,6 +941,22 @@ def barrier(group: ProcessGroup = None, *, timeout: float | None = None, what: s
     """Wait for every rank of the group. Collective; bounded like ``all_gather_json``."""
     if _initialized():
         _run(what, group, timeout, lambda: dist.barrier(group=group, async_op=True))
+
+
+def new_group(group: ProcessGroup = None, *, timeout: float | None = None) -> ProcessGroup:
+    """A new Gloo group over the ranks of ``group``, for collectives on another thread. Collective.
+
+    Every rank of the default group calls it (creating a group is itself collective, even for
+    ranks outside it), in the same order. Gloo and NCCL match collectives by issue order per
+    group, so a background thread must not share the training thread's group: it gets its
+    own. Its waits default to ``timeout`` (see ``resolve_timeout``). The group is destroyed at
+    exit (``teardown.created``). Without a process group (a world of one) it returns ``None``.
+    """
+    if not _initialized():
+        return None
+    seconds = max(resolve_timeout(timeout), 1.0)
+    return teardown.created(dist.new_group(_members(group), backend="gloo",
+                                           timeout=datetime.timedelta(seconds=seconds)))
 
 
 def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup = None, *, timeout: float | None = None,

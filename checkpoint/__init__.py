@@ -6,11 +6,12 @@ from ._consolidate import consolidate
 from ._convert import convert
 from ._load import load
 from ._manager import CheckpointManager
+from ._memory_tier import LoadReport
 from ._save import save
 from ._schema import CheckpointError, CheckpointMetadata
 from ._storage import read_metadata
 
-__all__ = ["save", "async_save", "AsyncSaveHandle", "CheckpointManager", "load", "collect_state_dict",
+__all__ = ["save", "async_save", "AsyncSaveHandle", "CheckpointManager", "LoadReport", "load", "collect_state_dict",
            "consolidate", "convert", "read_metadata", "CheckpointMetadata", "CheckpointError"]
 
 # Tracebacks and reprs name the class where users import it, not the private module defining it.

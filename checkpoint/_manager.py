@@ -15,6 +15,10 @@ saves), never before: a failed save therefore never costs an older checkpoint. I
 deletes the latest committed step, the step being written, or a step this process is
 loading. A step is deleted under its save lease, metadata first, so a deletion cut short
 leaves no half-listed step, only a folder that the next manager removes.
+
+The memory tier (``memory_every=``; ``_memory_tier``) keeps steps in shared memory besides,
+and ``load`` then reads the newest step complete in either; ``storage_every=`` thins what goes
+to the root. Without those arguments nothing here changes.
 """
 
 from __future__ import annotations
@@ -23,20 +27,27 @@ import json
 import os
 import posixpath
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import torch
+
 from _shardkit import comm as _comm
+from sharded_tensor import ShardedTensor
 
 from . import _strict_json as strict_json
 from ._async import AsyncSaveHandle, _checkpoint_group, async_save
 from ._lease import claim_abandoned, lease_seconds
 from ._load import load as _load
+from ._memory_tier import LoadReport, MemoryTier
+from ._save import _Plan, run_plan
 from ._save import save as _save
 from ._schema import METADATA_FILE, CheckpointError
 from ._steps import check_step, listed_steps, step_name, step_of
 from ._storage import is_local, list_names, resolve
+from ._walk import flatten_state_dict
 
 __all__ = ["CheckpointManager"]
 
@@ -70,6 +81,17 @@ class CheckpointManager:
         storage_options: passed to fsspec.
         timeout: seconds a rank waits for the others in a save, a load or a step choice;
             ``None``: ``$SHARDKIT_TIMEOUT``, else 600 s.
+        storage_every: write to ``root`` only the steps divisible by this (``save`` returns at once
+            for the others, unless the memory tier takes them); ``None``: every step saved.
+        memory_every: keep every step divisible by this in memory too (the memory tier; see
+            docs/recovery.md); ``None`` (default): no memory tier.
+        memory_replicas: copies of each rank's part of a memory step kept by ranks on other
+            hosts (``0``: none; at most one per other host).
+        keep_last_memory: memory steps each rank keeps (one more may be being staged).
+        memory_dir: the folder holding the memory tier's files; ``None``: ``$SHARDKIT_MEMORY_DIR``,
+            else ``/dev/shm`` (shared memory, which outlives the process). The memory tier's first
+            save or load is collective and creates a Gloo group over the ranks of
+            ``process_group`` (every rank of the default group takes part, as for ``async_save``).
 
     Example:
         >>> manager = checkpoint.CheckpointManager("ckpts", keep_last=2)  # doctest: +SKIP
@@ -85,8 +107,19 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
                  keep_every: int | None = None, keep_best: int | None = None,
                  best_mode: Literal["min", "max"] = "min", process_group: _comm.ProcessGroup = None,
-                 storage_options: Mapping[str, Any] | None = None, timeout: float | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, timeout: float | None = None,
+                 storage_every: int | None = None, memory_every: int | None = None, memory_replicas: int = 1,
+                 keep_last_memory: int = 1, memory_dir: str | os.PathLike[str] | None = None) -> None:
         self.keep_last = _positive("keep_last", keep_last)
+        for name, value, low, none in (("storage_every", storage_every, 1, "every step saved"),
+                                       ("memory_every", memory_every, 1, "no memory tier"),
+                                       ("memory_replicas", memory_replicas, 0, None),
+                                       ("keep_last_memory", keep_last_memory, 1, None)):
+            if (value is not None or none is None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                        or value < low):
+                msg = f"{name}={value!r} must be an int >= {low}{f' or None ({none})' if none else ''}."
+                raise ValueError(msg)
+        self.storage_every = storage_every
         self.keep_every = _positive("keep_every", keep_every)
         self.keep_best = _positive("keep_best", keep_best)
         if best_mode not in ("min", "max"):
@@ -97,6 +130,11 @@ class CheckpointManager:
         self._options = storage_options
         self._timeout = None if timeout is None else _comm.resolve_timeout(timeout)  # refused here, as save does
         self._fs, self._root = resolve(root, storage_options)
+        self._memory = None if memory_every is None else MemoryTier(
+            self._fs.unstrip_protocol(self._root), every=memory_every, replicas=memory_replicas,
+            keep_last=keep_last_memory, memory_dir=memory_dir, group=process_group, timeout=self._timeout)
+        self.last_load: LoadReport | None = None
+        """Where the last ``load`` on this rank read its step (tier, bytes, time); ``None`` before one."""
         self._handle: AsyncSaveHandle | None = None
         self._writing: int | None = None
         self._reading: set[int] = set()
@@ -206,6 +244,10 @@ class CheckpointManager:
              metric: float | None = None, overwrite: bool = False) -> AsyncSaveHandle | None:
         """Save ``state_dict`` as step ``step``; then apply retention. Collective.
 
+        With ``storage_every``, a step it does not divide is not written to the root. With the
+        memory tier, a step ``memory_every`` divides is copied into shared memory, then
+        replicated and (when due) written to the root from that copy in the background.
+
         Args:
             step: the training step, a non-negative int.
             state_dict: as for ``checkpoint.save``.
@@ -235,9 +277,14 @@ class CheckpointManager:
             msg = f"metric={metric!r} must be a number (not NaN) or None."
             raise ValueError(msg)
         rank, world = _comm.rank_and_world(self._group)
+        to_storage = self.storage_every is None or step % self.storage_every == 0
+        to_memory = self._memory is not None and step % self._memory.every == 0
+        if not (to_storage or to_memory):
+            return None
         self.wait()
-        self._refuse_committed(step, rank, world, overwrite)
-        self._writing = step
+        if to_storage:  # a step kept in memory only replaces nothing in storage
+            self._refuse_committed(step, rank, world, overwrite)
+        self._writing = step if to_storage else None
 
         def after(group: _comm.ProcessGroup) -> None:
             # Rank 0 applies retention, then tells the others, so that once save (or wait)
@@ -261,6 +308,16 @@ class CheckpointManager:
                 warnings.warn(f"step {step} was committed under {self._root!r}, but deleting older steps "
                               f"failed on rank 0: {problem}; they are kept.", RuntimeWarning, stacklevel=2)
 
+        if to_memory:
+            assert self._memory is not None
+            try:
+                handle = self._memory.save(step, state_dict, persist=self._persist(step, after) if to_storage else None)
+            except BaseException:
+                self._writing = None
+                raise
+            if not async_:
+                self.wait()
+            return handle if async_ else None
         if async_:
             self._handle = async_save(state_dict, self._url(step), process_group=self._group,
                                       storage_options=self._options, timeout=self._timeout,
@@ -274,6 +331,14 @@ class CheckpointManager:
             raise
         after(self._group)
         return None
+
+    def _persist(self, step: int, after: Callable[[_comm.ProcessGroup], None]
+                 ) -> Callable[[_Plan, _comm.ProcessGroup], None]:
+        """The memory tier's write of ``step`` to storage, from its staged copy, then retention (background)."""
+        def persist(plan: _Plan, group: _comm.ProcessGroup) -> None:
+            run_plan(plan, None, self._fs, self._path(step), process_group=group, timeout=self._timeout, quiet=True)
+            after(group)
+        return persist
 
     def _refuse_committed(self, step: int, rank: int, world: int, overwrite: bool) -> None:
         """Raise ``CheckpointError`` on every rank if ``step`` is committed and ``overwrite`` is not set."""
@@ -294,16 +359,58 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for an async save in flight to commit; raise its error if it failed."""
         handle, self._handle = self._handle, None
-        if handle is not None:
-            try:
+        try:
+            if self._memory is not None:
+                self._memory.wait()
+            if handle is not None:
                 handle.result()
-            finally:
+        finally:
+            if handle is not None or self._memory is not None:
                 self._writing = None
+
+    def recoverable_step(self) -> int | None:
+        """The step ``load()`` would read: the newest complete in memory or committed in storage, else ``None``.
+
+        Collective when the memory tier is on (every rank tells what its host holds), like
+        ``load``; without it, ``latest_step()``.
+
+        Example:
+            >>> start = 0  # doctest: +SKIP
+            >>> if manager.recoverable_step() is not None:  # doctest: +SKIP
+            ...     start = manager.load(state)["step"]
+        """
+        if self._memory is None:
+            return self.latest_step()
+        self.wait()
+        choice, _ = self._memory.choose(None, self.steps)
+        return choice.step if choice.tier != "none" else None
+
+    def close(self) -> None:
+        """Wait for the save in flight, then remove the memory tier's files: the clean finish. Collective.
+
+        Without the memory tier it only waits. After an error, do not call it: the memory
+        tier's files are what a restarted job resumes from (``with CheckpointManager(...)``
+        calls it on a clean exit only).
+        """
+        self.wait()
+        if self._memory is not None:
+            self._memory.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            self.close()
 
     def load(self, state_dict: Mapping[str, Any], step: int | None = None, *, strict: bool = True) -> Mapping[str, Any]:
         """Fill ``state_dict`` from step ``step`` (the latest committed one when ``None``). Collective.
 
-        Rank 0 picks the step and tells the others, so every rank reads the same one.
+        Rank 0 picks the step and tells the others, so every rank reads the same one. With the
+        memory tier, the ranks agree on the newest step complete in memory or committed in
+        storage (memory on a tie), and each rank reads its bytes from the cheapest place: its
+        host's memory, another rank's memory (over the process group), storage.
+        ``last_load`` says where.
 
         Raises:
             CheckpointError: there is no committed step, or ``step`` is not one of them.
@@ -312,6 +419,11 @@ class CheckpointManager:
             >>> manager.load(state)  # doctest: +SKIP
         """
         self.wait()
+        if self._memory is not None:
+            self.last_load = self._memory.load(state_dict, step, strict=strict, storage_steps=self.steps,
+                                               load_storage=lambda sd, s: self._load_step(sd, s, strict))
+            return state_dict
+        started = time.perf_counter()
         rank, world = _comm.rank_and_world(self._group)
         choice: dict[str, Any] = {"step": step, "error": None}
         if rank == 0:
@@ -328,11 +440,30 @@ class CheckpointManager:
         if choice["error"] is not None:
             raise CheckpointError(choice["error"])
         chosen = int(choice["step"])
+        nbytes = self._load_step(state_dict, chosen, strict)
+        self.last_load = LoadReport(chosen, "storage", 0, 0, nbytes, time.perf_counter() - started)
+        return state_dict
+
+    def _load_step(self, state_dict: Mapping[str, Any], step: int, strict: bool) -> int:
+        """Load committed step ``step`` from storage; the bytes of tensors filled on this rank."""
         with self._lock:
-            self._reading.add(chosen)
+            self._reading.add(step)
         try:
-            return _load(state_dict, self._url(chosen), process_group=self._group,
-                         storage_options=self._options, strict=strict, timeout=self._timeout)
+            _load(state_dict, self._url(step), process_group=self._group,
+                  storage_options=self._options, strict=strict, timeout=self._timeout)
         finally:
             with self._lock:
-                self._reading.discard(chosen)
+                self._reading.discard(step)
+        return _local_bytes(state_dict)
+
+
+def _local_bytes(state_dict: Mapping[str, Any]) -> int:
+    """Bytes of the tensors of ``state_dict`` held by this rank (its local shards)."""
+    total = 0
+    for _, _, _, value in flatten_state_dict(state_dict):
+        if isinstance(value, ShardedTensor):
+            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+    return total

@@ -88,7 +88,7 @@ from ._storage import (
 )
 from ._walk import check_json_value, flatten_state_dict
 
-__all__ = ["save", "run_plan", "DEFAULT_TIMEOUT"]
+__all__ = ["save", "run_plan", "region_keys", "data_file_about", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = _comm.DEFAULT_TIMEOUT
 """Seconds a rank waits for the others in each phase before giving up, unless ``timeout=`` or
@@ -275,6 +275,32 @@ class _LocalFile:
         os.close(self._fd)
 
 
+def region_keys(regions: list[_Region], plan: _Plan) -> list[str]:
+    """Each region's key in its data file: ``region_key``'s, with ``#1``, ``#2``, ... where that is taken."""
+    keys = []
+    used = {"__metadata__"}  # safetensors' reserved key
+    for region in regions:
+        key = default = region_key(region.name, region.box[0], region.box[1], plan.tensors[region.name][0])
+        # A tensor may be named like another tensor's region key ("w@3,0" beside a split "w"):
+        # keys only need to be unique in the file, since readers take them from shardkit.json.
+        suffix = 0
+        while key in used:
+            suffix += 1
+            key = f"{default}#{suffix}"
+        used.add(key)
+        keys.append(key)
+    return keys
+
+
+def data_file_about(regions: list[_Region], keys: list[str], plan: _Plan, generation: str,
+                    rank: int) -> dict[str, str]:
+    """A data file's safetensors ``__metadata__``: which tensor and block each key is."""
+    about = {"version": FORMAT_VERSION, "generation": generation, "rank": rank,
+             "regions": {k: {"name": r.name, "offsets": list(r.box[0]), "size": list(plan.tensors[r.name][0])}
+                         for k, r in zip(keys, regions)}}
+    return {"format": "pt", "shardkit": json.dumps(about)}
+
+
 def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Region],
                      plan: _Plan, generation: str, rank: int, bar: Any, feed: Any = None,
                      watchdog: Watchdog | None = None) -> tuple[int, dict[str, Any]]:
@@ -284,24 +310,9 @@ def _write_data_file(fs: fsspec.AbstractFileSystem, path: str, regions: list[_Re
     ``"crc32c"``, the checksums of all their chunks, region after region; ``"keys"``, the
     names in the file that are not ``region_key``'s (position -> name).
     """
-    entries, keys = [], []
-    used = {"__metadata__"}  # safetensors' reserved key
-    for region in regions:
-        size, dtype = plan.tensors[region.name]
-        key = default = region_key(region.name, region.box[0], region.box[1], size)
-        # A tensor may be named like another tensor's region key ("w@3,0" beside a split "w"):
-        # keys only need to be unique in the file, since readers take them from shardkit.json.
-        suffix = 0
-        while key in used:
-            suffix += 1
-            key = f"{default}#{suffix}"
-        used.add(key)
-        keys.append(key)
-        entries.append((key, dtype, region.box[1]))
-    about = {"version": FORMAT_VERSION, "generation": generation, "rank": rank,
-             "regions": {k: {"name": r.name, "offsets": list(r.box[0]), "size": list(plan.tensors[r.name][0])}
-                         for k, r in zip(keys, regions)}}
-    prefix, ranges = build_safetensors_header(entries, {"format": "pt", "shardkit": json.dumps(about)})
+    keys = region_keys(regions, plan)
+    entries = [(key, plan.tensors[r.name][1], r.box[1]) for key, r in zip(keys, regions)]
+    prefix, ranges = build_safetensors_header(entries, data_file_about(regions, keys, plan, generation, rank))
     digests = [ChunkedChecksum(CHUNK_BYTES) for _ in regions]
     handle = _LocalFile(path) if is_local(fs) else fs.open(path, "wb")
     with _closing(handle):
@@ -516,6 +527,11 @@ def run_plan(plan: _Plan, problem: Exception | None, fs: fsspec.AbstractFileSyst
             # Not clean: data files of this save may remain (a rank died); the lease says so,
             # and the next save to commit here removes them.
             job.lease.release(finished=job.clean)
+            if job.created and job.clean and is_local(job.fs):
+                # This save made the folder and left nothing in it (it failed before writing):
+                # the folder goes too, rather than wait for a manager's grace period.
+                with contextlib.suppress(OSError):
+                    os.rmdir(job.root)
 
 
 def _all_reported(exc: BaseException) -> bool:
@@ -552,6 +568,7 @@ class _Job:
     op: str = "checkpoint.save"
     lease: SaveLease | None = None  # rank 0: the right to write and commit into the folder
     clean: bool = True  # rank 0: no file of this save is left behind (nothing written, committed, or removed)
+    created: bool = False  # rank 0: this save created the folder
 
     def storage(self, doing: str, fn: Callable[[Watchdog], Any], *, limit: float | None = None) -> Any:
         """``fn`` bounded by ``timeout`` without progress; storage errors become ``CheckpointError`` naming ``doing``."""
@@ -587,6 +604,7 @@ def _prepare_phase(job: _Job, problem: Exception | None) -> None:
         _hook("planned")
         if job.rank != 0:
             return ""
+        job.created = is_local(job.fs) and not os.path.lexists(job.root)
         generation = job.storage("creating the folder", lambda watchdog: _new_generation(job.fs, job.root))
         # The save lease: another save to this folder in progress makes this one fail here.
         job.lease = job.storage("taking the save lease", lambda watchdog: SaveLease.acquire(

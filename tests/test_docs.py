@@ -10,7 +10,10 @@
   that many Gloo ranks (``tests/distributed/_launch.py``), each rank executing it as
   ``__main__`` with torchrun's environment variables set. The launcher has already joined
   every rank to the process group, so the script's own ``init_process_group("gloo")`` and
-  ``destroy_process_group()`` calls are accepted as they are.
+  ``destroy_process_group()`` calls are accepted as they are. With ``--max-restarts N`` in
+  that line, a run in which a rank fails is started again, every rank anew, up to ``N`` times,
+  as torchrun does (``TORCHELASTIC_RESTART_COUNT`` counts the restarts); the output compared is
+  the last run's.
 - Every ``text`` block after a ``python`` block, up to the next ``python`` block or heading, is
   that block's expected output: what it prints must match them (joined in order) line by
   line, trailing spaces aside; ``...`` matches any text. A multi-rank script is run on
@@ -39,7 +42,7 @@ from typing import Any
 
 import pytest
 
-from tests.distributed._launch import run_distributed
+from tests.distributed._launch import DistributedTestError, run_distributed
 
 pytestmark = pytest.mark.docs
 
@@ -49,6 +52,7 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n]*)$")
 _PYTHON = ("python", "py")
 _LAUNCH = re.compile(r"^#.*torchrun\b.*--nproc[-_]per[-_]node[ =](?P<n>\d+)")
+_RESTARTS = re.compile(r"--max[-_]restarts[ =](?P<n>\d+)")
 _RANK_TITLE = re.compile(r'\btitle="rank (?P<rank>\d+)"')
 _HEADING = re.compile(r"^#{1,6} ")
 
@@ -69,6 +73,13 @@ class Block:
         first = self.code.lstrip("\n").split("\n", 1)[0]
         match = _LAUNCH.match(first)
         return int(match["n"]) if match else None
+
+    @property
+    def restarts(self) -> int:
+        """``--max-restarts`` of a multi-rank script's launch line (0 without it)."""
+        first = self.code.lstrip("\n").split("\n", 1)[0]
+        match = _RESTARTS.search(first) if _LAUNCH.match(first) else None
+        return int(match["n"]) if match else 0
 
     @property
     def name(self) -> str:
@@ -282,7 +293,14 @@ def test_examples(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
                 exec(compile(source, str(block.path), "exec"), namespace)  # noqa: S102 - the docs are ours
             _check_outputs(block, [printed.getvalue()])
         else:
-            outputs = run_distributed(_run_script, block.ranks, source, str(block.path), str(tmp_path), timeout=60)
+            for restart in range(block.restarts + 1):
+                try:
+                    outputs = run_distributed(_run_script, block.ranks, source, str(block.path), str(tmp_path),
+                                              restart, timeout=60)
+                    break
+                except DistributedTestError:
+                    if restart == block.restarts:
+                        raise
             _check_outputs(block, outputs)
 
 
@@ -317,13 +335,13 @@ def _check_outputs(block: Block, printed: list[str]) -> None:
         raise AssertionError(f"{block.name}: {who} printed\n{got}\nbut {shown}")
 
 
-def _run_script(rank: int, world_size: int, source: str, filename: str, workdir: str) -> str:
+def _run_script(rank: int, world_size: int, source: str, filename: str, workdir: str, restart: int = 0) -> str:
     """Execute one documented script on this rank as torchrun would start it; return what it printed."""
     import torch.distributed as dist
 
     os.chdir(workdir)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", TORCHELASTIC_RESTART_COUNT=str(restart))
     sys.argv = [Path(filename).name]
 
     def init_process_group(backend: str | None = None, *args: object, **kwargs: object) -> None:

@@ -1,4 +1,4 @@
-"""Two hosts, simulated with network namespaces: ``scripts/multihost.sh``.
+"""Two hosts, simulated with network namespaces: ``scripts/multihost.sh`` (and its memory tier case).
 
 Each "host" is a network namespace with its own address on a veth pair and its own
 ``torchrun`` agent; the ranks reach each other only over that link (c10d rendezvous, Gloo
@@ -110,14 +110,25 @@ def test_train_save_resume_across_two_hosts(netns: None, tmp_path: Path) -> None
         assert torch.equal(final[name], tensor), name  # type: ignore[arg-type]
 
 
-def test_killed_host_makes_the_other_fail_with_an_error(netns: None, tmp_path: Path) -> None:
-    result = _run(tmp_path, "--kill-host1", "--fail-timeout", "120")
+def test_lost_host_fails_the_other_then_the_restart_resumes_from_its_memory(netns: None, tmp_path: Path) -> None:
+    # Each host has its own memory folder; host 1 is killed (SIGKILL, every process of its
+    # namespace) with it. Host 0's job must fail with an error, within the timeout; the restarted
+    # job must then read host 1's parts from host 0's replicas over the veth, nothing from
+    # storage, bit for bit (the script checks the digests of every rank's state), and leave both
+    # memory folders empty. (``--kill-host1`` runs the same failure on the demo's job, by hand.)
+    result = _run(tmp_path, "--lose-host1", "--fail-timeout", "120")
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
-    match = re.search(r"host 0 failed after ([0-9.]+) s with exit code (\d+)", result.stdout)
-    assert match is not None, log
+    failed = re.search(r"host 0 failed after ([0-9.]+) s with exit code (\d+)", result.stdout)
+    assert failed is not None, log
     # A safety bound (the script stops waiting at --fail-timeout), not a performance claim.
-    assert float(match[1]) < 120, log
-    assert int(match[2]) != 0
-    survivor = (tmp_path / "logs" / "train-host0.log").read_text()
+    assert float(failed[1]) < 120 and int(failed[2]) != 0, log
+    survivor = (tmp_path / "logs" / "lose-train-host0.log").read_text()
     assert re.search(r"Connection (reset|closed) by peer|CollectiveError", survivor), survivor
+    match = re.search(r"memory check: ok: every rank resumed step (\d+) from memory, bit for bit", result.stdout)
+    assert match is not None, log
+    lost = re.search(r"host 1's processes killed \(SIGKILL\) after step (\d+)", result.stdout)
+    assert lost is not None and int(lost[1]) - int(match[1]) <= 1, log  # at most the step in flight is lost
+    assert len(re.findall(r"from memory: 0 bytes from this host's memory, [1-9]\d* from other hosts', 0 from storage",
+                          result.stdout)) == 2, log
+    assert "multihost: ok: host 1 lost" in result.stdout, log
