@@ -45,7 +45,7 @@ import secrets
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -334,6 +334,20 @@ def _lives(job: str) -> list[str]:
         return []
 
 
+def _step_folders(job: str, lives: Iterable[str]) -> Iterator[tuple[int, str]]:
+    """``(step, folder)`` of every step folder in the folders of ``lives`` (a life folder gone meanwhile: none)."""
+    for life in lives:
+        folder = os.path.join(job, life)
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            match = _STEP.match(name)
+            if match is not None:
+                yield int(match["step"]), os.path.join(folder, name)
+
+
 def scan(job: str, *, skip: Container[str] = ()) -> list[Held]:
     """Every committed step the folders of ``job`` hold (those named in ``skip`` left out), one entry per step.
 
@@ -343,45 +357,33 @@ def scan(job: str, *, skip: Container[str] = ()) -> list[Held]:
     """
     found: dict[tuple[int, str], Held] = {}
     conflicted: set[tuple[int, str]] = set()
-    for life in _lives(job):
-        if life in skip:
-            continue
-        folder = os.path.join(job, life)
+    for step, step_folder in _step_folders(job, (life for life in _lives(job) if life not in skip)):
+        source = os.path.join(step_folder, METADATA_FILE)
         try:
-            names = os.listdir(folder)
-        except (FileNotFoundError, NotADirectoryError):
+            with open(source, "rb") as f:
+                text = f.read()
+            metadata = parse_metadata(text, source=source)
+        except (OSError, CheckpointError, ValueError):
             continue
-        for name in names:
-            match = _STEP.match(name)
-            if match is None:
-                continue
-            step_folder = os.path.join(folder, name)
-            source = os.path.join(step_folder, METADATA_FILE)
+        key = (step, metadata.generation)
+        digest = hashlib.sha256(text).hexdigest()
+        parts = part_ranks(list(metadata.files))
+        have = {}
+        for part, file in parts.items():
+            path = os.path.join(step_folder, file)
             try:
-                with open(source, "rb") as f:
-                    text = f.read()
-                metadata = parse_metadata(text, source=source)
-            except (OSError, CheckpointError, ValueError):
+                info = os.lstat(path)
+            except FileNotFoundError:
                 continue
-            key = (int(match["step"]), metadata.generation)
-            digest = hashlib.sha256(text).hexdigest()
-            parts = part_ranks(list(metadata.files))
-            have = {}
-            for part, file in parts.items():
-                path = os.path.join(step_folder, file)
-                try:
-                    info = os.lstat(path)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISREG(info.st_mode) and info.st_size == metadata.files[file]:
-                    have[part] = path
-            previous = found.get(key)
-            if previous is None:
-                found[key] = Held(key[0], key[1], digest, tuple(sorted(parts)), have, source)
-            elif previous.digest != digest:
-                conflicted.add(key)
-            else:
-                previous.have.update({p: path for p, path in have.items() if p not in previous.have})
+            if stat.S_ISREG(info.st_mode) and info.st_size == metadata.files[file]:
+                have[part] = path
+        previous = found.get(key)
+        if previous is None:
+            found[key] = Held(key[0], key[1], digest, tuple(sorted(parts)), have, source)
+        elif previous.digest != digest:
+            conflicted.add(key)
+        else:
+            previous.have.update({p: path for p, path in have.items() if p not in previous.have})
     return [held for key, held in sorted(found.items()) if key not in conflicted]
 
 
@@ -429,28 +431,16 @@ def reclaim_lives(job: str, *, keep: Container[str] = ()) -> list[str]:
 
 def remove_steps(job: str, doomed: Callable[[int, str], bool]) -> None:
     """Delete the steps ``doomed(step, generation)`` names from the folders of lives whose process is gone."""
-    for life in _lives(job):
-        if _alive(job, life):
-            continue
-        folder = os.path.join(job, life)
+    for step, step_folder in _step_folders(job, (life for life in _lives(job) if not _alive(job, life))):
         try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            continue
-        for name in names:
-            match = _STEP.match(name)
-            if match is None:
-                continue
-            step_folder = os.path.join(folder, name)
-            try:
-                with open(os.path.join(step_folder, METADATA_FILE), "rb") as f:
-                    generation = str(json.loads(f.read()).get("generation", ""))
-            except (OSError, ValueError, AttributeError):
-                generation = ""
-            if doomed(int(match["step"]), generation):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(step_folder, METADATA_FILE))
-                shutil.rmtree(step_folder, ignore_errors=True)
+            with open(os.path.join(step_folder, METADATA_FILE), "rb") as f:
+                generation = str(json.loads(f.read()).get("generation", ""))
+        except (OSError, ValueError, AttributeError):
+            generation = ""
+        if doomed(step, generation):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(step_folder, METADATA_FILE))
+            shutil.rmtree(step_folder, ignore_errors=True)
 
 
 def remove_job(job: str) -> None:
