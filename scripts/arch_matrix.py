@@ -293,10 +293,23 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _whole(model: torch.nn.Module, rank: int, grad: bool) -> dict[str, torch.Tensor]:
-    """Every parameter (or gradient, zeros where none) whole, split ones gathered (collective)."""
-    from tests.distributed._grads import full_values
+    """Every parameter (or gradient) whole, split ones gathered (collective: the same order on every rank)."""
+    from sharded_tensor._model.record import sharded_parameters
 
-    return full_values(model, rank, grad, absent_as_zero=True)
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        sharded = sharded_parameters(module)
+        for attr, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            value = param.grad if grad else param.detach()
+            if value is None:
+                value = torch.zeros_like(param)
+            out[name] = sharded[attr].wrap(value, rank).full_tensor() if attr in sharded else value.clone()
+    return out
 
 
 def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:

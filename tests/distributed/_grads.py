@@ -33,9 +33,8 @@ def local_grad_mismatches(model: nn.Module, ref: nn.Module, rank: int) -> list[s
     return bad
 
 
-def full_values(model: nn.Module, rank: int, grad: bool, absent_as_zero: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (``grad``: its gradient) whole by name, split ones gathered; a missing gradient raises, or
-    is zeros with ``absent_as_zero`` (collective: every rank walks the parameters in the same order)."""
+def _full(model: nn.Module, rank: int, grad: bool, absent_as_zero: bool = False) -> dict[str, torch.Tensor]:
+    # Collective for split parameters: every rank walks the parameters in the same order.
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()  # a tied parameter once, under its first name (as named_parameters does)
     for mod_name, module in model.named_modules():
@@ -57,12 +56,12 @@ def full_values(model: nn.Module, rank: int, grad: bool, absent_as_zero: bool = 
 
 def full_grads(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient by name, split ones gathered (collective)."""
-    return full_values(model, rank, grad=True)
+    return _full(model, rank, grad=True)
 
 
 def full_params(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     """Every parameter's whole value by name, split ones gathered (collective)."""
-    return full_values(model, rank, grad=False)
+    return _full(model, rank, grad=False)
 
 
 def full_mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor | None]) -> dict[str, float]:
@@ -83,7 +82,7 @@ def full_mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Te
 
 def gathered_grads(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     """Like ``full_grads``, with zeros for a parameter that got no gradient (collective)."""
-    return full_values(model, rank, grad=True, absent_as_zero=True)
+    return _full(model, rank, grad=True, absent_as_zero=True)
 
 
 def relative_errors(got: dict[str, torch.Tensor], ref: nn.Module) -> dict[str, float]:
