@@ -13,7 +13,10 @@ with its own memory folder, so every part is replicated over the network (loopba
     optimizer step plus the ``save`` call. Reported per step, and per block: a block's time,
     the wait for its last step's background work included, over its steps (the headline:
     nothing the memory tier costs is left out). The first memory steps (which map fresh
-    shared memory) are a warm-up block, not counted.
+    shared memory) are a warm-up block, not counted. With ``--device-step SECONDS`` a step
+    is what the host does while an accelerator computes: it waits that long (the cores free for
+    the tier's background work, as they are beside a GPU) and writes one element of every
+    parameter and optimizer tensor, so each step's state differs.
 (b) **blocked time** per step (the ``save`` call) against one plain copy of the rank's bytes
     (the regions it writes) into buffers it already holds, measured after each step without
     checkpoints.
@@ -25,7 +28,9 @@ with its own memory folder, so every part is replicated over the network (loopba
     one replica), from storage on a local disk (the page cache of the files dropped first with
     ``posix_fadvise(DONTNEED)``), and from storage on an S3-protocol store (moto's server, in
     this process, on loopback; the step saved there by ``checkpoint.save``).
-    Every recovery's state is checked bit for bit against the saved one.
+    Every recovery's state is checked bit for bit against the saved one. And the floor: the
+    same restart loading nothing (``no checkpoint``: processes, model, first step), which no
+    tier can shorten; each restart's time above it is what its tier costs.
 (d) the same recovery by DCP: ``dcp.load`` of the same state (DTensors sharing the shards'
     memory) from a DCP checkpoint on the local disk, page cache dropped, as the anchor.
 (e) **work lost per failure**: ``scripts/soak.py`` with the memory tier (every step in memory,
@@ -38,6 +43,7 @@ Figures are medians with their range; the recovery cases run ``--reps`` times ea
     python scripts/bench/memory_tier.py --quick       # hidden 256, 2 layers: a few MiB per rank
     python scripts/bench/memory_tier.py --skip-soak   # (a) to (d) only
     python scripts/bench/memory_tier.py --case memory --case "local disk"   # some recovery cases only
+    python scripts/bench/memory_tier.py --skip-recovery --skip-soak --device-step 4   # (a), (b) as beside a GPU
 """
 
 from __future__ import annotations
@@ -74,7 +80,8 @@ def _module(path: Path, name: str) -> Any:
 _harness = _module(_HERE / "_harness.py", "_bench__harness")
 ROOT, machine, MiB, GiB = _harness.ROOT, _harness.machine, _harness.MiB, _harness.GiB
 WORLD, HOSTS = 4, 2
-CASES = ("memory", "memory, host lost", "memory, both hosts lost", "local disk", "s3", "dcp")
+CASES = ("memory", "memory, host lost", "memory, both hosts lost", "local disk", "s3", "dcp", "no checkpoint")
+FLOOR = "no checkpoint"  # a restart that loads nothing: processes, model, first step (what no tier can shorten)
 LOST = {"memory, host lost": (1,), "memory, both hosts lost": (0, 1)}  # the hosts whose memory folder is gone
 
 
@@ -106,10 +113,28 @@ def _build(args: dict[str, Any], world: int, *, init: bool) -> tuple[Any, Any, A
     return model, optim, batch
 
 
-def _train_step(model: Any, optim: Any, batch: Any) -> None:
-    optim.zero_grad()
-    model(input_ids=batch, labels=batch).loss.backward()
-    optim.step()
+def _train_step(model: Any, optim: Any, batch: Any, device_seconds: float = 0.0) -> None:
+    """One training step; with ``device_seconds``, the step an accelerator would take instead.
+
+    On an accelerator the forward, backward and optimizer step run on the device while the
+    host's cores are free for the memory tier's background work. Emulated here: the host
+    waits ``device_seconds`` and the state changes as a step changes it (every parameter and
+    optimizer tensor written, one element each: a cheap stand-in for the device's update).
+    """
+    import torch
+
+    if not device_seconds:
+        optim.zero_grad()
+        model(input_ids=batch, labels=batch).loss.backward()
+        optim.step()
+        return
+    time.sleep(device_seconds)
+    with torch.no_grad():
+        for p in model.parameters():  # a sharded model's parameters are its local shards
+            p.view(-1)[:1].add_(1e-3)
+            for value in optim.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    value.view(-1)[:1].add_(1e-3)
 
 
 def _digest(state: Any) -> str:
@@ -209,7 +234,7 @@ def _train(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             step += 1
             dist.barrier()
             start = time.perf_counter()
-            _train_step(model, optim, batch)
+            _train_step(model, optim, batch, args["device_step"])
             snapshot = state(step) if mode == "memory" else None  # the loop's own work: its state dict
             called = time.perf_counter()
             handle = manager.save(step, snapshot, async_=True) if snapshot is not None else None
@@ -272,14 +297,18 @@ def _recover(rank: int, world: int, args: dict[str, Any], case: str, started: fl
         manager = checkpoint.CheckpointManager(args["s3_root"], storage_options=args["s3_options"], timeout=1800)
         manager.load(state)
         report = manager.last_load
-    else:
+    elif case == "dcp":
         mesh = init_device_mesh("cpu", (world,))
         mirror = _dtensors(state, mesh)
         dcp.load(mirror, checkpoint_id=args["dcp"])
         _copy_values(state, mirror)
     load_seconds = time.perf_counter() - load_start
-    exact = _digest(state) == args["digests"][rank] and state["step"] == args["step"]
-    st.set_state_dict(model, optim, state)
+    # The floor loads nothing: its state is the unfilled model's, nothing to compare.
+    exact = case == FLOOR or _digest(state) == args["digests"][rank] and state["step"] == args["step"]
+    if case == FLOOR:
+        state["step"] = 0
+    if case != FLOOR:
+        st.set_state_dict(model, optim, state)
     _train_step(model, optim, batch)
     first_step = time.time() - started
     dist.barrier()
@@ -357,12 +386,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="blocks per mode in (a), runs per recovery case (3)")
     parser.add_argument("--quick", action="store_true", help="hidden 256, 2 layers, vocabulary 4096, 2 reps")
     parser.add_argument("--skip-soak", action="store_true", help="leave out (e)")
+    parser.add_argument("--skip-recovery", action="store_true", help="leave out (c), (d): (a) and (b) only")
+    parser.add_argument("--device-step", type=float, default=0.0, metavar="SECONDS",
+                        help="in (a), (b): each step waits SECONDS instead of computing, as the host does while an "
+                             "accelerator computes (its cores free for the tier's background work); default 0: "
+                             "the real step on the CPU")
     parser.add_argument("--soak-kills", type=int, default=6, help="kills per soak in (e) (default 6)")
     parser.add_argument("--work", type=Path, default=None, help="disk folder for storage and DCP (default: a temp)")
     parser.add_argument("--case", action="append", choices=CASES, default=None,
                         help="a recovery case to run (repeat the option; default: all; memory is always run)")
     args = parser.parse_args(argv)
-    cases = tuple(c for c in CASES if c == "memory" or args.case is None or c in args.case)
+    cases = () if args.skip_recovery else tuple(c for c in CASES if c == "memory" or args.case is None
+                                                or c in args.case)
     if args.quick:
         args.hidden, args.layers, args.vocab, args.reps = 256, 2, 4096, 2
     work = Path(tempfile.mkdtemp(prefix="shardkit-bench-memory-", dir=args.work))
@@ -370,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     server, endpoint = _s3_server()
     options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench", "client_kwargs": {"region_name": "eu-west-1"}}
     config = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
-              "steps": args.steps, "reps": args.reps, "root": str(work / "ckpt"), "dcp": str(work / "dcp"),
+              "steps": args.steps, "reps": args.reps, "device_step": args.device_step,
+              "root": str(work / "ckpt"), "dcp": str(work / "dcp"),
               "memory": [str(shm / f"host{h}") for h in range(HOSTS)], "s3_root": "s3://bench/ckpt",
               "s3_options": options}
     launch = _harness.launch
@@ -427,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     def recovery(case: str, key: str) -> list[float]:
         return [r[key] for r in runs[case]]
 
+    floor = statistics.median(recovery(FLOOR, "first_step")) if FLOOR in cases else None
+
     report = {
         "benchmark": "memory_tier", "machine": machine(), "world": WORLD, "hosts": HOSTS,
         "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "seq": args.seq,
@@ -438,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         "a_block_ratio_memory_over_none": _ratio(trained[0]["per_block"]["memory"], trained[0]["per_block"]["none"]),
         "b_blocked_seconds": _stats(blocked), "b_copy_seconds": _stats(copies),
         "b_blocked_over_copy": round(statistics.median(blocked) / statistics.median(copies), 3),
+        "a_b_step": (f"emulated accelerator step: {args.device_step} s waited, the cores free" if args.device_step
+                     else "the real step, computed on the CPU"),
         "b_blocked_parts_median": {k: round(statistics.median(p[k] for p in trained[0]["blocked_parts"]), 4)
                                    for k in trained[0]["blocked_parts"][0]},
         "c_restart_to_first_step_seconds": {case: _stats(recovery(case, "first_step")) for case in cases},
@@ -448,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
                                            for case in cases[1:]},
         "c_ratios_load": {f"memory / {case}": _ratio(recovery("memory", "load"), recovery(case, "load"))
                           for case in cases[1:]},
+        # The part of a restart a checkpoint's tier can change: its time less the median restart that loads nothing.
+        "c_ratios_restart_above_floor": {
+            f"memory / {case}": round((statistics.median(recovery("memory", "first_step")) - floor)
+                                      / (statistics.median(recovery(case, "first_step")) - floor), 3)
+            for case in cases[1:] if case != FLOOR and floor is not None},
         "c_recoveries": runs,
         "c_all_exact": all(r["exact"] for case in cases for r in runs[case]),
         "page_cache": "the disk checkpoints' pages evicted (posix_fadvise DONTNEED) before each recovery",
