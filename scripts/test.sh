@@ -6,9 +6,7 @@
 # Progress: one line per test file with its share of the suite's time done and the time left
 # ("[ 42%, 3m10s left]", from the files' measured durations: tests/_progress.py), the ten
 # slowest tests, the skipped tests with their reasons, pytest's closing "N passed in ..." line,
-# then the time of each stage. Without arguments, tests/unit runs in a second pytest beside
-# the others (which leave cores idle while they wait) and its report follows theirs: two
-# closing lines, whose counts add up to the suite.
+# then the time of each stage.
 #
 # The docs test checks the site's layout in headless Chromium (scripts/screenshots.py). Where
 # Chromium is missing and this runs as root with apt-get (a fresh CI machine), Debian's package
@@ -20,15 +18,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$SHARDKIT_ROOT"
 start=$SECONDS
 mypy_pid=""
-unit_pid=""
 mypy_log="$(mktemp)"
-unit_log="$(mktemp)"
-# Whatever happens, nothing started beside the tests outlives this script.
-trap 'rm -f "$mypy_log" "$unit_log"; for p in $mypy_pid $unit_pid; do kill "$p" 2>/dev/null || true; done' EXIT
+# Whatever happens, mypy does not outlive this script.
+trap 'rm -f "$mypy_log"; if [ -n "$mypy_pid" ]; then kill "$mypy_pid" 2>/dev/null || true; fi' EXIT
 if [ "${SHARDKIT_SKIP_LINT:-0}" != 1 ]; then
     # Settings (rules, strictness, cache in .mypy_cache) are in pyproject.toml. ruff takes a
-    # second; mypy (half a minute on a clean clone) runs beside the tests, which spend much of
-    # their time waiting on timeouts and subprocesses, and its report comes after theirs.
+    # second; mypy (half a minute of one core on a clean clone) runs beside the tests, so its
+    # time is shared with theirs rather than added before them; its report follows theirs.
     echo "lint: ruff check; mypy runs beside the tests"
     "$SHARDKIT_PYTHON" -m ruff check sharding _shardkit sharded_tensor checkpoint
     "$SHARDKIT_PYTHON" -m mypy > "$mypy_log" 2>&1 &
@@ -46,26 +42,8 @@ if [ "$wants_docs" = 1 ] && [ "${SHARDKIT_INSTALL_CHROMIUM:-1}" = 1 ] && ! comma
     fi
 fi
 status=0
-main_args=("$@")
-if [ $# -eq 0 ] && [ -z "${SHARDKIT_TEST_DURATIONS:-}" ]; then
-    # The whole suite: the unit tests (one process, one core) run in a second pytest beside the
-    # others, whose groups of ranks spend much of their time waiting on timeouts, kills and
-    # subprocesses, and their report (progress, slowest tests, summary) follows the others'.
-    echo "test.sh: tests/unit run beside the other tests; their report follows the others'"
-    "$SHARDKIT_PYTHON" -m pytest --durations=10 -rs tests/unit > "$unit_log" 2>&1 &
-    unit_pid=$!
-    main_args=(--ignore=tests/unit)
-fi
 # Default verbosity (not -q): pytest names each file as it starts and shows the progress.
-"$SHARDKIT_PYTHON" -m pytest --durations=10 -rs "${main_args[@]}" || status=$?
-if [ -n "$unit_pid" ]; then
-    unit_status=0
-    wait "$unit_pid" || unit_status=$?
-    unit_pid=""
-    echo "test.sh: tests/unit"
-    cat "$unit_log"
-    if [ "$unit_status" != 0 ]; then status=$unit_status; fi
-fi
+"$SHARDKIT_PYTHON" -m pytest --durations=10 -rs "$@" || status=$?
 tests_done=$SECONDS
 if [ -n "$mypy_pid" ]; then
     mypy_status=0
