@@ -370,6 +370,9 @@ class MemoryTier:
                                   "digest": hashlib.sha256(json.dumps(plan.signature).encode()).hexdigest(),
                                   "memory": in_memory, "why": why, "part": None}
         own: Exception | None = None
+        # Every rank's copy first: a rank that checksummed its part while another still copied
+        # would take memory bandwidth from that copy, which the training thread waits for.
+        _comm.barrier(self.side, timeout=self.timeout, what=f"{what}: staged")
         if problem is None and buffer is not None:
             try:
                 report["part"] = _part_report(buffer, part)

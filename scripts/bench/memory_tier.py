@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)  # (a) and (b), in case a later part fails
         config.update(step=step, digests=[r["digest"] for r in trained])
         runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
-        for rep in range(args.reps):
+        for rep in range(args.reps if cases else 0):
             for case in cases[rep % len(cases):] + cases[:rep % len(cases)]:
                 print(f"memory tier benchmark: recovery {rep + 1}/{args.reps} from {case}", file=sys.stderr,
                       flush=True)
