@@ -30,14 +30,19 @@ MAX_HEADER = 100_000_000
 # -- safetensors headers -----------------------------------------------------------------------
 
 def build_safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-                             metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[tuple[int, int]]]:
+                             metadata: Mapping[str, str] | None = None, *,
+                             align: int = 8) -> tuple[bytes, list[tuple[int, int]]]:
     """The first bytes of a safetensors file holding ``entries`` back to back, in order.
 
     Returns ``(prefix, byte_ranges)``: ``prefix`` is the 8-byte little-endian header length
-    followed by the JSON header (space padded so the data starts at a multiple of 8, as
-    safetensors does); ``byte_ranges[i]`` is the absolute ``[start, end)`` of entry ``i``'s data
-    in the file. Writing ``prefix`` and then each entry's raw bytes gives a valid file.
+    followed by the JSON header, space padded so the data starts at a multiple of ``align``
+    (8, as safetensors does, or a larger multiple of 8); ``byte_ranges[i]`` is the absolute
+    ``[start, end)`` of entry ``i``'s data in the file. Writing ``prefix`` and then each entry's
+    raw bytes gives a valid file.
     """
+    if align < 8 or align % 8:
+        msg = f"build_safetensors_header: align must be a positive multiple of 8, got {align}."
+        raise ValueError(msg)
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -53,7 +58,7 @@ def build_safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[
         msg = "safetensors keys must be unique within one file."
         raise ValueError(msg)
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
+    text += b" " * (-(8 + len(text)) % align)
     start = 8 + len(text)
     return len(text).to_bytes(8, "little") + text, [(start + b, start + e) for b, e in relative]
 

@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -130,13 +131,28 @@ class _Part:
     size: int
 
 
+_ALIGN = 64
+"""Where a part's data starts, and so every region whose size is a multiple of it: a copy into a
+destination off a cache line's start runs 10-20% slower, and training waits for that copy."""
+
+
 def _layout(mine: list[_Region], plan: _Plan, generation: str, rank: int) -> _Part:
-    """The part's safetensors layout. Regions go by decreasing element size, so each starts aligned for
-    its dtype (the header ends at a multiple of 8) and is copied into as a typed view."""
+    """The part's safetensors layout, each region copied into as a typed view.
+
+    The data starts at a multiple of ``_ALIGN``. Regions whose sizes are multiples of it come
+    first, so each starts there too; the rest follow by decreasing element size, so each
+    starts at a multiple of its own.
+    """
     keys = region_keys(mine, plan)
-    order = sorted(range(len(mine)), key=lambda i: -plan.tensors[mine[i].name][1].itemsize)
+
+    def place(i: int) -> tuple[bool, int]:
+        itemsize = plan.tensors[mine[i].name][1].itemsize
+        return math.prod(mine[i].box[1]) * itemsize % _ALIGN != 0, -itemsize
+
+    order = sorted(range(len(mine)), key=place)
     entries = [(keys[i], plan.tensors[mine[i].name][1], mine[i].box[1]) for i in order]
-    prefix, placed = build_safetensors_header(entries, data_file_about(mine, keys, plan, generation, rank))
+    prefix, placed = build_safetensors_header(entries, data_file_about(mine, keys, plan, generation, rank),
+                                              align=_ALIGN)
     ranges: list[tuple[int, int]] = [(0, 0)] * len(mine)
     for j, i in enumerate(order):
         ranges[i] = placed[j]

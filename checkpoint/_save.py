@@ -131,9 +131,10 @@ class _Plan:
     columns: dict[str, _Columns] = field(default_factory=dict)  # the same regions, by tensor
 
     def add(self, name: str, box: Box, writer: int, tensor: torch.Tensor | None) -> None:
-        """Append a region of tensor ``name`` (whose regions are added one after the other)."""
+        """Append a region of tensor ``name`` (whose ``columns`` entry exists; its regions are added one after
+        the other)."""
         self.regions.append(_Region(name, box, writer, tensor))
-        columns = self.columns.setdefault(name, _Columns())
+        columns = self.columns[name]
         columns.offsets.extend(box[0])
         columns.dims.extend(box[1])
         columns.writers.append(writer)
@@ -174,16 +175,18 @@ def _plan(state_dict: Mapping[str, Any], rank: int, world: int,
             dtype_name(dtype, tensor=name)
             holders: dict[Box, list[int]] = {}
             for shard in metadata.shards:
-                if shard.numel == 0:
+                dims = shard.dims
+                if 0 in dims:
                     continue
-                if shard.rank is None or not 0 <= shard.rank < world:
+                holder = shard.device.rank
+                if holder is None or not 0 <= holder < world:
                     msg = (f"ShardedTensor {name!r} has a shard on {str(shard.device)!r}, outside the "
                            f"process group of {world} ranks that is saving it; save it with the process "
                            f"group it was created with.")
                     raise ValueError(msg)
-                ranks = holders.setdefault(shard.region, [])
-                if shard.rank not in ranks:
-                    ranks.append(shard.rank)
+                ranks = holders.setdefault((shard.offsets, dims), [])
+                if holder not in ranks:
+                    ranks.append(holder)
             local = {s.metadata.region: s.tensor for s in value.local_shards()}
             boxes = [(box, sorted(ranks)) for box, ranks in holders.items()]
             plan.signature.append([name, "sharded", list(size), str(dtype),
@@ -205,9 +208,10 @@ def _plan(state_dict: Mapping[str, Any], rank: int, world: int,
             continue
         plan.tensors[name] = (torch.Size(size), dtype)
         plan.columns[name] = _Columns()
+        itemsize = dtype.itemsize
         for box, ranks in boxes:
-            writer = min(ranks, key=lambda r: (load[r], r))
-            load[writer] += math.prod(box[1]) * dtype.itemsize
+            writer = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda r: (load[r], r))
+            load[writer] += math.prod(box[1]) * itemsize
             plan.add(name, box, writer, local.get(box) if writer == rank else None)
     return plan
 
