@@ -108,12 +108,19 @@ def job(rank: int, world: int, args: dict[str, Any]) -> None:
                               "peer": report.peer_bytes, "storage": report.storage_bytes,
                               "seconds": report.seconds, "reason": report.reason,
                               "digest": full_digest(model, optim)}) + "\n")
-    if kill.get("phase") == "replicating" and rank in kill["ranks"]:
-        def die(phase: str, at: int) -> None:
-            if phase == "replicating" and at == kill["step"]:
-                os.kill(os.getpid(), signal.SIGKILL)
-        _memory_tier._test_hook = die
-    life_rank = f"{manager._memory.life}-r{rank:05d}" if manager._memory and manager._memory._ready else ""
+
+    def hook(phase: str, at: int) -> None:
+        if phase == kill.get("phase") == "replicating" and rank in kill["ranks"] and at == kill["step"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if phase == "committed":
+            # Counted on the thread that commits, after the commit and before the step before is
+            # reclaimed: the fullest this rank's folder gets, and nothing else changes it meanwhile
+            # (a count taken beside the commit can meet a step half moved and count it twice).
+            assert manager._memory is not None
+            life_rank = f"{manager._memory.life}-r{rank:05d}"
+            log.write(json.dumps({"committed": at, "files": own_files(args["root"], memory_dir, life_rank)}) + "\n")
+
+    _memory_tier._test_hook = hook
     for step in range(start + 1, args["steps"] + 1):
         if kill.get("phase") == "train" and step == kill["step"] and rank in kill["ranks"]:
             manager.wait()  # the step before is in memory everywhere: the failure hits a step in progress
@@ -125,13 +132,12 @@ def job(rank: int, world: int, args: dict[str, Any]) -> None:
         optim.zero_grad()
         manager.save(step, {**st.get_state_dict(model, optim), "step": step}, async_=True)
         digest = full_digest(model, optim)
-        if not life_rank and manager._memory is not None and manager._memory._ready:
-            life_rank = f"{manager._memory.life}-r{rank:05d}"
-        record: dict[str, Any] = {"step": step, "files": own_files(args["root"], memory_dir, life_rank)}
+        record: dict[str, Any] = {"step": step}
         if digest is not None:
             record["digest"] = digest
         log.write(json.dumps(record) + "\n")
     manager.wait()
+    life_rank = f"{manager._memory.life}-r{rank:05d}" if manager._memory and manager._memory._ready else ""
     if args.get("close"):
         manager.close()
     log.write(json.dumps({"done": args["steps"], "files": own_files(args["root"], memory_dir, life_rank)}) + "\n")
