@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     folder = argparse.ArgumentParser(add_help=False)
     folder.add_argument("path", metavar="PATH", help="checkpoint folder (local path or fsspec URL)")
     quiet = argparse.ArgumentParser(add_help=False)
-    quiet.add_argument("-q", "--quiet", action="store_true", help="no progress bar (also: environment SHARDKIT_QUIET=1)")
+    quiet.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress bar (also: environment SHARDKIT_QUIET=1)")
 
     inspect = commands.add_parser(
         "inspect", parents=[common, folder], help="list tensors, sizes, dtypes, layouts and values",
@@ -123,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
                              "(format versions 1 to 3, which nothing guards against edits)")
 
     cons = commands.add_parser(
-        "consolidate", parents=[common, folder, quiet], help="write one .safetensors file or a Hugging Face style folder",
+        "consolidate", parents=[common, folder, quiet],
+        help="write one .safetensors file or a Hugging Face style folder",
         description="Assemble the full tensors into one .safetensors file (OUTPUT is the file), or with "
                     "--max-shard-size into a Hugging Face style folder (OUTPUT is the folder: "
                     "model-0000k-of-0000N.safetensors plus model.safetensors.index.json). Streams one tensor at a "
@@ -144,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--step", type=int, metavar="N",
                       help="CKPT is a CheckpointManager's root: export step N (default: its latest committed step)")
     conv = commands.add_parser(
-        "convert", parents=[common], help="convert between shardkit checkpoints and torch.distributed.checkpoint (DCP) folders",
+        "convert", parents=[common],
+        help="convert between shardkit checkpoints and torch.distributed.checkpoint (DCP) folders",
         description="Convert a DCP folder (written by torch.distributed.checkpoint.save) into a shardkit checkpoint "
                     "or one .safetensors file, a Hugging Face checkpoint into a shardkit checkpoint or a DCP "
                     "folder, or a shardkit checkpoint into a DCP folder that dcp.load reads. The defaults are "

@@ -158,7 +158,8 @@ def consolidate(path: str | os.PathLike[str] | Any, output: str | os.PathLike[st
         >>> safetensors.torch.load_file("model.safetensors")["fc.weight"].shape  # doctest: +SKIP
         torch.Size([10, 4])
         >>> # a training checkpoint {"model": ..., "optim": ..., "step": ...}: the weights only
-        >>> checkpoint.consolidate("ckpt", "hf", max_shard_size="5GB", include="model", strip_prefix="model")  # doctest: +SKIP
+        >>> checkpoint.consolidate("ckpt", "hf", max_shard_size="5GB", include="model",
+        ...                        strip_prefix="model")  # doctest: +SKIP
     """
     consolidate_files(path, output, max_shard_size=max_shard_size, include=include, strip_prefix=strip_prefix,
                       config=config, step=step, storage_options=storage_options, quiet=quiet)

@@ -433,7 +433,8 @@ class CheckpointManager:
             elif step is None:
                 choice["step"] = steps[-1]
             elif step not in steps:
-                choice["error"] = f"step={step!r} is not a committed checkpoint under {self._root!r}; committed: {steps}."
+                choice["error"] = (f"step={step!r} is not a committed checkpoint under {self._root!r}; "
+                                   f"committed: {steps}.")
         if world > 1:
             choice = _comm.broadcast_json(choice, 0, self._group, timeout=self._timeout,
                                           what="CheckpointManager.load (choosing the step)")

@@ -369,7 +369,8 @@ def _describe_mismatch(signatures: list[list[list[Any]]]) -> str:
         differ = sorted(n for n in set(mine) & set(reference) if mine[n] != reference[n])
         values = [n for n in differ if mine[n][:-1] == reference[n][:-1] and mine[n][1] == "tensor"]
         if values and len(values) == len(differ) and not (missing or extra):
-            return (f"the plain tensor{'s' if len(values) > 1 else ''} {values[:10]} differ{'' if len(values) > 1 else 's'} "
+            return (f"the plain tensor{'s' if len(values) > 1 else ''} {values[:10]} "
+                    f"differ{'' if len(values) > 1 else 's'} "
                     f"between rank 0 and rank {r}: a plain torch.Tensor is saved once, from one rank, so it must "
                     f"be equal on every rank. A parameter a sharded model holds whole on every rank drifts apart "
                     f"when its ranks update it differently: most often torch.nn.utils.clip_grad_norm_ on the "
@@ -575,7 +576,8 @@ class _Job:
     created: bool = False  # rank 0: this save created the folder
 
     def storage(self, doing: str, fn: Callable[[Watchdog], Any], *, limit: float | None = None) -> Any:
-        """``fn`` bounded by ``timeout`` without progress; storage errors become ``CheckpointError`` naming ``doing``."""
+        """``fn`` bounded by ``timeout`` without progress; storage errors become ``CheckpointError`` naming
+        ``doing``."""
         what = f"{self.op} to {self.root!r}: {doing}"
         try:
             return run_bounded(fn, limit=self.timeout * _STALL_SHARE if limit is None else limit, what=what)

@@ -56,7 +56,8 @@ WEIGHT_TOL = 1e-4  # absolute, on every weight
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4, help="ranks of the first run; the second uses half (default: 4)")
+    parser.add_argument("--nproc", type=int, default=4,
+                        help="ranks of the first run; the second uses half (default: 4)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "demo",
                         help="folder for checkpoints and the exported model (default: out/demo)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

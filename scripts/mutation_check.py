@@ -235,7 +235,8 @@ MUTATIONS = [
     # -- expert routing -------------------------------------------------------------------------------
     Mutation("experts: outputs weighted by the router", "sharded_tensor/_model/experts.py",
              "    y = grouped_mm(act(gate) * up, down, rows.counts, linear=True) * rows.weights(weights)\n",
-             "    y = grouped_mm(act(gate) * up, down, rows.counts, linear=True)\n", (MOE, "-k", "sharded_equals and 2ranks")),
+             "    y = grouped_mm(act(gate) * up, down, rows.counts, linear=True)\n",
+             (MOE, "-k", "sharded_equals and 2ranks")),
     Mutation("experts: a rank runs its own experts (expert parallel)", "sharded_tensor/_model/experts.py",
              "    local = flat - first if first else flat\n",
              "    local = flat\n", (MOE, "-k", "sharded_equals and 2ranks")),
@@ -294,7 +295,7 @@ MUTATIONS = [
              "        if local_dim >= 0 and t.shape[local_dim] != 1:\n", "        if False:\n",
              (RULES, "-k", "Packed-add or Packed-mul")),
     Mutation("engine packed transpose: the packed dimension moves", ENGINE + "packed.py",
-             "    return Decision(out=moved(packed, sizes.index(packed.dim + 2)))\n",
+             "    return Decision(out=moved(packed, permuted_dim(call, packed.dim)))\n",
              "    return Decision(out=packed)\n", (RULES, "-k", "Packed-transpose or causal_convolution")),
 ]
 

@@ -67,7 +67,8 @@ dist.destroy_process_group()
 
 def drive(args: argparse.Namespace) -> int:
     os.nice(10)
-    env = {**os.environ, "STRESS_ASYNC": "1" if args.async_save else "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    env = {**os.environ, "STRESS_ASYNC": "1" if args.async_save else "0",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     failed: list[int] = []
     aborted: list[int] = []
@@ -93,7 +94,8 @@ def drive(args: argparse.Namespace) -> int:
             print(f"run {run}/{args.runs}: {outcome}{' (abort)' if run in aborted else ''}; "
                   f"{len(failed)} failed so far", file=sys.stderr, flush=True)
             subprocess.run(["rm", "-rf", str(out)], check=False)
-    summary = {"runs": args.runs, "nproc": args.nproc, "async_save": args.async_save, "failed": len(failed), "aborted": len(aborted),
+    summary = {"runs": args.runs, "nproc": args.nproc, "async_save": args.async_save, "failed": len(failed),
+               "aborted": len(aborted),
                "failed_runs": failed, "seconds": round(time.perf_counter() - start, 1)}
     print(json.dumps(summary), flush=True)
     return 1 if failed else 0
@@ -101,7 +103,8 @@ def drive(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=200, help="torchrun jobs to start, one after another (default: 200)")
+    parser.add_argument("--runs", type=int, default=200,
+                        help="torchrun jobs to start, one after another (default: 200)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per job (default: 2)")
     parser.add_argument("--async-save", action="store_true",
                         help="also save in the background with CheckpointManager")

@@ -26,7 +26,7 @@ if [ "${SHARDKIT_SKIP_LINT:-0}" != 1 ]; then
     # second; mypy (half a minute of one core on a clean clone) runs beside the tests, so its
     # time is shared with theirs rather than added before them; its report follows theirs.
     echo "lint: ruff check; mypy runs beside the tests"
-    "$SHARDKIT_PYTHON" -m ruff check sharding _shardkit sharded_tensor checkpoint
+    "$SHARDKIT_PYTHON" -m ruff check sharding _shardkit sharded_tensor checkpoint scripts tests
     "$SHARDKIT_PYTHON" -m mypy > "$mypy_log" 2>&1 &
     mypy_pid=$!
 fi

@@ -62,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
+# After the repository root: bench/checkpoint.py is not the package.
+sys.path.append(str(Path(__file__).resolve().parent))
 from _harness import PeakGrowth, raw_write  # noqa: E402
 
 from _shardkit.launch import run_distributed  # noqa: E402 - after the path set-up
@@ -423,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=scratch_parent)
     os.environ.setdefault("SHARDKIT_QUIET", "1")
     results: dict[str, Any] = {
-        "benchmark": "checkpoint", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "checkpoint", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                  "load_average_at_start": [round(x, 2) for x in os.getloadavg()]},

@@ -37,7 +37,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
+# After the repository root: bench/checkpoint.py is not the package.
+sys.path.append(str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     ROOT,
     llama_tp_names,

@@ -83,7 +83,7 @@ def main() -> None:
     gb = (args.mib << 20) / 1e9
     report = {
         "benchmark": "memory",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
                  "kernel": platform.release()},
         "buffer_mib": args.mib, "buffers_per_process": args.count, "rounds": args.rounds,

@@ -110,7 +110,8 @@ def _build(args: dict[str, Any], world: int, *, init: bool) -> tuple[Any, Any, A
     ranks = [f"rank:{r}/cpu" for r in range(world)]
     st.shard_model(model, st.tensor_parallel_spec(model, ranks), seed=0 if init else None, init=None if init else False)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    batch = torch.randint(0, config.vocab_size, (args["batch"], args["seq"]), generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, config.vocab_size, (args["batch"], args["seq"]), generator=generator)
     return model, optim, batch
 
 
@@ -408,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="shardkit-bench-memory-", dir=args.work))
     shm = Path(tempfile.mkdtemp(prefix="shardkit-bench-memory-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     server, endpoint = _s3_server()
-    options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench", "client_kwargs": {"region_name": "eu-west-1"}}
+    options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
+               "client_kwargs": {"region_name": "eu-west-1"}}
     config = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
               "steps": args.steps, "reps": args.reps, "device_step": args.device_step,
               "root": str(work / "ckpt"), "dcp": str(work / "dcp"),

@@ -43,7 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
+# After the repository root: bench/checkpoint.py is not the package.
+sys.path.append(str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     distinct_over_ranks,
     finish_fresh_report,
@@ -183,7 +184,7 @@ def main() -> None:
     params = args.layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
     report: dict[str, Any] = {
         "benchmark": "meta_init",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": __import__("torch").__version__,
                  "transformers": __import__("transformers").__version__},

@@ -46,7 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
+# After the repository root: bench/checkpoint.py is not the package.
+sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from _harness import machine  # noqa: E402
@@ -108,8 +109,10 @@ def main() -> None:
             print(f"  {name} n={n}", file=sys.stderr, flush=True)
             src_spec, dst_spec = _specs(name, n)
             size = (64 * n, 64 * n)
-            b_src_wall, b_src_cpu, src = _clock(lambda: src_spec.build_metadata(size, torch.float32, world_size=n), reps)
-            b_dst_wall, b_dst_cpu, dst = _clock(lambda: dst_spec.build_metadata(size, torch.float32, world_size=n), reps)
+            b_src_wall, b_src_cpu, src = _clock(
+                lambda: src_spec.build_metadata(size, torch.float32, world_size=n), reps)
+            b_dst_wall, b_dst_cpu, dst = _clock(
+                lambda: dst_spec.build_metadata(size, torch.float32, world_size=n), reps)
             rank = n // 2 + 1
             p_wall, p_cpu, plan = _clock(lambda: _plan.plan_reshard(src, dst, rank), reps,
                                          before=_plan._REGIONS_CACHE.clear)

@@ -17,7 +17,8 @@ process is warm) measures that way alone:
 The model is a stack of Megatron-style MLP blocks (``Linear(d, 4d)`` split on outputs,
 ``Linear(4d, d)`` split on inputs), the same layout in all three ways. Times are wall
 seconds from the start of model construction to sharded parameters ready (the slowest
-rank, after a barrier) and each rank's CPU seconds over the same span; growth is ``VmHWM`` minus the resident size before construction.
+rank, after a barrier) and each rank's CPU seconds over the same span; growth is ``VmHWM``
+minus the resident size before construction.
 ``distinct_random_blocks`` checks that the ranks' blocks of one weight hold different values
 (independent draws, not one stream repeated on every rank).
 
@@ -37,7 +38,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
+# After the repository root: bench/checkpoint.py is not the package.
+sys.path.append(str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     distinct_over_ranks,
     finish_fresh_report,
@@ -146,7 +148,7 @@ def main() -> None:
     params = args.blocks * (8 * args.dim * args.dim + 5 * args.dim)
     report: dict[str, Any] = {
         "benchmark": "shard_model",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": __import__("torch").__version__, "machine": platform.machine()},
         "model": {"dim": args.dim, "blocks": args.blocks, "params": params,

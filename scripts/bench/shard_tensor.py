@@ -38,7 +38,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parent))  # after the repository root: bench/checkpoint.py is not the package
+# After the repository root: bench/checkpoint.py is not the package.
+sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from _harness import GiB, launch, machine, median, ratio, timed  # noqa: E402

@@ -91,3 +91,25 @@ def test_a_stopped_check_removes_its_copy_and_its_test_run(tmp_path: Path) -> No
     # The pytest it started (its own process group) is gone too: nothing runs the copy's test any more.
     running = subprocess.run(["pgrep", "-f", str(copies[0])], capture_output=True, text=True)
     assert running.stdout.strip() == "", running.stdout
+
+
+def test_every_mutation_of_the_list_applies_to_the_code_as_it_is() -> None:
+    # A snippet the code no longer holds makes its mutation "stale": it checks nothing until the
+    # list is updated, so an edit of the code that moves one must update the list with it.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_check_list", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    check = importlib.util.module_from_spec(spec)
+    sys.modules["mutation_check_list"] = check
+    try:
+        spec.loader.exec_module(check)
+        root = SCRIPT.parents[1]
+        counts = {m.name: (root / m.file).read_text().count(m.before) for m in check.MUTATIONS}
+    finally:
+        del sys.modules["mutation_check_list"]
+    assert len(counts) == len(check.MUTATIONS) >= 70, len(counts)
+    stale = {name: n for name, n in counts.items() if n != 1}
+    assert not stale, f"snippets found other than once (name: times): {stale}"
+    for m in check.MUTATIONS:
+        compile((root / m.file).read_text().replace(m.before, m.after), m.file, "exec")
