@@ -208,10 +208,9 @@ def _plan(state_dict: Mapping[str, Any], rank: int, world: int,
             continue
         plan.tensors[name] = (torch.Size(size), dtype)
         plan.columns[name] = _Columns()
-        itemsize = dtype.itemsize
         for box, ranks in boxes:
-            writer = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda r: (load[r], r))
-            load[writer] += math.prod(box[1]) * itemsize
+            writer = min(ranks, key=lambda r: (load[r], r))
+            load[writer] += math.prod(box[1]) * dtype.itemsize
             plan.add(name, box, writer, local.get(box) if writer == rank else None)
     return plan
 

@@ -109,6 +109,11 @@ def job(rank: int, world: int, args: dict[str, Any]) -> None:
                               "seconds": report.seconds, "reason": report.reason,
                               "digest": full_digest(model, optim)}) + "\n")
 
+    def folder_name() -> str:
+        """This rank's folder in its host's memory folder (the tier is set up by the first save or load)."""
+        ready = manager._memory is not None and manager._memory._ready
+        return f"{manager._memory.life}-r{rank:05d}" if ready else ""  # type: ignore[union-attr]
+
     def hook(phase: str, at: int) -> None:
         if phase == kill.get("phase") == "replicating" and rank in kill["ranks"] and at == kill["step"]:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -116,9 +121,7 @@ def job(rank: int, world: int, args: dict[str, Any]) -> None:
             # Counted on the thread that commits, after the commit and before the step before is
             # reclaimed: the fullest this rank's folder gets, and nothing else changes it meanwhile
             # (a count taken beside the commit can meet a step half moved and count it twice).
-            assert manager._memory is not None
-            life_rank = f"{manager._memory.life}-r{rank:05d}"
-            log.write(json.dumps({"committed": at, "files": own_files(args["root"], memory_dir, life_rank)}) + "\n")
+            log.write(json.dumps({"committed": at, "files": own_files(args["root"], memory_dir, folder_name())}) + "\n")
 
     _memory_tier._test_hook = hook
     for step in range(start + 1, args["steps"] + 1):
@@ -137,8 +140,8 @@ def job(rank: int, world: int, args: dict[str, Any]) -> None:
             record["digest"] = digest
         log.write(json.dumps(record) + "\n")
     manager.wait()
-    life_rank = f"{manager._memory.life}-r{rank:05d}" if manager._memory and manager._memory._ready else ""
+    name = folder_name()  # before close(), which ends the tier
     if args.get("close"):
         manager.close()
-    log.write(json.dumps({"done": args["steps"], "files": own_files(args["root"], memory_dir, life_rank)}) + "\n")
+    log.write(json.dumps({"done": args["steps"], "files": own_files(args["root"], memory_dir, name)}) + "\n")
     log.close()
